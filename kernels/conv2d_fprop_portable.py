@@ -1,0 +1,101 @@
+"""Portable implicit-GEMM conv2d fprop in `triton.language` (NHWC; any stride, padding and
+channel count). M = N*P*Q output pixels, N = Co, K = R*S*Ci walked as (r, s, channel block)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import portable_rules as rules
+from . import problems
+from .spaces.portable import SPACES
+
+OP, BACKEND = "conv2d_fprop", "portable"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_fprop_problem
+inputs = problems.conv2d_fprop_inputs
+reference = problems.conv2d_fprop_reference
+flops = problems.conv2d_flops
+
+
+@triton.jit
+def conv2d_fprop_kernel(x_ptr, w_ptr, y_ptr, N, H, W, Ci, Co, P, Q, R, S,
+                        stride_h, stride_w, pad_h, pad_w,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    M = N * P * Q
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(Co, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_K)
+    n = offs_m // (P * Q)
+    pq = offs_m % (P * Q)
+    oh = (pq // Q) * stride_h - pad_h
+    ow = (pq % Q) * stride_w - pad_w
+    m_ok = offs_m < M
+    co_ok = offs_co < Co
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in range(R):
+        ih = oh + r
+        for s in range(S):
+            iw = ow + s
+            pix_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            x_row = ((n.to(tl.int64) * H + ih) * W + iw) * Ci
+            w_col = ((offs_co.to(tl.int64) * R + r) * S + s) * Ci
+            for c0 in range(0, Ci, BLOCK_K):
+                c = c0 + offs_c
+                c_ok = c < Ci
+                a = tl.load(x_ptr + x_row[:, None] + c[None, :], mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
+                b = tl.load(w_ptr + w_col[None, :] + c[:, None], mask=c_ok[:, None] & co_ok[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+    y = y_ptr + offs_m[:, None].to(tl.int64) * Co + offs_co[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & co_ok[None, :])
+
+
+JIT_FUNCTIONS = (conv2d_fprop_kernel,)
+
+
+def supports(p: dict, device) -> bool:
+    return True
+
+
+def config_space(p: dict, device) -> list[dict]:
+    return list(SPACES[OP])
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    sizes = {"BLOCK_M": p["gemm_M"], "BLOCK_N": p["Co"], "BLOCK_K": p["Ci"]}
+    if device.arch == "cpu":
+        return [c for c in configs if rules.interpreter_ok(c, sizes, rules.INTERPRETER_FIXED)]
+    itemsize = 4 if p["dtype"] == "float32" else 2
+    return [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
+
+
+def default_config(p: dict, device) -> dict:
+    if device.arch == "cpu":
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
+def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
+    N, H, W, Ci = x.shape
+    Co, R, S, _ = w.shape
+    (sh, sw), (ph, pw) = problems.pair(stride, "stride", minimum=1), problems.pair(padding, "padding", minimum=0)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    y = torch.empty((N, P, Q, Co), device=x.device, dtype=x.dtype)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (triton.cdiv(N * P * Q, bm) * triton.cdiv(Co, bn),)
+    conv2d_fprop_kernel[grid](x, w, y, N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw,
+                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+                              num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return y

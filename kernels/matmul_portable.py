@@ -1,0 +1,90 @@
+"""Portable blocked matmul in `triton.language`: any CUDA GPU Triton supports, and the CPU
+interpreter (TRITON_INTERPRET=1). Any M, N, K; row- or column-major inputs via strides."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import portable_rules as rules
+from . import problems
+from .spaces.portable import SPACES
+
+OP, BACKEND = "matmul", "portable"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.matmul_problem
+inputs = problems.matmul_inputs
+reference = problems.matmul_reference
+flops = problems.matmul_flops
+
+
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row-tiles share their B columns while they are hot in L2
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+JIT_FUNCTIONS = (matmul_kernel,)
+
+
+def supports(p: dict, device) -> bool:
+    return True
+
+
+def config_space(p: dict, device) -> list[dict]:
+    return list(SPACES[OP])
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    sizes = {"BLOCK_M": p["M"], "BLOCK_N": p["N"], "BLOCK_K": p["K"]}
+    if device.arch == "cpu":
+        return [c for c in configs if rules.interpreter_ok(c, sizes, rules.INTERPRETER_FIXED)]
+    itemsize = 4 if p["dtype"] == "float32" else 2
+    return [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
+
+
+def default_config(p: dict, device) -> dict:
+    if device.arch == "cpu":
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                        c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
+                        GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+                        num_stages=config["num_stages"])
+    return c

@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of the tunecache store (shipped inside the wheel)."""

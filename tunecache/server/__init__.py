@@ -1,0 +1,1 @@
+"""The fleet service: FastAPI over the store."""

@@ -1,0 +1,510 @@
+"""The store: tuned configs, tuning jobs and trials in SQLite (local) or Postgres (fleet).
+
+This is the only module that speaks SQL. The schema is created and upgraded by the Alembic
+revisions in `tunecache_migrations`; a local SQLite file is migrated on first open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from sqlalchemy import (JSON, DateTime, Float, Integer, String, Text, create_engine, event, func,
+                        select, update)
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from .key import TuneKey
+
+log = logging.getLogger("tunecache.store")
+
+# A new result replaces a stored one only when it is this much faster: timing noise must
+# not flip the winner back and forth between hosts.
+REPLACE_MARGIN = 0.03
+
+
+class StoreError(RuntimeError):
+    """The store could not be opened or used; the message names the URL."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TunedConfigRow(Base):
+    __tablename__ = "tuned_configs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    kernel: Mapped[str] = mapped_column(String(128), index=True)
+    kernel_version: Mapped[str] = mapped_column(String(64))
+    triton_version: Mapped[str] = mapped_column(String(32))
+    arch: Mapped[str] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    device_name: Mapped[str] = mapped_column(String(128), default="")
+    problem: Mapped[Any] = mapped_column(JSON)
+    config: Mapped[Any] = mapped_column(JSON)
+    median_ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    candidates: Mapped[int] = mapped_column(Integer, default=0)
+    tuned_by: Mapped[str] = mapped_column(String(128), default="")
+    tuned_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    source: Mapped[str] = mapped_column(String(16), default="inline")
+
+
+class TuningJobRow(Base):
+    __tablename__ = "tuning_jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    kernel: Mapped[str] = mapped_column(String(128))
+    kernel_version: Mapped[str] = mapped_column(String(64))
+    triton_version: Mapped[str] = mapped_column(String(32))
+    arch: Mapped[str] = mapped_column(String(16), index=True)
+    sm_count: Mapped[int] = mapped_column(Integer)
+    problem: Mapped[Any] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    not_before: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class TrialRow(Base):
+    __tablename__ = "trials"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), index=True)
+    run_id: Mapped[str] = mapped_column(String(32), index=True)
+    kernel: Mapped[str] = mapped_column(String(128))
+    config: Mapped[Any] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))  # ok | failed | wrong
+    median_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+# ---- plain records handed out of the store (never ORM objects) ---------------------------
+
+
+@dataclass
+class ConfigRecord:
+    key: TuneKey
+    config: dict
+    median_ms: float
+    tflops: float | None = None
+    candidates: int = 0
+    device_name: str = ""
+    tuned_by: str = ""
+    tuned_at: datetime | None = None
+    source: str = "inline"
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest
+
+    def to_json(self) -> dict:
+        d = self.key.fields()
+        d.update(digest=self.digest, config=self.config, median_ms=self.median_ms, tflops=self.tflops,
+                 candidates=self.candidates, device_name=self.device_name, tuned_by=self.tuned_by,
+                 tuned_at=self.tuned_at.isoformat() if self.tuned_at else None, source=self.source)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ConfigRecord":
+        """Inverse of to_json; raises ValueError/KeyError/TypeError on a malformed entry."""
+        key = TuneKey.from_fields(d)
+        if "digest" in d and d["digest"] != key.digest:
+            raise ValueError(f"digest {d['digest']!r} does not match the key's fields")
+        if not isinstance(d["config"], dict):
+            raise ValueError("config must be an object")
+        median = float(d["median_ms"])
+        if not median > 0:
+            raise ValueError(f"median_ms must be positive, got {median}")
+        tuned_at = d.get("tuned_at")
+        return cls(key=key, config=dict(d["config"]), median_ms=median,
+                   tflops=None if d.get("tflops") is None else float(d["tflops"]),
+                   candidates=int(d.get("candidates") or 0), device_name=str(d.get("device_name") or ""),
+                   tuned_by=str(d.get("tuned_by") or ""),
+                   tuned_at=datetime.fromisoformat(tuned_at) if tuned_at else None,
+                   source=str(d.get("source") or "import"))
+
+
+@dataclass
+class TrialRecord:
+    config: dict
+    status: str  # ok | failed | wrong
+    median_ms: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class JobRecord:
+    id: int
+    key: TuneKey
+    status: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    last_error: str | None
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest
+
+
+def _key_of(row: TunedConfigRow | TuningJobRow) -> TuneKey:
+    problem = row.problem
+    if isinstance(problem, str):  # a row written by hand or by a foreign tool
+        problem = json.loads(problem)
+    return TuneKey(row.kernel, row.kernel_version, row.triton_version, row.arch, row.sm_count, problem)
+
+
+def _config_record(row: TunedConfigRow) -> ConfigRecord:
+    config = row.config
+    if isinstance(config, str):
+        config = json.loads(config)
+    if not isinstance(config, dict):
+        raise ValueError(f"config is a {type(config).__name__}, not an object")
+    return ConfigRecord(key=_key_of(row), config=config, median_ms=row.median_ms, tflops=row.tflops,
+                        candidates=row.candidates, device_name=row.device_name, tuned_by=row.tuned_by,
+                        tuned_at=row.tuned_at, source=row.source)
+
+
+def _job_record(row: TuningJobRow) -> JobRecord:
+    return JobRecord(id=row.id, key=_key_of(row), status=row.status, priority=row.priority,
+                     attempts=row.attempts, max_attempts=row.max_attempts, lease_owner=row.lease_owner,
+                     lease_expires_at=row.lease_expires_at, last_error=row.last_error)
+
+
+def whoami() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# ---- engine ------------------------------------------------------------------------------
+
+
+def _make_engine(url: str) -> Engine:
+    try:
+        u = make_url(url)
+    except ArgumentError as e:
+        raise StoreError(f"store URL {url!r} (TUNECACHE_DB_URL) is not a valid SQLAlchemy URL: {e}") from None
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            path = Path(u.database).expanduser()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"cannot create the store directory {path.parent} for {url!r}: {e}") from None
+        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            # let SQLAlchemy, not pysqlite, decide when transactions begin (see _on_begin)
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=60000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            # Writers take the write lock up front: a deferred transaction that reads and
+            # then writes can fail with SQLITE_BUSY without waiting on the busy timeout.
+            mode = "IMMEDIATE" if conn.get_execution_options().get("tunecache_write") else "DEFERRED"
+            conn.exec_driver_sql(f"BEGIN {mode}")
+
+        return engine
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if u.get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {"connect_timeout": 10}
+    try:
+        return create_engine(url, **kwargs)
+    except (ImportError, ArgumentError) as e:
+        raise StoreError(f"cannot open store URL {url!r} (TUNECACHE_DB_URL): {e}") from None
+
+
+def _insert_ignore(session: Session, table, values: dict) -> bool:
+    """INSERT ... ON CONFLICT DO NOTHING; True if the row was inserted."""
+    name = session.get_bind().dialect.name
+    if name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    elif name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        raise StoreError(f"unsupported database dialect {name!r}; use SQLite or PostgreSQL")
+    result = session.execute(insert(table).values(**values).on_conflict_do_nothing())
+    return result.rowcount == 1
+
+
+class Store:
+    """One database, local or fleet. Thread-safe; safe for many processes on one SQLite file."""
+
+    def __init__(self, url: str | None = None, *, migrate: bool = True) -> None:
+        from . import settings
+
+        self.url = url or settings.db_url()
+        self.engine = _make_engine(self.url)
+        self._read = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_maker = sessionmaker(self.engine.execution_options(tunecache_write=True),
+                                         expire_on_commit=False)
+        try:
+            if migrate:
+                from .migrate import ensure_schema
+
+                ensure_schema(self.engine)
+            else:
+                with self.engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
+        except OperationalError as e:
+            raise StoreError(f"cannot open the store at {self.safe_url} (TUNECACHE_DB_URL): {e.orig}") from None
+
+    @property
+    def safe_url(self) -> str:
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Session]:
+        with self._write_maker.begin() as s:
+            yield s
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- configs ------------------------------------------------------------------------
+
+    def get_config(self, digest: str) -> ConfigRecord | None:
+        """The stored winner, or None. A corrupt row is reported and treated as a miss."""
+        with self._read() as s:
+            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == digest)).scalar_one_or_none()
+            if row is None:
+                return None
+            try:
+                rec = _config_record(row)
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("tunecache: skipping corrupt store row %s (%s)", digest[:12], e)
+                return None
+        if rec.digest != digest:
+            log.warning("tunecache: skipping store row %s whose fields hash to %s", digest[:12], rec.digest[:12])
+            return None
+        return rec
+
+    def put_config(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None
+                   ) -> tuple[ConfigRecord, bool]:
+        """Store a result unless a faster one is kept; returns (the kept record, whether `rec` won)."""
+        values = dict(digest=rec.digest, **{k: v for k, v in rec.key.fields().items()},
+                      device_name=rec.device_name, config=rec.config, median_ms=rec.median_ms,
+                      tflops=rec.tflops, candidates=rec.candidates, tuned_by=rec.tuned_by or whoami(),
+                      tuned_at=rec.tuned_at or utcnow(), source=rec.source)
+        with self._write() as s:
+            self._add_trials(s, rec.key, trials, run_id)
+            if _insert_ignore(s, TunedConfigRow.__table__, values):
+                return rec, True
+            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
+                            .with_for_update()).scalar_one()
+            try:
+                old = _config_record(row)
+            except (ValueError, TypeError, KeyError):
+                old = None  # a corrupt row loses to any valid result
+            if old is not None and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN):
+                return old, False
+            for k, v in values.items():
+                setattr(row, k, v)
+            return rec, True
+
+    def _add_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
+        run_id = run_id or uuid.uuid4().hex
+        rows = [TrialRow(digest=key.digest, run_id=run_id, kernel=key.kernel, config=t.config, status=t.status,
+                         median_ms=t.median_ms, error=(t.error or None) and t.error[:4000]) for t in trials]
+        s.add_all(rows)
+
+    def add_trials(self, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None = None) -> None:
+        with self._write() as s:
+            self._add_trials(s, key, trials, run_id)
+
+    def trials(self, digest: str | None = None) -> list[TrialRecord]:
+        with self._read() as s:
+            q = select(TrialRow).order_by(TrialRow.id)
+            if digest:
+                q = q.where(TrialRow.digest == digest)
+            return [TrialRecord(r.config, r.status, r.median_ms, r.error) for r in s.execute(q).scalars()]
+
+    def list_configs(self, kernel: str | None = None, arch: str | None = None,
+                     limit: int | None = None, offset: int = 0) -> list[ConfigRecord]:
+        with self._read() as s:
+            q = select(TunedConfigRow).order_by(TunedConfigRow.kernel, TunedConfigRow.id)
+            if kernel:
+                q = q.where(TunedConfigRow.kernel == kernel)
+            if arch:
+                q = q.where(TunedConfigRow.arch == arch)
+            if offset:
+                q = q.offset(offset)
+            if limit is not None:
+                q = q.limit(limit)
+            out = []
+            for row in s.execute(q).scalars():
+                try:
+                    out.append(_config_record(row))
+                except (ValueError, TypeError, KeyError) as e:
+                    log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
+            return out
+
+    def find_configs(self, prefix: str) -> list[ConfigRecord]:
+        """Rows whose digest starts with `prefix` (for `tunecache show`)."""
+        with self._read() as s:
+            q = select(TunedConfigRow).where(TunedConfigRow.digest.startswith(prefix)).limit(20)
+            return [_config_record(r) for r in s.execute(q).scalars()]
+
+    def delete_config(self, digest: str) -> bool:
+        with self._write() as s:
+            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == digest)).scalar_one_or_none()
+            if row is None:
+                return False
+            s.delete(row)
+            return True
+
+    def counts(self) -> dict[str, int]:
+        with self._read() as s:
+            out = {}
+            for name, model in (("tuned_configs", TunedConfigRow), ("tuning_jobs", TuningJobRow),
+                                ("trials", TrialRow)):
+                out[name] = s.execute(select(func.count()).select_from(model)).scalar_one()
+            for status, n in s.execute(select(TuningJobRow.status, func.count()).group_by(TuningJobRow.status)):
+                out[f"jobs_{status}"] = n
+            return out
+
+    # ---- jobs ---------------------------------------------------------------------------
+
+    def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> JobRecord:
+        """One active job per digest: a queued or running job is returned as it is."""
+        now = utcnow()
+        values = dict(digest=key.digest, **key.fields(), status="queued", priority=priority, attempts=0,
+                      max_attempts=max_attempts, not_before=now, created_at=now, updated_at=now)
+        with self._write() as s:
+            _insert_ignore(s, TuningJobRow.__table__, values)
+            row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest)
+                            .with_for_update()).scalar_one()
+            if row.status == "done" and s.execute(select(TunedConfigRow.id).where(
+                    TunedConfigRow.digest == key.digest)).first() is None:
+                # done, but its winner is gone (deleted): tune again
+                row.status, row.attempts, row.not_before, row.updated_at = "queued", 0, now, now
+            if priority > row.priority and row.status == "queued":
+                row.priority = priority
+            return _job_record(row)
+
+    def claim_job(self, owner: str, arch: str | None = None, sm_count: int | None = None,
+                  lease_s: float = 60.0, kernels: Iterable[str] | None = None) -> JobRecord | None:
+        """Lease the most urgent job of this device class: queued, or running with a lapsed lease."""
+        now = utcnow()
+        with self._write() as s:
+            q = select(TuningJobRow).where(
+                ((TuningJobRow.status == "queued") & (TuningJobRow.not_before <= now))
+                | ((TuningJobRow.status == "running") & (TuningJobRow.lease_expires_at < now)))
+            if arch is not None:
+                q = q.where(TuningJobRow.arch == arch)
+            if sm_count is not None:
+                q = q.where(TuningJobRow.sm_count == sm_count)
+            if kernels is not None:
+                q = q.where(TuningJobRow.kernel.in_(list(kernels)))
+            q = q.order_by(TuningJobRow.priority.desc(), TuningJobRow.id).limit(1)
+            if self.dialect == "postgresql":
+                q = q.with_for_update(skip_locked=True)
+            row = s.execute(q).scalar_one_or_none()
+            if row is None:
+                return None
+            if row.status == "running" and row.attempts >= row.max_attempts:
+                # its last lease ran out: the worker died on the final attempt
+                row.status, row.lease_owner, row.updated_at = "failed", None, now
+                row.last_error = (row.last_error or "") + f"\nlease of {row.lease_owner} expired on the last attempt"
+                return None
+            row.status, row.lease_owner = "running", owner
+            row.lease_expires_at = now + timedelta(seconds=lease_s)
+            row.attempts += 1
+            row.updated_at = now
+            return _job_record(row)
+
+    def heartbeat(self, job_id: int, owner: str, lease_s: float = 60.0) -> bool:
+        """Extend the lease; False if the job is no longer this owner's (it was reclaimed)."""
+        now = utcnow()
+        with self._write() as s:
+            res = s.execute(update(TuningJobRow).where(
+                TuningJobRow.id == job_id, TuningJobRow.lease_owner == owner, TuningJobRow.status == "running")
+                .values(lease_expires_at=now + timedelta(seconds=lease_s), updated_at=now))
+            return res.rowcount == 1
+
+    def complete_job(self, job_id: int, owner: str) -> bool:
+        with self._write() as s:
+            res = s.execute(update(TuningJobRow).where(
+                TuningJobRow.id == job_id, TuningJobRow.lease_owner == owner, TuningJobRow.status == "running")
+                .values(status="done", lease_owner=None, lease_expires_at=None, updated_at=utcnow()))
+            return res.rowcount == 1
+
+    def fail_job(self, job_id: int, owner: str, error: str, backoff_s: float = 5.0) -> str | None:
+        """Record a failure: back to the queue after a backoff, or `failed` after max attempts."""
+        now = utcnow()
+        with self._write() as s:
+            row = s.execute(select(TuningJobRow).where(TuningJobRow.id == job_id).with_for_update()
+                            ).scalar_one_or_none()
+            if row is None or row.lease_owner != owner or row.status != "running":
+                return None
+            row.last_error = error[:8000]
+            row.lease_owner, row.lease_expires_at, row.updated_at = None, None, now
+            if row.attempts >= row.max_attempts:
+                row.status = "failed"
+            else:
+                row.status = "queued"
+                row.not_before = now + timedelta(seconds=backoff_s * 2 ** (row.attempts - 1))
+            return row.status
+
+    def get_job(self, digest: str) -> JobRecord | None:
+        with self._read() as s:
+            row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest)).scalar_one_or_none()
+            return None if row is None else _job_record(row)
+
+    def list_jobs(self, status: str | None = None, limit: int = 1000) -> list[JobRecord]:
+        with self._read() as s:
+            q = select(TuningJobRow).order_by(TuningJobRow.id).limit(limit)
+            if status:
+                q = q.where(TuningJobRow.status == status)
+            return [_job_record(r) for r in s.execute(q).scalars()]
+
+
+_DEFAULT: dict[str, Store] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_store() -> Store:
+    """The process-wide store for the current TUNECACHE_DB_URL (opened once)."""
+    from . import settings
+
+    url = settings.db_url()
+    store = _DEFAULT.get(url)
+    if store is None:
+        with _DEFAULT_LOCK:
+            store = _DEFAULT.get(url)
+            if store is None:
+                store = _DEFAULT[url] = Store(url)
+    return store
