@@ -24,7 +24,7 @@ flops = problems.conv2d_flops
 def conv2d_fprop_kernel(x_ptr, w_ptr, y_ptr, N, H, W, Ci, Co, P, Q, R, S,
                         stride_h, stride_w, pad_h, pad_w,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+                        GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     M = N * P * Q
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -57,6 +57,8 @@ def conv2d_fprop_kernel(x_ptr, w_ptr, y_ptr, N, H, W, Ci, Co, P, Q, R, S,
                 c_ok = c < Ci
                 a = tl.load(x_ptr + x_row[:, None] + c[None, :], mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
                 b = tl.load(w_ptr + w_col[None, :] + c[:, None], mask=c_ok[:, None] & co_ok[None, :], other=0.0)
+                if UPCAST:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
                 acc = tl.dot(a, b, acc)
     y = y_ptr + offs_m[:, None].to(tl.int64) * Co + offs_co[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & co_ok[None, :])
@@ -97,5 +99,6 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     grid = (triton.cdiv(N * P * Q, bm) * triton.cdiv(Co, bn),)
     conv2d_fprop_kernel[grid](x, w, y, N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw,
                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-                              num_warps=config["num_warps"], num_stages=config["num_stages"])
+                              num_warps=config["num_warps"],
+                              num_stages=config["num_stages"], UPCAST=rules.interpreter_upcast(x))
     return y

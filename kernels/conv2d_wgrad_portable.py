@@ -24,7 +24,8 @@ flops = problems.conv2d_flops
 @triton.jit
 def conv2d_wgrad_kernel(x_ptr, g_ptr, ws_ptr, N, H, W, Ci, Co, P, Q, R, S,
                         stride_h, stride_w, pad_h, pad_w, k_per_split,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)  # over Co
     pid_n = tl.program_id(1)  # over R*S*Ci
     pid_k = tl.program_id(2)  # split of N*P*Q
@@ -54,6 +55,8 @@ def conv2d_wgrad_kernel(x_ptr, g_ptr, ws_ptr, N, H, W, Ci, Co, P, Q, R, S,
         ok = m_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         xoff = ((n[:, None].to(tl.int64) * H + ih) * W + iw) * Ci + c[None, :]
         b = tl.load(x_ptr + xoff, mask=ok, other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     ws = ws_ptr + pid_k.to(tl.int64) * Co * RSC + offs_co[:, None].to(tl.int64) * RSC + offs_j[None, :]
     tl.store(ws, acc, mask=co_ok[:, None] & j_ok[None, :])
@@ -100,7 +103,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     grid = (triton.cdiv(Co, bm), triton.cdiv(rsc, bn), split)
     conv2d_wgrad_kernel[grid](x, grad_out, ws, N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw, k_per_split,
                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=config["num_warps"],
-                              num_stages=config["num_stages"])
+                              num_stages=config["num_stages"], UPCAST=rules.interpreter_upcast(x))
     # the second pass: a fixed-order sum of the partials, so split-K stays deterministic
     gw = ws[0] if split == 1 else ws.sum(dim=0)
     return gw.to(x.dtype).view(Co, R, S, Ci)

@@ -29,3 +29,11 @@ def gpu_ok(c: dict, sizes: dict[str, int], itemsize: int, smem_limit: int = 227 
 
 
 INTERPRETER_FIXED = {"num_warps": 4, "num_stages": 3, "GROUP_M": 8}
+
+
+def interpreter_upcast(t) -> bool:
+    """The CPU interpreter computes tl.dot in numpy, which has no bfloat16 (it multiplies the
+    raw bits as integers): upcast the operands there. On a GPU, bf16 goes to the tensor cores."""
+    import torch
+
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16

@@ -45,7 +45,7 @@ def _check_tensor(t: Any, name: str, ndim: int, dtypes=GEMM_DTYPES) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {[dtype_name(d) for d in dtypes]}")
-    if t.device.type not in ("cuda", "cpu"):
+    if t.device.type not in ("cuda", "cpu", "meta"):  # meta: keys computed from shapes alone
         raise ValueError(f"{name} is on {t.device}; tunecache runs on CUDA (or the CPU interpreter)")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")

@@ -1,1 +1,41 @@
-"""tunecache."""
+"""tunecache: a persistent, fleet-shared autotune cache for Triton/Gluon kernels.
+
+    import tunecache
+    y = tunecache.ops.conv2d_fprop(x, w, stride=1, padding=1)
+
+`import tunecache` is light (training jobs import it): torch, Triton and SQLAlchemy load
+on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ops": ("tunecache.ops", None),
+    "TuneKey": ("tunecache.key", "TuneKey"),
+    "DeviceClass": ("tunecache.key", "DeviceClass"),
+    "Store": ("tunecache.store", "Store"),
+    "MissingConfig": ("tunecache.launcher", "MissingConfig"),
+}
+
+# Bound here, not lazily: the submodule `tunecache.autotune` shares the decorator's name, and
+# importing it after `import tunecache` would rebind `tunecache.autotune` to the module.
+# The module is light (it imports Triton only when a kernel is decorated).
+from .autotune import autotune, patch_triton, unpatch_triton  # noqa: E402
+
+__all__ = sorted([*_LAZY, "autotune", "patch_triton", "unpatch_triton"])
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'tunecache' has no attribute {name!r}") from None
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value

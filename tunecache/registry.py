@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -38,9 +39,20 @@ def backend_module(op: str, backend: str) -> ModuleType:
     return mod
 
 
+def _interpreter_without_gpu() -> None:
+    """With no GPU the kernels can only run on Triton's CPU interpreter: choose it before
+    the first @jit is created, so a fresh CPU-only machine works without settings."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
 def _load(op: str, backend: str) -> ModuleType | None:
     k = (op, backend)
     if k not in _MODULES:
+        _interpreter_without_gpu()
         try:
             _MODULES[k] = importlib.import_module(f"tunecache_kernels.{op}_{backend}")
         except ModuleNotFoundError as e:

@@ -7,19 +7,21 @@ revisions in `tunecache_migrations`; a local SQLite file is migrated on first op
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
-from sqlalchemy import (JSON, DateTime, Float, Integer, String, Text, create_engine, event, func,
-                        select, update)
+from sqlalchemy import (JSON, Boolean, DateTime, Float, Integer, String, Text, and_, create_engine, event,
+                        false, func, or_, select, update)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -171,10 +173,23 @@ class JobRecord:
         return self.key.digest
 
 
+class CorruptJSON(str):
+    """A JSON column whose text does not parse: reported and skipped, never launched."""
+
+
+def _safe_json_loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return CorruptJSON(text)
+
+
 def _key_of(row: TunedConfigRow | TuningJobRow) -> TuneKey:
     problem = row.problem
-    if isinstance(problem, str):  # a row written by hand or by a foreign tool
+    if isinstance(problem, str):  # corrupt, or a row written by hand or by a foreign tool
         problem = json.loads(problem)
+    if not isinstance(problem, dict):
+        raise ValueError(f"problem is a {type(problem).__name__}, not an object")
     return TuneKey(row.kernel, row.kernel_version, row.triton_version, row.arch, row.sm_count, problem)
 
 
@@ -214,7 +229,8 @@ def _make_engine(url: str) -> Engine:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise StoreError(f"cannot create the store directory {path.parent} for {url!r}: {e}") from None
-        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False},
+                               json_deserializer=_safe_json_loads)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
@@ -234,7 +250,7 @@ def _make_engine(url: str) -> Engine:
             conn.exec_driver_sql(f"BEGIN {mode}")
 
         return engine
-    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "json_deserializer": _safe_json_loads}
     if u.get_backend_name() == "postgresql":
         kwargs["connect_args"] = {"connect_timeout": 10}
     try:
@@ -252,8 +268,8 @@ def _insert_ignore(session: Session, table, values: dict) -> bool:
         from sqlalchemy.dialects.postgresql import insert
     else:
         raise StoreError(f"unsupported database dialect {name!r}; use SQLite or PostgreSQL")
-    result = session.execute(insert(table).values(**values).on_conflict_do_nothing())
-    return result.rowcount == 1
+    stmt = insert(table).values(**values).on_conflict_do_nothing().returning(table.c.id)
+    return session.execute(stmt).first() is not None
 
 
 class Store:
@@ -321,19 +337,22 @@ class Store:
                       tuned_at=rec.tuned_at or utcnow(), source=rec.source)
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
-            if _insert_ignore(s, TunedConfigRow.__table__, values):
-                return rec, True
-            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
-                            .with_for_update()).scalar_one()
-            try:
-                old = _config_record(row)
-            except (ValueError, TypeError, KeyError):
-                old = None  # a corrupt row loses to any valid result
-            if old is not None and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN):
-                return old, False
-            for k, v in values.items():
-                setattr(row, k, v)
+            return self._keep_faster(s, rec, values)
+
+    def _keep_faster(self, s: Session, rec: ConfigRecord, values: dict) -> tuple[ConfigRecord, bool]:
+        if _insert_ignore(s, TunedConfigRow.__table__, values):
             return rec, True
+        row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
+                        .with_for_update()).scalar_one()
+        try:
+            old = _config_record(row)
+        except (ValueError, TypeError, KeyError):
+            old = None  # a corrupt row loses to any valid result
+        if old is not None and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN):
+            return old, False
+        for k, v in values.items():
+            setattr(row, k, v)
+        return rec, True
 
     def _add_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
         run_id = run_id or uuid.uuid4().hex
@@ -416,8 +435,14 @@ class Store:
             return _job_record(row)
 
     def claim_job(self, owner: str, arch: str | None = None, sm_count: int | None = None,
-                  lease_s: float = 60.0, kernels: Iterable[str] | None = None) -> JobRecord | None:
-        """Lease the most urgent job of this device class: queued, or running with a lapsed lease."""
+                  lease_s: float = 60.0, kernels: Iterable[str] | None = None, *,
+                  kernel_versions: Mapping[str, str] | None = None,
+                  triton_version: str | None = None) -> JobRecord | None:
+        """Lease the most urgent job of this device class: queued, or running with a lapsed lease.
+
+        `kernel_versions` ({kernel: version}) and `triton_version` restrict the claim to jobs
+        whose key this worker reproduces: a worker on other code would tune another digest.
+        """
         now = utcnow()
         with self._write() as s:
             q = select(TuningJobRow).where(
@@ -429,6 +454,11 @@ class Store:
                 q = q.where(TuningJobRow.sm_count == sm_count)
             if kernels is not None:
                 q = q.where(TuningJobRow.kernel.in_(list(kernels)))
+            if kernel_versions is not None:
+                q = q.where(or_(false(), *(and_(TuningJobRow.kernel == k, TuningJobRow.kernel_version == v)
+                                           for k, v in kernel_versions.items())))
+            if triton_version is not None:
+                q = q.where(TuningJobRow.triton_version == triton_version)
             q = q.order_by(TuningJobRow.priority.desc(), TuningJobRow.id).limit(1)
             if self.dialect == "postgresql":
                 q = q.with_for_update(skip_locked=True)
@@ -491,6 +521,103 @@ class Store:
                 q = q.where(TuningJobRow.status == status)
             return [_job_record(r) for r in s.execute(q).scalars()]
 
+    # ---- fleet: submissions, tokens and queue state (the service's side of the store) ------
+
+    def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None, *,
+                submitted_by: str = "", tune_seconds: float | None = None) -> tuple[ConfigRecord, bool, int]:
+        """put_config that also records the submission, won or lost, in the same transaction.
+
+        Returns (the kept record, whether `rec` won, the submission's id)."""
+        values = _config_values(rec)
+        with self._write() as s:
+            self._add_trials(s, rec.key, trials, run_id)
+            kept, won = self._keep_faster(s, rec, values)
+            row = SubmissionRow(**values, submitted_by=submitted_by[:128], accepted=won,
+                                tune_seconds=tune_seconds, created_at=utcnow())
+            s.add(row)
+            s.flush()
+            return kept, won, row.id
+
+    def submissions(self, digest: str | None = None, limit: int = 1000) -> list[SubmissionRecord]:
+        with self._read() as s:
+            q = select(SubmissionRow).order_by(SubmissionRow.id).limit(limit)
+            if digest:
+                q = q.where(SubmissionRow.digest == digest)
+            return [_submission_record(r) for r in s.execute(q).scalars()]
+
+    def create_token(self, name: str, scopes: Iterable[str]) -> tuple[str, TokenRecord]:
+        """A new API token; returns (the secret, shown once, never stored; its record)."""
+        scopes = tuple(dict.fromkeys(scopes))
+        bad = [sc for sc in scopes if sc not in TOKEN_SCOPES]
+        if bad or not scopes:
+            raise ValueError(f"scopes must be some of {list(TOKEN_SCOPES)}, got {list(scopes)}")
+        if not name or len(name) > 128:
+            raise ValueError("a token needs a name of 1 to 128 characters")
+        secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with self._write() as s:
+            row = ApiTokenRow(name=name, token_hash=hash_token(secret), scopes=",".join(scopes),
+                              created_at=utcnow())
+            s.add(row)
+            s.flush()
+            return secret, _token_record(row)
+
+    def verify_token(self, secret: str) -> TokenRecord | None:
+        """The live token with this secret, or None (unknown or revoked)."""
+        with self._read() as s:
+            row = s.execute(select(ApiTokenRow).where(ApiTokenRow.token_hash == hash_token(secret),
+                                                      ApiTokenRow.revoked_at.is_(None))).scalar_one_or_none()
+            return None if row is None else _token_record(row)
+
+    def list_tokens(self) -> list[TokenRecord]:
+        with self._read() as s:
+            return [_token_record(r) for r in s.execute(select(ApiTokenRow).order_by(ApiTokenRow.id)).scalars()]
+
+    def revoke_token(self, name: str) -> int:
+        """Revoke every live token with this name; returns how many."""
+        with self._write() as s:
+            res = s.execute(update(ApiTokenRow).where(ApiTokenRow.name == name, ApiTokenRow.revoked_at.is_(None))
+                            .values(revoked_at=utcnow()))
+            return res.rowcount
+
+    def job_counts(self, arch: str | None = None, sm_count: int | None = None) -> dict[str, int]:
+        """Jobs per status (the queue depth), optionally of one device class."""
+        with self._read() as s:
+            q = select(TuningJobRow.status, func.count()).group_by(TuningJobRow.status)
+            if arch is not None:
+                q = q.where(TuningJobRow.arch == arch)
+            if sm_count is not None:
+                q = q.where(TuningJobRow.sm_count == sm_count)
+            out = {status: 0 for status in JOB_STATUSES}
+            out.update({status: n for status, n in s.execute(q)})
+            return out
+
+    def get_job_by_id(self, job_id: int) -> JobRecord | None:
+        with self._read() as s:
+            row = s.get(TuningJobRow, job_id)
+            return None if row is None else _job_record(row)
+
+    def job_statuses(self, digests: Iterable[str]) -> dict[str, str]:
+        """{digest: status} of the jobs for these digests (absent: no job)."""
+        digests = list(digests)
+        out: dict[str, str] = {}
+        with self._read() as s:
+            for i in range(0, len(digests), 500):
+                q = select(TuningJobRow.digest, TuningJobRow.status).where(TuningJobRow.digest.in_(digests[i:i + 500]))
+                out.update({d: st for d, st in s.execute(q)})
+        return out
+
+    def release_job(self, job_id: int, owner: str) -> bool:
+        """Give a leased job back to the queue now, without spending an attempt (a worker
+        stopped by Ctrl-C or SIGTERM: its job need not wait for the lease to run out)."""
+        now = utcnow()
+        with self._write() as s:
+            res = s.execute(update(TuningJobRow).where(
+                TuningJobRow.id == job_id, TuningJobRow.lease_owner == owner, TuningJobRow.status == "running")
+                .values(status="queued", lease_owner=None, lease_expires_at=None, not_before=now,
+                        attempts=func.max(TuningJobRow.attempts - 1, 0) if self.dialect == "sqlite"
+                        else func.greatest(TuningJobRow.attempts - 1, 0), updated_at=now))
+            return res.rowcount == 1
+
 
 _DEFAULT: dict[str, Store] = {}
 _DEFAULT_LOCK = threading.Lock()
@@ -508,3 +635,110 @@ def default_store() -> Store:
             if store is None:
                 store = _DEFAULT[url] = Store(url)
     return store
+
+
+# ---- fleet tables: every published result, and the service's API tokens -----------------
+
+JOB_STATUSES = ("queued", "running", "done", "failed")
+# what a token may do; a scope implies the ones listed with it
+TOKEN_SCOPES = {
+    "read": ("read",),
+    "publish": ("read", "publish"),
+    "worker": ("read", "publish", "worker"),
+    "admin": ("read", "publish", "worker", "admin"),
+}
+TOKEN_PREFIX = "tc_"
+
+
+class SubmissionRow(Base):
+    """One published result, kept whether or not it became the winner (for audit and noise)."""
+
+    __tablename__ = "submissions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), index=True)
+    kernel: Mapped[str] = mapped_column(String(128))
+    kernel_version: Mapped[str] = mapped_column(String(64))
+    triton_version: Mapped[str] = mapped_column(String(32))
+    arch: Mapped[str] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    device_name: Mapped[str] = mapped_column(String(128), default="")
+    problem: Mapped[Any] = mapped_column(JSON)
+    config: Mapped[Any] = mapped_column(JSON)
+    median_ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    candidates: Mapped[int] = mapped_column(Integer, default=0)
+    tuned_by: Mapped[str] = mapped_column(String(128), default="")
+    tuned_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    source: Mapped[str] = mapped_column(String(16), default="inline")
+    submitted_by: Mapped[str] = mapped_column(String(128), default="")
+    accepted: Mapped[bool] = mapped_column(Boolean, default=False)
+    tune_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class ApiTokenRow(Base):
+    """A service token: only the sha256 of the secret is stored (secrets are 256-bit random,
+    so a plain hash is enough; there is nothing to brute-force)."""
+
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    scopes: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+@dataclass
+class SubmissionRecord:
+    id: int
+    key: TuneKey
+    config: dict
+    median_ms: float
+    tflops: float | None
+    candidates: int
+    device_name: str
+    tuned_by: str
+    source: str
+    submitted_by: str
+    accepted: bool
+    tune_seconds: float | None
+    created_at: datetime
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest
+
+
+@dataclass
+class TokenRecord:
+    id: int
+    name: str
+    scopes: tuple[str, ...]
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+    def allows(self, scope: str) -> bool:
+        return any(scope in TOKEN_SCOPES.get(sc, ()) for sc in self.scopes)
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _config_values(rec: ConfigRecord) -> dict:
+    return dict(digest=rec.digest, **rec.key.fields(), device_name=rec.device_name, config=rec.config,
+                median_ms=rec.median_ms, tflops=rec.tflops, candidates=rec.candidates,
+                tuned_by=rec.tuned_by or whoami(), tuned_at=rec.tuned_at or utcnow(), source=rec.source)
+
+
+def _submission_record(row: SubmissionRow) -> SubmissionRecord:
+    return SubmissionRecord(id=row.id, key=_key_of(row), config=row.config, median_ms=row.median_ms,
+                            tflops=row.tflops, candidates=row.candidates, device_name=row.device_name,
+                            tuned_by=row.tuned_by, source=row.source, submitted_by=row.submitted_by,
+                            accepted=bool(row.accepted), tune_seconds=row.tune_seconds, created_at=row.created_at)
+
+
+def _token_record(row: ApiTokenRow) -> TokenRecord:
+    return TokenRecord(id=row.id, name=row.name, scopes=tuple(filter(None, row.scopes.split(","))),
+                       created_at=row.created_at, revoked_at=row.revoked_at)

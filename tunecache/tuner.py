@@ -75,7 +75,11 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
     trials: list[TrialRecord] = []
     candidates = _precompile(mod, problem, device, candidates, trials)
 
-    args = mod.inputs(problem, torch_device)
+    # tuning inside a user's call must not move the user's random number generators
+    devices = [torch.device(torch_device).index or 0] if on_gpu else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        args = mod.inputs(problem, torch_device)
     ref = mod.reference(*args)
     tol = TOLERANCE[problem.get("dtype", "float32")]
 

@@ -79,9 +79,54 @@ def _registry() -> dict[str, ConfigSpace]:
 _SPACES: dict[str, ConfigSpace] | None = None
 
 
-def space_for(kernel: str) -> ConfigSpace:
-    """The space of kernel "<op>.<backend>"; KeyError names the unknown kernel."""
+USER_KERNEL_PREFIX = "triton:"
+
+
+class TritonConfigSchema:
+    """The 'space' of a user's own Triton kernel (`@tunecache.autotune`): its configs live in
+    the user's code, so the service can only check that a config is a well-formed
+    triton.Config: scalar kwargs and sane launch options."""
+
+    OPTIONS = {"num_warps": (1, 2, 4, 8, 16, 32), "num_stages": tuple(range(0, 9)), "num_ctas": (1, 2, 4, 8)}
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be an object, got {type(config).__name__}")
+        for name in ("kwargs", "num_warps", "num_stages", "num_ctas"):
+            if name not in config:
+                raise ValueError(f"config is missing {name!r}")
+        for name in config:
+            if name not in ("kwargs", "maxnreg", *self.OPTIONS):
+                raise ValueError(f"config key {name!r} is not a triton.Config field")
+        kwargs = config["kwargs"]
+        if not isinstance(kwargs, Mapping) or len(kwargs) > 64:
+            raise ValueError("config kwargs must be an object of at most 64 entries")
+        for k, v in kwargs.items():
+            if not isinstance(k, str) or not isinstance(v, (int, float, bool, str)) or \
+                    (isinstance(v, str) and len(v) > 256):
+                raise ValueError(f"config kwarg {k!r}={v!r} is not a scalar meta-parameter")
+        for name, allowed in self.OPTIONS.items():
+            if config[name] not in allowed or isinstance(config[name], bool):
+                raise ValueError(f"config {name}={config[name]!r} is outside {list(allowed)}")
+        maxnreg = config.get("maxnreg")
+        if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int)
+                                    or not 16 <= maxnreg <= 256):
+            raise ValueError(f"config maxnreg={maxnreg!r} must be null or an int in [16, 256]")
+
+    def contains(self, config: Mapping[str, Any]) -> bool:
+        try:
+            self.check(config)
+            return True
+        except ValueError:
+            return False
+
+
+def space_for(kernel: str) -> ConfigSpace | TritonConfigSchema:
+    """The space of kernel "<op>.<backend>" (or the schema of a user kernel "triton:...");
+    KeyError names an unknown kernel."""
     global _SPACES
+    if kernel.startswith(USER_KERNEL_PREFIX) and len(kernel) > len(USER_KERNEL_PREFIX):
+        return TritonConfigSchema()
     if _SPACES is None:
         _SPACES = _registry()
     try:

@@ -1,0 +1,294 @@
+"""`tunecache`: every command a thin shell over a library function."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="A persistent, fleet-shared autotune cache for Triton/Gluon kernels.",
+                  no_args_is_help=True, add_completion=False)
+db_app = typer.Typer(help="The store's schema (Alembic).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+console = Console()
+err = Console(stderr=True)
+
+
+def _store():
+    from .store import Store, StoreError
+
+    try:
+        return Store()
+    except StoreError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+
+def _fail(msg: str) -> None:
+    err.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(2)
+
+
+def parse_problem(text: str) -> dict:
+    """'M=4096,N=4096,K=4096,dtype=bfloat16' or a JSON object -> dict."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--problem is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--problem JSON must be an object")
+        return value
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise ValueError(f"--problem item {part!r} is not KEY=VALUE")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
+def problem_from_shape(op: str, given: dict) -> dict:
+    """Complete a partial problem (e.g. M, N, K, dtype) into the canonical one via the op's
+    own argument checks, so the key is exactly what a library call would compute."""
+    import torch
+
+    from tunecache_kernels import problems
+
+    from .registry import OPS
+
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+    dt = problems.DTYPES.get(given.get("dtype", "bfloat16"))
+    if dt is None:
+        raise ValueError(f"dtype must be one of {sorted(problems.DTYPES)}, got {given.get('dtype')!r}")
+
+    def t(*shape):
+        return torch.empty(shape, dtype=dt, device="meta")
+
+    def need(*names):
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise ValueError(f"--problem for {op} is missing {', '.join(missing)}")
+        return [int(given[n]) for n in names]
+
+    if op == "matmul":
+        M, N, K = need("M", "N", "K")
+        a = t(M, K) if given.get("a_layout", "row") == "row" else t(K, M).t()
+        b = t(K, N) if given.get("b_layout", "row") == "row" else t(N, K).t()
+        return _meta_problem(problems.matmul_problem, a, b)
+    N, H, W, Ci, Co, R, S = need("N", "H", "W", "Ci", "Co", "R", "S")
+    stride = (int(given.get("stride_h", given.get("stride", 1))), int(given.get("stride_w", given.get("stride", 1))))
+    padding = (int(given.get("pad_h", given.get("padding", 0))), int(given.get("pad_w", given.get("padding", 0))))
+    x = t(N, H, W, Ci)
+    if op == "conv2d_fprop":
+        return _meta_problem(problems.conv2d_fprop_problem, x, t(Co, R, S, Ci), stride, padding)
+    if op == "conv2d_wgrad":
+        P = problems.out_size(H, R, stride[0], padding[0])
+        Q = problems.out_size(W, S, stride[1], padding[1])
+        if P <= 0 or Q <= 0:
+            raise ValueError(f"empty output geometry {P}x{Q}")
+        return _meta_problem(problems.conv2d_wgrad_problem, x, t(N, P, Q, Co), R, S, stride, padding)
+    raise AssertionError(op)
+
+
+def _meta_problem(fn, *args) -> dict:
+    return fn(*args)  # meta tensors: the op's own checks, no memory
+
+
+@app.command()
+def tune(
+    op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+    problem: str = typer.Option(..., "--problem", "-p",
+                                help="KEY=VALUE,... (matmul: M,N,K,dtype[,a_layout,b_layout]; conv: N,H,W,Ci,Co,R,S,"
+                                     "stride,padding,dtype) or a JSON object"),
+    backend: Optional[str] = typer.Option(None, help="force a backend (default: the device's preferred one)"),
+    gpu: int = typer.Option(0, help="CUDA device index"),
+    force: bool = typer.Option(False, help="tune even if the store has a config"),
+) -> None:
+    """Tune one shape on this machine's device and store the winner."""
+    from rich.progress import Progress
+
+    from . import registry, settings
+    from .key import cuda_device, interpreter_device
+    from .tuner import TuneError, make_key
+    from .tuner import tune as run_tune
+
+    try:
+        p = problem_from_shape(op, parse_problem(problem))
+    except (ValueError, TypeError) as e:
+        _fail(str(e))
+    import torch
+
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    device = cuda_device(gpu) if on_gpu else interpreter_device()
+    try:
+        mod = registry.backend_for(op, device, p, backend or settings.backend_override())
+    except (KeyError, ValueError) as e:
+        _fail(str(e).strip("'\""))
+    store = _store()
+    key = make_key(mod, p, device)
+    if not force and (rec := store.get_config(key.digest)) is not None:
+        console.print(f"already tuned: {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); --force to redo")
+        return
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"tuning {mod.KERNEL} on {device}", total=None)
+
+        def progress(i, n, cfg):
+            bar.update(task, completed=i, total=n)
+
+        try:
+            result = run_tune(mod, p, device, store, torch_device=f"cuda:{gpu}" if on_gpu else "cpu",
+                              source="cli", progress=progress)
+        except TuneError as e:
+            _fail(str(e))
+    tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
+    console.print(f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
+                  f"{result.candidates} candidates (digest {key.digest[:12]})")
+
+
+@app.command("ls")
+def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. matmul.hopper"),
+       arch: Optional[str] = typer.Option(None, help="only this arch, e.g. sm_90"),
+       limit: int = typer.Option(200, help="at most this many rows")) -> None:
+    """List tuned configs in the store."""
+    rows = _store().list_configs(kernel=kernel, arch=arch, limit=limit)
+    table = Table("digest", "kernel", "device", "problem", "config", "ms", "TFLOP/s", "source")
+    for col in table.columns:
+        col.overflow = "fold"
+    table.columns[0].min_width = 12
+    for r in rows:
+        prob = ",".join(f"{k}={v}" for k, v in r.key.problem.items() if not k.startswith("gemm_"))
+        table.add_row(r.digest[:12], r.key.kernel, f"{r.key.arch}:{r.key.sm_count}", prob,
+                      json.dumps(r.config, separators=(",", ":")), f"{r.median_ms:.4f}",
+                      f"{r.tflops:.1f}" if r.tflops else "-", r.source)
+    console.print(table)
+    console.print(f"{len(rows)} config(s) in {_store().safe_url}")
+
+
+@app.command()
+def show(digest: str = typer.Argument(..., help="a digest or a unique prefix of one")) -> None:
+    """Show one tuned config and its trials as JSON."""
+    store = _store()
+    found = store.find_configs(digest)
+    if not found:
+        _fail(f"no config with digest {digest!r}")
+    if len(found) > 1:
+        _fail(f"{digest!r} matches {len(found)} configs; give more of the digest")
+    rec = found[0]
+    out = rec.to_json()
+    out["trials"] = [t.__dict__ for t in store.trials(rec.digest)]
+    console.print_json(json.dumps(out, default=str))
+
+
+@app.command("export")
+def export(path: Path = typer.Argument(..., help="output JSON file, or - for stdout"),
+           kernel: Optional[str] = typer.Option(None), arch: Optional[str] = typer.Option(None)) -> None:
+    """Export tuned configs as JSON (for another host, or `tunecache import`)."""
+    from .transfer import export_configs
+
+    data = export_configs(_store(), kernel=kernel, arch=arch)
+    text = json.dumps(data, indent=1, default=str)
+    if str(path) == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        path.write_text(text)
+        err.print(f"exported {len(data['configs'])} config(s) to {path}")
+
+
+@app.command("import")
+def import_(path: Path = typer.Argument(..., help="a JSON file written by `tunecache export`")) -> None:
+    """Import configs; each is validated, and a stored faster one is kept."""
+    from .transfer import ImportErrorReport, import_configs
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        _fail(f"cannot read {path}: {e}")
+    try:
+        report = import_configs(_store(), data)
+    except ImportErrorReport as e:
+        _fail(str(e))
+    console.print(f"imported {report['stored']}, kept existing faster {report['kept']}, "
+                  f"rejected {len(report['rejected'])}")
+    for msg in report["rejected"][:20]:
+        err.print(f"  rejected: {msg}")
+
+
+@app.command()
+def doctor() -> None:
+    """Versions, device, store location and counts."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .settings import db_url, miss_policy, server_url
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    table = Table("what", "value", show_header=False)
+    table.add_row("python", sys.version.split()[0])
+    for name in ("tunecache", "triton", "torch", "sqlalchemy", "alembic"):
+        table.add_row(name, v(name))
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from .key import cuda_device
+
+            for i in range(torch.cuda.device_count()):
+                dc = cuda_device(i)
+                table.add_row(f"cuda:{i}", f"{dc.name} ({dc})")
+        else:
+            table.add_row("device", "no CUDA GPU: the portable kernels run under TRITON_INTERPRET=1")
+    except ImportError:
+        table.add_row("device", "torch is not installed")
+    table.add_row("store", db_url())
+    table.add_row("miss policy", miss_policy())
+    table.add_row("fleet", server_url() or "not configured (TUNECACHE_SERVER_URL)")
+    from .store import Store, StoreError
+
+    try:
+        store = Store()
+        for name, n in store.counts().items():
+            table.add_row(name, str(n))
+        from .migrate import current_revision
+
+        table.add_row("schema", str(current_revision(store.engine)))
+    except StoreError as e:
+        table.add_row("store error", str(e))
+        console.print(table)
+        raise typer.Exit(1)
+    console.print(table)
+
+
+@db_app.command("upgrade")
+def db_upgrade(url: Optional[str] = typer.Option(None, help="database URL (default TUNECACHE_DB_URL)"),
+               revision: str = typer.Option("head")) -> None:
+    """Create or upgrade the schema (run once per fleet database)."""
+    from .migrate import current_revision, upgrade
+    from .store import Store, StoreError
+
+    try:
+        store = Store(url, migrate=False)
+    except StoreError as e:
+        _fail(str(e))
+    upgrade(store.engine, revision)
+    console.print(f"{store.safe_url}: schema at {current_revision(store.engine)}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
