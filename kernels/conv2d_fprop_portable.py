@@ -80,7 +80,8 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
     if device.arch == "cpu":
         return [c for c in configs if rules.interpreter_ok(c, sizes, rules.INTERPRETER_FIXED)]
     itemsize = 4 if p["dtype"] == "float32" else 2
-    return [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
+    kept = [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
+    return rules.ranked(kept, (p["gemm_M"], p["gemm_N"], p["gemm_K"]), device.sm_count)
 
 
 def default_config(p: dict, device) -> dict:

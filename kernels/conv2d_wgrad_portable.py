@@ -81,7 +81,16 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
         fixed = dict(rules.INTERPRETER_FIXED)
         return [c for c in configs if rules.interpreter_ok(c, sizes, fixed) and c["SPLIT_K"] in (1, 4)]
     itemsize = 4 if p["dtype"] == "float32" else 2
-    return [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
+    kept = [c for c in configs if rules.gpu_ok(c, sizes, itemsize) and _split_ok(c, p, device)]
+    return rules.ranked(kept, (p["gemm_M"], p["gemm_N"], p["gemm_K"]), device.sm_count)
+
+
+def _split_ok(c: dict, p: dict, device) -> bool:
+    """Split the reduction only as far as it takes to fill the GPU about twice over."""
+    tiles = -(-p["Co"] // c["BLOCK_M"]) * -(-p["gemm_N"] // c["BLOCK_N"])
+    if c["SPLIT_K"] == 1:
+        return True
+    return tiles * c["SPLIT_K"] <= 4 * max(1, device.sm_count) and tiles < 2 * max(1, device.sm_count)
 
 
 def default_config(p: dict, device) -> dict:

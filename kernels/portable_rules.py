@@ -18,14 +18,23 @@ def interpreter_ok(c: dict, sizes: dict[str, int], fixed: dict) -> bool:
 
 
 def gpu_ok(c: dict, sizes: dict[str, int], itemsize: int, smem_limit: int = 227 * 1024) -> bool:
-    """Shared memory of the pipelined tiles within the limit, no tile more than twice the
-    problem, and the fp32 accumulator within ~256 registers per thread."""
+    """Static rules for a GPU: the pipelined tiles fit in shared memory; no tile dimension is
+    more than twice the problem's, nor 16 where the problem is large; large problems get
+    large tiles; warps match the tile (2 up to 64x64, 4 up to 128x128, 8 from 128x128); the
+    fp32 accumulator stays within ~128 registers per thread."""
     smem = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
     if smem > smem_limit:
         return False
-    if any(c[b] > max(16, 2 * pow2_at_least(n)) for b, n in sizes.items()):
+    for b, n in sizes.items():
+        if c[b] > max(16, 2 * pow2_at_least(n)) or (c[b] == 16 and n > 32):
+            return False
+    tile = c["BLOCK_M"] * c["BLOCK_N"]
+    if min(sizes["BLOCK_M"], sizes["BLOCK_N"]) >= 512 and tile < 64 * 128:
         return False
-    return c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 256
+    warps = c["num_warps"]
+    if (warps == 8 and tile < 128 * 128) or (warps == 4 and tile > 128 * 128) or (warps == 2 and tile > 64 * 64):
+        return False
+    return tile // (32 * warps) <= 128
 
 
 INTERPRETER_FIXED = {"num_warps": 4, "num_stages": 3, "GROUP_M": 8}
@@ -37,3 +46,27 @@ def interpreter_upcast(t) -> bool:
     import torch
 
     return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
+GPU_TOP_K = 40
+
+
+def ranked(configs: list[dict], gemm: tuple[int, int, int], sm_count: int, k: int = GPU_TOP_K) -> list[dict]:
+    """Keep the k configs a simple performance model likes best (as triton.autotune's
+    `perf_model` + `top_k`): little padding, full waves of tiles, large tiles for reuse.
+    The benchmark then decides among them; this only bounds tuning time to about a minute."""
+    M, N, _ = gemm
+    sms = max(1, sm_count)
+
+    def score(c: dict) -> float:
+        bm, bn, split = c["BLOCK_M"], c["BLOCK_N"], c.get("SPLIT_K", 1)
+        tm, tn = -(-M // bm), -(-N // bn)
+        pad = (M * N) / (tm * bm * tn * bn)
+        tiles = tm * tn * split
+        waves = -(-tiles // sms)
+        fill = tiles / (waves * sms)
+        reuse = min(1.0, (bm * bn / (bm + bn)) / 64)
+        return pad * fill * reuse
+
+    order = sorted(range(len(configs)), key=lambda i: (-score(configs[i]), i))
+    return [configs[i] for i in order[:k]]  # best first: a caller may cut the list shorter

@@ -62,3 +62,9 @@ def test_conv2d_wgrad(N, H, W, Ci, Co, R, S, stride, padding):
     grad_out = g.permute(0, 2, 3, 1).contiguous()
     gw = ops.conv2d_wgrad(x.detach(), grad_out, R, S, stride=stride, padding=padding)
     torch.testing.assert_close(gw, w.grad, atol=1e-3, rtol=1e-4)
+
+
+def test_stride_and_padding_as_lists():
+    x, w = torch.randn(1, 7, 7, 3), torch.randn(4, 3, 3, 3)
+    torch.testing.assert_close(ops.conv2d_fprop(x, w, stride=[2, 1], padding=[1, 0]),
+                               P.conv2d_fprop_reference(x, w, (2, 1), (1, 0)), atol=1e-4, rtol=1e-4)

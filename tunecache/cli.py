@@ -286,6 +286,199 @@ def db_upgrade(url: Optional[str] = typer.Option(None, help="database URL (defau
     console.print(f"{store.safe_url}: schema at {current_revision(store.engine)}")
 
 
+# ---- the fleet: serve, worker, pretune, token ---------------------------------------------
+
+token_app = typer.Typer(help="API tokens of the fleet service (stored hashed in TUNECACHE_DB_URL).",
+                        no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+def _use_interpreter_without_gpu() -> None:
+    """Before Triton is imported: a host without CUDA runs the kernels on the interpreter."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@app.command()
+def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for the fleet)"),
+          port: int = typer.Option(8000),
+          workers: int = typer.Option(1, help="uvicorn worker processes"),
+          db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
+          anonymous_read: bool = typer.Option(False, help="allow lookups without a token"),
+          log_level: str = typer.Option("info")) -> None:
+    """Run the fleet service (FastAPI on uvicorn) over the store; migrates it to head first."""
+    import uvicorn
+
+    from .store import Store, StoreError
+
+    if db_url:
+        os.environ["TUNECACHE_DB_URL"] = db_url
+    if anonymous_read:
+        os.environ["TUNECACHE_ANONYMOUS_READ"] = "1"
+    try:
+        store = Store()  # fail here, clearly, rather than in every worker process
+    except StoreError as e:
+        _fail(str(e))
+    err.print(f"tunecache service on http://{host}:{port} over {store.safe_url} (docs at /docs)")
+    store.close()
+    uvicorn.run("tunecache.server.app:create_app", factory=True, host=host, port=port, workers=workers,
+                log_level=log_level, access_log=log_level == "debug")
+
+
+@app.command()
+def worker(gpu: int = typer.Option(0, help="CUDA device index (ignored on the CPU interpreter)"),
+           lease_s: float = typer.Option(60.0, help="lease length; heartbeats renew it every third"),
+           poll_s: float = typer.Option(2.0, help="seconds between claims when the queue is empty"),
+           burst: bool = typer.Option(False, help="exit when this device class has no queued or running job"),
+           max_jobs: Optional[int] = typer.Option(None, help="exit after this many jobs"),
+           source: str = typer.Option("worker", hidden=True)) -> None:
+    """Claim tuning jobs of this GPU's device class, tune, publish (the fleet's queue when
+    TUNECACHE_SERVER_URL is set, else the local store's)."""
+    import logging
+
+    _use_interpreter_without_gpu()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    for noisy in ("alembic", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from .worker import run_worker
+
+    try:
+        outcomes = run_worker(gpu, lease_s=lease_s, poll_s=poll_s, burst=burst, source=source, max_jobs=max_jobs)
+    except ValueError as e:
+        _fail(str(e))
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    err.print(f"worker done: {len(outcomes)} job(s) " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+
+
+@app.command()
+def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a shipped one: resnet50, "
+                                                     "llama_layer, tiny_cpu"),
+            gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0,1 (default: every local GPU)"),
+            lease_s: float = typer.Option(60.0, help="workers' lease length"),
+            poll_s: float = typer.Option(1.0, help="seconds between progress checks"),
+            dry_run: bool = typer.Option(False, help="list the shapes and their keys; enqueue nothing"),
+            log_dir: Optional[Path] = typer.Option(None, help="write each worker's log here")) -> None:
+    """Tune every shape of a manifest on the local GPUs, resumably: shapes with a stored config
+    are skipped, an interrupted run picks up where it stopped."""
+    _use_interpreter_without_gpu()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .pretune import ManifestError, load_manifest, plan
+    from .pretune import pretune as run_pretune
+    from .worker import worker_device
+
+    try:
+        m = load_manifest(manifest)
+        gpu_list = [int(g) for g in gpus.split(",")] if gpus else None
+    except (ManifestError, ValueError) as e:
+        _fail(str(e))
+    if dry_run:
+        device, _ = worker_device(gpu_list[0] if gpu_list else 0)
+        table = Table("shape", "op", "kernel", "problem", "digest")
+        for p in plan(m, device):
+            prob = ",".join(f"{k}={v}" for k, v in p.shape.problem.items() if not k.startswith("gemm_"))
+            table.add_row(p.shape.name, p.shape.op, p.kernel, prob, p.key.digest[:12])
+        console.print(table)
+        console.print(f"{len(m.shapes)} shape(s) on {device}")
+        return
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[running]}"), console=err) as bar:
+        task = bar.add_task(f"pretune {m.name}", total=None, running="")
+
+        def on_plan(total, todo):
+            bar.update(task, total=total, completed=total - todo)
+            if not todo:
+                bar.update(task, running="nothing to do")
+
+        def on_progress(finished, n, statuses):
+            running = sum(s == "running" for s in statuses.values())
+            bar.update(task, completed=bar.tasks[task].total - n + finished, running=f"{running} running")
+
+        try:
+            report = run_pretune(m, gpus=gpu_list, lease_s=lease_s, poll_s=poll_s, log_dir=log_dir,
+                                 on_plan=on_plan, on_progress=on_progress)
+        except RuntimeError as e:
+            _fail(str(e))
+    if report.interrupted:
+        err.print(f"interrupted after {report.seconds:.0f} s; run it again to resume")
+        raise typer.Exit(130)
+    console.print(f"{m.name}: {report.total} shape(s): {report.already} already tuned, {report.tuned} tuned now, "
+                  f"{len(report.failed)} failed ({report.seconds:.1f} s)")
+    for f in report.failed:
+        err.print(f"  failed: {f} (see `tunecache` worker logs or the dashboard)")
+    if report.failed:
+        raise typer.Exit(1)
+
+
+@token_app.command("create")
+def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, publish, worker or admin "
+                                                 "(repeat or comma-separate)"),
+                 name: str = typer.Option("", help="who or what uses it (default: the scopes)"),
+                 db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")
+                 ) -> None:
+    """Create a token; the secret is printed once and only its hash is stored."""
+    from .store import Store, StoreError
+
+    scopes = [s.strip() for item in scope for s in item.split(",") if s.strip()]
+    try:
+        store = Store(db_url) if db_url else _store()
+        secret, rec = store.create_token(name or "+".join(scopes), scopes)
+    except (StoreError, ValueError) as e:
+        _fail(str(e))
+    err.print(f"token {rec.name!r} with scopes {', '.join(rec.scopes)} (shown once; export it as TUNECACHE_TOKEN):")
+    sys.stdout.write(secret + "\n")
+
+
+@token_app.command("ls")
+def token_ls(db_url: Optional[str] = typer.Option(None)) -> None:
+    """List tokens (names and scopes; secrets are not stored)."""
+    from .store import Store
+
+    store = Store(db_url) if db_url else _store()
+    table = Table("id", "name", "scopes", "created", "revoked")
+    for t in store.list_tokens():
+        table.add_row(str(t.id), t.name, ",".join(t.scopes), str(t.created_at)[:19], str(t.revoked_at or "")[:19])
+    console.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(name: str = typer.Argument(...), db_url: Optional[str] = typer.Option(None)) -> None:
+    """Revoke every token with this name (the service notices within 10 s)."""
+    from .store import Store
+
+    store = Store(db_url) if db_url else _store()
+    n = store.revoke_token(name)
+    if not n:
+        _fail(f"no live token named {name!r}")
+    console.print(f"revoked {n} token(s) named {name!r}")
+
+
+@app.command("compile")
+def compile_(op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or conv2d_wgrad"),
+             backend: str = typer.Option(..., "--backend", help="a Gluon backend: blackwell or hopper"),
+             arch: str = typer.Option(..., "--arch", help="explicit target: sm_90a or sm_100a"),
+             problem: Optional[str] = typer.Option(None, "--problem", "-p",
+                                                   help="KEY=VALUE,... or JSON (default: a representative one)"),
+             all_configs: bool = typer.Option(False, "--all", help="every config of the space, pruned ones too"),
+             workers: Optional[int] = typer.Option(None, help="compile processes (default: one per CPU core)")) -> None:
+    """Compile configs for an explicit target, no GPU needed; one JSON line per config."""
+    from .compile import compile_space, report_lines
+
+    try:
+        p = problem_from_shape(op, parse_problem(problem)) if problem else None
+        reports = compile_space(op, backend, arch, p, all_configs=all_configs, workers=workers)
+    except (ValueError, TypeError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+    for line in report_lines(reports, kernel=f"{op}.{backend}"):
+        sys.stdout.write(line + "\n")
+
+
 def main() -> None:
     app()
 

@@ -31,6 +31,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
     """y[N, P, Q, Co] = conv2d(x[N, H, W, Ci], w[Co, R, S, Ci]); stride/padding: int or (h, w)."""
+    if type(stride) is list or type(padding) is list:  # lists cannot key the memo
+        stride, padding = _hashable(stride), _hashable(padding)
     raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
     entry = _fprop.memo.get(raw)
     if entry is None or entry.provisional:
@@ -40,12 +42,18 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
 
 def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
     """grad_w[Co, R, S, Ci] of conv2d_fprop, from x[N, H, W, Ci] and grad_out[N, P, Q, Co]."""
+    if type(stride) is list or type(padding) is list:
+        stride, padding = _hashable(stride), _hashable(padding)
     raw = (x.shape, x.stride(), x.dtype, x.device, grad_out.shape, grad_out.stride(), grad_out.dtype,
            grad_out.device, R, S, stride, padding)
     entry = _wgrad.memo.get(raw)
     if entry is None or entry.provisional:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
     return entry.run(x, grad_out, R, S, stride, padding)
+
+
+def _hashable(v):
+    return tuple(v) if type(v) is list else v
 
 
 def clear_memo() -> None:

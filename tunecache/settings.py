@@ -42,3 +42,15 @@ def recheck_seconds() -> float:
 def backend_override() -> str | None:
     """TUNECACHE_BACKEND=portable forces a backend (benchmarks, debugging)."""
     return os.environ.get("TUNECACHE_BACKEND") or None
+
+
+def max_candidates() -> int | None:
+    """TUNECACHE_MAX_CANDIDATES caps how many configs one tuning run benchmarks (the backend's
+    pruning ranks them best-first), trading search breadth for tuning time."""
+    v = os.environ.get("TUNECACHE_MAX_CANDIDATES")
+    if not v:
+        return None
+    n = int(v)
+    if n < 1:
+        raise ValueError(f"TUNECACHE_MAX_CANDIDATES must be >= 1, got {v!r}")
+    return n

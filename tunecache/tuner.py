@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
-from . import bench
+from . import bench, settings
 from .key import DeviceClass, TuneKey, triton_version
 from .registry import kernel_version
 from .store import ConfigRecord, Store, TrialRecord, whoami
@@ -70,6 +70,9 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
     key = make_key(mod, problem, device)
     space = mod.config_space(problem, device) if configs is None else configs
     candidates = mod.prune(space, problem, device) if configs is None else list(configs)
+    cap = settings.max_candidates()
+    if cap is not None and configs is None:
+        candidates = candidates[:cap]
     if not candidates:
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
     trials: list[TrialRecord] = []

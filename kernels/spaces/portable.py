@@ -1,4 +1,7 @@
-"""Spaces of the portable `triton.language` kernels (any CUDA GPU, and the CPU interpreter)."""
+"""Spaces of the portable `triton.language` kernels (any CUDA GPU, and the CPU interpreter).
+
+Wide on purpose: the static rules in portable_rules.py cut each to a few dozen candidates
+for a given problem and device (about a minute of tuning on a GPU)."""
 
 from . import ConfigSpace
 
@@ -8,26 +11,26 @@ SPACES = {
     "matmul": ConfigSpace({
         "BLOCK_M": _BLOCKS,
         "BLOCK_N": _BLOCKS + (256,),
-        "BLOCK_K": (16, 32, 64, 128),
-        "GROUP_M": (1, 8),
+        "BLOCK_K": (16, 32, 64),
+        "GROUP_M": (8,),
         "num_warps": (2, 4, 8),
         "num_stages": (2, 3, 4, 5),
     }),
     # implicit GEMM: M = N*P*Q output pixels, N = Co, K = R*S*Ci
     "conv2d_fprop": ConfigSpace({
         "BLOCK_M": _BLOCKS,
-        "BLOCK_N": _BLOCKS,
+        "BLOCK_N": _BLOCKS + (256,),
         "BLOCK_K": (16, 32, 64),
-        "GROUP_M": (1, 8),
+        "GROUP_M": (8,),
         "num_warps": (2, 4, 8),
         "num_stages": (2, 3, 4),
     }),
     # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci], split along N*P*Q
     "conv2d_wgrad": ConfigSpace({
         "BLOCK_M": _BLOCKS,
-        "BLOCK_N": _BLOCKS,
+        "BLOCK_N": _BLOCKS + (256,),
         "BLOCK_K": (16, 32, 64),
-        "SPLIT_K": (1, 2, 4, 8, 16),
+        "SPLIT_K": (1, 2, 4, 8, 16, 32),
         "num_warps": (2, 4, 8),
         "num_stages": (2, 3, 4),
     }),
