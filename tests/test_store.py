@@ -126,3 +126,13 @@ def test_done_job_without_a_winner_is_requeued(store):
     job = store.claim_job("w", "cpu", 0)
     store.complete_job(job.id, "w")
     assert store.enqueue(key(1)).status == "queued"
+
+
+def test_head_revision_agrees_with_alembic():
+    from alembic.script import ScriptDirectory
+
+    from tunecache.migrate import alembic_config
+
+    script = ScriptDirectory.from_config(alembic_config())
+    assert script.get_current_head() == head_revision()
+    assert len(script.get_heads()) == 1, "revisions must form one line"
