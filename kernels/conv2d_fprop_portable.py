@@ -77,11 +77,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     sizes = {"BLOCK_M": p["gemm_M"], "BLOCK_N": p["Co"], "BLOCK_K": p["Ci"]}
-    if device.arch == "cpu":
-        return [c for c in configs if rules.interpreter_ok(c, sizes, rules.INTERPRETER_FIXED)]
-    itemsize = 4 if p["dtype"] == "float32" else 2
-    kept = [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
-    return rules.ranked(kept, (p["gemm_M"], p["gemm_N"], p["gemm_K"]), device.sm_count)
+    return rules.prune(configs, p, device, sizes, (p["gemm_M"], p["gemm_N"], p["gemm_K"]))
 
 
 def default_config(p: dict, device) -> dict:

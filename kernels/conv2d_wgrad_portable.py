@@ -78,11 +78,9 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
     # a split must leave each program at least one full BLOCK_K of the reduction
     configs = [c for c in configs if c["SPLIT_K"] * c["BLOCK_K"] <= max(c["BLOCK_K"], p["gemm_K"])]
     if device.arch == "cpu":
-        fixed = dict(rules.INTERPRETER_FIXED)
-        return [c for c in configs if rules.interpreter_ok(c, sizes, fixed) and c["SPLIT_K"] in (1, 4)]
-    itemsize = 4 if p["dtype"] == "float32" else 2
-    kept = [c for c in configs if rules.gpu_ok(c, sizes, itemsize) and _split_ok(c, p, device)]
-    return rules.ranked(kept, (p["gemm_M"], p["gemm_N"], p["gemm_K"]), device.sm_count)
+        configs = [c for c in configs if c["SPLIT_K"] in (1, 4)]
+    return rules.prune(configs, p, device, sizes, (p["gemm_M"], p["gemm_N"], p["gemm_K"]),
+                       gpu_extra=lambda c: _split_ok(c, p, device))
 
 
 def _split_ok(c: dict, p: dict, device) -> bool:

@@ -67,11 +67,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     sizes = {"BLOCK_M": p["M"], "BLOCK_N": p["N"], "BLOCK_K": p["K"]}
-    if device.arch == "cpu":
-        return [c for c in configs if rules.interpreter_ok(c, sizes, rules.INTERPRETER_FIXED)]
-    itemsize = 4 if p["dtype"] == "float32" else 2
-    kept = [c for c in configs if rules.gpu_ok(c, sizes, itemsize)]
-    return rules.ranked(kept, (p["M"], p["N"], p["K"]), device.sm_count)
+    return rules.prune(configs, p, device, sizes, (p["M"], p["N"], p["K"]))
 
 
 def default_config(p: dict, device) -> dict:

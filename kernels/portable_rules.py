@@ -70,3 +70,14 @@ def ranked(configs: list[dict], gemm: tuple[int, int, int], sm_count: int, k: in
 
     order = sorted(range(len(configs)), key=lambda i: (-score(configs[i]), i))
     return [configs[i] for i in order[:k]]  # best first: a caller may cut the list shorter
+
+
+def prune(configs: list[dict], p: dict, device, sizes: dict[str, int], gemm: tuple[int, int, int],
+          gpu_extra=None) -> list[dict]:
+    """The portable kernels' pruning: interpreter rules on the CPU; on a GPU the static rules
+    (plus the kernel's own `gpu_extra(config)`), then the best-ranked few."""
+    if device.arch == "cpu":
+        return [c for c in configs if interpreter_ok(c, sizes, INTERPRETER_FIXED)]
+    itemsize = 4 if p["dtype"] == "float32" else 2
+    kept = [c for c in configs if gpu_ok(c, sizes, itemsize) and (gpu_extra is None or gpu_extra(c))]
+    return ranked(kept, gemm, device.sm_count)
