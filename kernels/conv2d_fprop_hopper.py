@@ -1,0 +1,280 @@
+"""Hopper (sm_90a) conv2d forward in Gluon: implicit GEMM on TMA im2col and async WGMMA.
+
+y[N*P*Q, Co] = im2col(x)[N*P*Q, R*S*Ci] @ w[Co, R*S*Ci]^T, NHWC, fp16 or bf16, per-axis
+stride and padding.
+
+The activation tile of each k-step is one TMA im2col load: BLOCK_M consecutive output pixels
+(TMA wraps rows and images itself) times BLOCK_K channels of one filter tap (r, s), zeros
+where the window overhangs the padding. The weight tile is a plain tiled load of
+w viewed as [Co, R*S*Ci]. The pipeline is the persistent one of matmul_hopper: a ring of
+`num_stages` slots running ahead across tile boundaries, one WGMMA in flight, the epilogue's
+TMA store overlapped with the next tile. Channel counts that break TMA's 16-byte stride rule
+are zero-padded on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import KernelSpec, problems
+from . import gluon_host as gh
+from .matmul_hopper import grouped_tile, wgmma_acc_layout
+from .spaces.hopper import SPACES
+
+OP, BACKEND = "conv2d_fprop", "hopper"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_fprop_problem
+inputs = problems.conv2d_fprop_inputs
+reference = problems.conv2d_fprop_reference
+flops = problems.conv2d_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code -------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _tile_origin(t, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This CTA's t-th tile -> (first output pixel, first output channel, and the pixel's window
+    corner in the input: image, row, column). Divisions: once per tile, not per k-step."""
+    pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    pq = m0 % PQ
+    return m0, pid_n * BLOCK_N, m0 // PQ, (pq // Q) * stride_h - pad_h, (pq % Q) * stride_w - pad_w
+
+
+@gluon.jit
+def _issue_load(step, total, m0, n0, img, h0, w0, c0, r, s, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready,
+                STAGES: gl.constexpr, IM2COL: gl.constexpr):
+    """TMA-load k-step `step` (filter tap (r, s), channels c0...) of the tile at (m0, n0)."""
+    pred = step < total
+    slot = step % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
+    if IM2COL:
+        tma.async_load_im2col(x_desc, [img, h0, w0, c0], [r.to(gl.int16), s.to(gl.int16)], bar, a_bufs.index(slot),
+                              pred)
+    else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
+        tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot), pred)
+    tma.async_load(w_desc, [n0, (r * S + s) * Ci + c0], bar, b_bufs.index(slot), pred)
+
+
+@gluon.jit
+def _next_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
+    """Advance (channel block, tap) by one k-step without dividing; `done` when the tile's
+    k-loop wraps around."""
+    c0 = c0 + BLOCK_K
+    wrap_c = c0 >= Ci
+    c0 = gl.where(wrap_c, 0, c0)
+    s = gl.where(wrap_c, s + 1, s)
+    wrap_s = s == S
+    s = gl.where(wrap_s, 0, s)
+    r = gl.where(wrap_s, r + 1, r)
+    done = r == R
+    r = gl.where(done, 0, r)
+    return c0, r, s, done
+
+
+@gluon.jit(do_not_specialize=["GROUP_M", "M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w"])
+def conv2d_fprop_kernel(x_desc, w_desc, y_desc, M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
+                        GROUP_M, STAGES: gl.constexpr, IM2COL: gl.constexpr, num_warps: gl.constexpr):
+    """x_desc: im2col over x [N, H, W, Ci] (IM2COL) or tiles of x as [N*H*W, Ci] (a 1x1, stride-1,
+    unpadded conv, where TMA's plain tiled mode is the cheaper way to the same tile);
+    w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co]."""
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = y_desc.dtype
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(Co, BLOCK_N)
+    ci_blocks = gl.cdiv(Ci, BLOCK_K)
+    k_tiles = R * S * ci_blocks
+    my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
+    total = my_tiles * k_tiles
+
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+
+    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles
+    pt = gl.to_tensor(0)
+    pm0, pn0, pimg, ph0, pw0 = _tile_origin(0, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w,
+                                            pad_h, pad_w, BLOCK_M, BLOCK_N)
+    pc0 = gl.to_tensor(0)
+    pr = gl.to_tensor(0)
+    ps = gl.to_tensor(0)
+    for i in gl.static_range(STAGES - 1):
+        _issue_load(i, total, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready,
+                    STAGES, IM2COL)
+        pc0, pr, ps, done = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
+        if done:
+            pt += 1
+            pm0, pn0, pimg, ph0, pw0 = _tile_origin(pt, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h,
+                                                    stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N)
+
+    step = 0
+    for t in range(my_tiles):
+        for kk in range(k_tiles):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            _issue_load(step + STAGES - 1, total, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, Ci, S, x_desc, w_desc,
+                        a_bufs, b_bufs, ready, STAGES, IM2COL)
+            pc0, pr, ps, done = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
+            if done:
+                pt += 1
+                pm0, pn0, pimg, ph0, pw0 = _tile_origin(pt, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q,
+                                                        stride_h, stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
+        out = acc.to(dtype)
+        tma.store_wait(pendings=0)
+        c_smem.store(out)
+        fence_async_shared()
+        tma.async_store(y_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+JIT_FUNCTIONS = (conv2d_fprop_kernel,)
+
+
+# ---- configs -------------------------------------------------------------------------------------
+
+
+def _geometry_ok(p: dict) -> bool:
+    return gh.im2col_ok(p["H"], p["W"], p["P"], p["Q"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+
+
+def supports(p: dict, device) -> bool:
+    return device.capability == (9, 0) and p.get("dtype") in _DTYPES and _geometry_ok(p)
+
+
+def config_space(p: dict, device) -> list[dict]:
+    return list(SPACES[OP])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def smem_bytes(c: dict, itemsize: int = 2) -> int:
+    ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
+    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
+
+
+def fits(c: dict, p: dict | None = None) -> bool:
+    if smem_bytes(c) > gh.SMEM_LIMIT_BYTES:
+        return False
+    if c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) > 128:
+        return False
+    if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
+        return False
+    if p is not None:
+        ci = gh.padded_channels(p["Ci"], p["dtype"])
+        # a k-step covers one filter tap: more channels than the tap has are zeros
+        if c["BLOCK_K"] > max(16, _pow2(ci)):
+            return False
+        if c["BLOCK_N"] > max(64, _pow2(p["Co"])) or c["BLOCK_M"] > max(64, _pow2(p["gemm_M"])):
+            return False
+    return True
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    return [c for c in configs if fits(c, p)]
+
+
+def default_config(p: dict, device) -> dict:
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    bk = min(64, max(16, _pow2(ci)))
+    if p["Co"] >= 256:
+        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    elif p["Co"] >= 128:
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    else:
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    if not fits(c, p):
+        fitting = prune(config_space(p, device), p, device)
+        if fitting:
+            c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
+    return c
+
+
+# ---- host side -----------------------------------------------------------------------------------
+
+
+def is_pointwise(p: dict) -> bool:
+    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
+    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
+
+
+def _constexprs(c: dict, im2col: bool) -> dict:
+    return {"STAGES": c["num_stages"], "IM2COL": im2col, "num_warps": c["num_warps"]}
+
+
+def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
+    (sh, sw) = problems.pair(stride, "stride", minimum=1)
+    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    N, H, W, _ = x.shape
+    Co, R, S, _ = w.shape
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    xp, wp = gh.pad_channels(x), gh.pad_channels(w)
+    Ci = xp.shape[-1]
+    M = N * P * Q
+    co_pad = gh.padded_channels(Co, x.dtype)
+    y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
+    if im2col:
+        x_desc = gh.im2col_desc(xp, [bm, bk], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
+    else:
+        x_desc = gh.tiled_desc(xp.view(M, Ci), [bm, bk])
+    w_desc = gh.tiled_desc(wp.view(Co, R * S * Ci), [bn, bk])
+    y_desc = gh.tiled_desc(y, [bm, bn])
+    tiles = triton.cdiv(M, bm) * triton.cdiv(Co, bn)
+    grid = gh.persistent_grid(tiles, gh.num_sms(x.device))
+    conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw,
+                              config["GROUP_M"], **_constexprs(config, im2col))
+    y = y if co_pad == Co else y[:, :Co].contiguous()
+    return y.view(N, P, Q, Co)
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    im2col = not is_pointwise(p)
+    ce = _constexprs(config, im2col)
+    sig = {"x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]), "w_desc": gh.desc_sig(dt, [bn, bk]),
+           "y_desc": gh.desc_sig(dt, [bm, bn])}
+    sig.update({k: "i32" for k in ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
+                                   "GROUP_M")})
+    sig.update({k: "constexpr" for k in ce})
+    return [KernelSpec(fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
+                       num_stages=config["num_stages"], name="conv2d_fprop_kernel")]

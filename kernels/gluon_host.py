@@ -1,0 +1,281 @@
+"""Host-side code shared by the Gluon backends (hopper and blackwell).
+
+TMA descriptors (tiled and im2col) and the signature strings that name them for an explicit
+compile, channel padding for TMA's 16-byte stride rule, persistent grids, and split-K: its
+fp32 workspace and a deterministic two-pass reduction (the partials are summed in a fixed
+order, so the same inputs always give the same bits, unlike atomics).
+
+Nothing here launches a GEMM; the backends build on these pieces. Keep the names stable:
+other backends import them (add new helpers rather than renaming old ones).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+
+from . import KernelSpec
+
+# Every TMA descriptor's base address and outer strides must be multiples of 16 bytes.
+TMA_ALIGN_BYTES = 16
+# Dynamic shared memory a CTA may use on sm_90 and sm_100 (227 KB); a kernel's own barriers
+# and the compiler's scratch come out of it too.
+SMEM_LIMIT_BYTES = 227 * 1024
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# names used in kernel signatures (`triton.compile`) and in Gluon code
+SIG_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+GL_DTYPE = {"float16": gl.float16, "bfloat16": gl.bfloat16, "float32": gl.float32}
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch.bfloat16 or "bfloat16" -> "bfloat16"."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return str(dtype)
+
+
+def gl_dtype(dtype: Any):
+    return GL_DTYPE[dtype_name(dtype)]
+
+
+def tma_multiple(dtype: Any) -> int:
+    """How many elements make 16 bytes: a contiguous dim that strides must be a multiple of it."""
+    return TMA_ALIGN_BYTES // ITEMSIZE[dtype_name(dtype)]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_tma_compatible(t: torch.Tensor) -> bool:
+    """Last dim contiguous, base and every outer stride 16-byte aligned."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return False
+    es = t.element_size()
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return False
+    return all((s * es) % TMA_ALIGN_BYTES == 0 for s in t.stride()[:-1])
+
+
+def padded_channels(c: int, dtype: Any) -> int:
+    """Channel count rounded up so an NHWC tensor's strides satisfy TMA."""
+    return round_up(c, tma_multiple(dtype))
+
+
+def pad_last_dim(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A contiguous zero-padded copy of `t` whose last dim is `size` (t itself if it already is
+    contiguous with that size). The zeros make padded channels add nothing to a GEMM."""
+    if t.shape[-1] == size and t.is_contiguous():
+        return t
+    out = t.new_zeros((*t.shape[:-1], size))
+    out[..., : t.shape[-1]] = t
+    return out
+
+
+def pad_channels(t: torch.Tensor) -> torch.Tensor:
+    """Pad the last (channel) dim of a contiguous NHWC/KRSC tensor for TMA; no copy if aligned."""
+    return pad_last_dim(t, padded_channels(t.shape[-1], t.dtype))
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` if TMA can read it as is, else a contiguous copy with its last dim padded."""
+    if is_tma_compatible(t):
+        return t
+    return pad_last_dim(t.contiguous(), padded_channels(t.shape[-1], t.dtype))
+
+
+# ---- shared-memory layouts and descriptors ---------------------------------------------------
+
+
+def shared_layout(block_shape: Sequence[int], dtype: Any, transposed: bool = False) -> gl.NVMMASharedLayout:
+    """The widest-swizzle NVMMA layout for a TMA block that WGMMA/tcgen05 reads directly."""
+    return _shared_layout(tuple(block_shape), dtype, transposed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_layout(block_shape: tuple, dtype: Any, transposed: bool) -> gl.NVMMASharedLayout:
+    # ~35 us to compute and built on every launch (three descriptors per matmul): cached,
+    # it leaves the launch path; layouts are immutable values, safe to share.
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype(dtype), transposed=transposed)
+
+
+def tiled_desc(t: torch.Tensor, block_shape: Sequence[int], layout=None) -> TensorDescriptor:
+    """Tiled TMA descriptor over `t` (any rank 1-5, last dim contiguous); OOB reads give zeros,
+    OOB parts of stores are dropped."""
+    block_shape = list(block_shape)
+    if layout is None:
+        layout = shared_layout(block_shape, t.dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, layout)
+
+
+def im2col_pixel_box(H: int, W: int, P: int, Q: int, stride: Sequence[int], padding: Sequence[int]):
+    """(lower, upper) corners of the im2col pixel box for an NHWC input.
+
+    The box starts at -pad and is sized so that stepping it by `stride` visits exactly P x Q
+    pixels per image: (P - 1) * stride_h + 1 rows, i.e. upper = that - H - pad_h. TMA then
+    walks BLOCK pixels from any (n, p, q) start, wrapping rows and images by itself.
+    """
+    (sh, sw), (ph, pw) = stride, padding
+    lower = [-ph, -pw]
+    upper = [(P - 1) * sh + 1 - H - ph, (Q - 1) * sw + 1 - W - pw]
+    return lower, upper
+
+
+# rank-4 (NHWC) im2col corners are signed 8-bit in the descriptor
+IM2COL_CORNER_RANGE = (-128, 127)
+
+
+def im2col_ok(H: int, W: int, P: int, Q: int, stride, padding) -> bool:
+    """Whether the TMA im2col descriptor can express this geometry (strides <= 8, corners in
+    range); callers fall back to another backend when it cannot."""
+    (sh, sw) = stride
+    if not (1 <= sh <= 8 and 1 <= sw <= 8):
+        return False
+    lo, hi = IM2COL_CORNER_RANGE
+    lower, upper = im2col_pixel_box(H, W, P, Q, stride, padding)
+    return all(lo <= v <= hi for v in lower + upper)
+
+
+def im2col_desc(x: torch.Tensor, block_shape: Sequence[int], *, stride: Sequence[int],
+                padding: Sequence[int], out_hw: Sequence[int], layout=None) -> TensorDescriptorIm2Col:
+    """TMA im2col descriptor over NHWC `x`: a load at coord [n, p*sh - ph, q*sw - pw, c] with
+    offsets [r, s] fills a [pixels, channels] block with the (r, s) filter tap's inputs for
+    `pixels` consecutive output positions, zeros where the window hangs over the padding."""
+    N, H, W, C = x.shape
+    P, Q = out_hw
+    block_shape = list(block_shape)
+    if layout is None:
+        layout = shared_layout(block_shape, x.dtype)
+    lower, upper = im2col_pixel_box(H, W, P, Q, stride, padding)
+    return TensorDescriptorIm2Col(
+        base=x, shape=list(x.shape), strides=list(x.stride()), block_shape=block_shape, layout=layout,
+        padding="zero", element_strides=[1, int(stride[0]), int(stride[1]), 1],
+        pixel_box_lower_corner=lower, pixel_box_upper_corner=upper)
+
+
+def desc_sig(dtype: Any, block_shape: Sequence[int], layout=None) -> str:
+    """Signature string of a tiled descriptor argument, as the JIT would specialize it."""
+    block_shape = list(block_shape)
+    if layout is None:
+        layout = shared_layout(block_shape, dtype)
+    return f"tensordesc<{SIG_DTYPE[dtype_name(dtype)]}[{','.join(map(str, block_shape))}],{layout!r}>"
+
+
+def im2col_desc_sig(dtype: Any, block_shape: Sequence[int], layout=None, input_rank: int = 4) -> str:
+    """Signature string of an im2col descriptor argument over a rank-`input_rank` tensor."""
+    block_shape = list(block_shape)
+    if layout is None:
+        layout = shared_layout(block_shape, dtype)
+    return (f"tensordesc_im2col<{SIG_DTYPE[dtype_name(dtype)]}[{','.join(map(str, block_shape))}],"
+            f"input_rank={input_rank},{layout!r}>")
+
+
+def ptr_sig(dtype: Any) -> str:
+    return "*" + SIG_DTYPE[dtype_name(dtype)]
+
+
+# ---- persistent grids ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: Any = None) -> int:
+    """SM count of a torch device (or index, or a tunecache DeviceClass)."""
+    if hasattr(device, "sm_count"):
+        return int(device.sm_count)
+    if isinstance(device, torch.device):
+        device = device.index
+    return _sm_count(torch.cuda.current_device() if device is None else int(device))
+
+
+def persistent_grid(num_tiles: int, sms: int, ctas_per_sm: int = 1) -> tuple[int]:
+    """One CTA per SM (or per `ctas_per_sm` slot), never more CTAs than tiles."""
+    return (max(1, min(num_tiles, sms * ctas_per_sm)),)
+
+
+# ---- split-K -----------------------------------------------------------------------------------
+
+
+def split_k_plan(k_iters: int, split_k: int) -> tuple[int, int]:
+    """(active splits, k-iterations per split): every active split gets at least one iteration,
+    so asking for more splits than iterations never launches empty work."""
+    k_iters = max(1, k_iters)
+    per = cdiv(k_iters, max(1, split_k))
+    return cdiv(k_iters, per), per
+
+
+def split_k_workspace(splits: int, rows: int, cols: int, device) -> torch.Tensor:
+    """fp32 partials, one [rows, cols] slab per split. Every element is written by the GEMM
+    kernel, so it is not zeroed."""
+    return torch.empty((splits, rows, cols), device=device, dtype=torch.float32)
+
+
+@gluon.jit
+def split_k_reduce_kernel(ws_ptr, out_ptr, numel, splits, BLOCK: gl.constexpr, num_warps: gl.constexpr):
+    """out[i] = sum_s ws[s, i] in split order (deterministic), cast to out's dtype."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    pid = gl.program_id(0)
+    offs = pid.to(gl.int64) * BLOCK + gl.arange(0, BLOCK, layout).to(gl.int64)
+    mask = offs < numel
+    acc = gl.zeros([BLOCK], gl.float32, layout)
+    for s in range(splits):
+        acc += gl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+SPLIT_K_REDUCE_BLOCK = 1024
+SPLIT_K_REDUCE_WARPS = 4
+
+
+def split_k_reduce(ws: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Sum the [splits, ...] fp32 workspace into contiguous `out` (same element count per split)."""
+    assert out.is_contiguous() and ws.is_contiguous()
+    numel = out.numel()
+    assert ws.numel() == ws.shape[0] * numel
+    grid = (cdiv(numel, SPLIT_K_REDUCE_BLOCK),)
+    split_k_reduce_kernel[grid](ws, out, numel, ws.shape[0], BLOCK=SPLIT_K_REDUCE_BLOCK,
+                                num_warps=SPLIT_K_REDUCE_WARPS)
+    return out
+
+
+def split_k_reduce_spec(out_dtype: Any) -> KernelSpec:
+    """The reduction's compile, for CPU-only checks of a backend's compile_specs."""
+    return KernelSpec(
+        fn=split_k_reduce_kernel,
+        signature={"ws_ptr": "*fp32", "out_ptr": ptr_sig(out_dtype), "numel": "i64", "splits": "i32",
+                   "BLOCK": "constexpr", "num_warps": "constexpr"},
+        constexprs={"BLOCK": SPLIT_K_REDUCE_BLOCK, "num_warps": SPLIT_K_REDUCE_WARPS},
+        num_warps=SPLIT_K_REDUCE_WARPS, num_stages=1, name="split_k_reduce")
+
+
+# ---- compiling a KernelSpec for an explicit target (no GPU needed) ----------------------------
+
+
+def compile_spec(spec: KernelSpec, arch: int = 90):
+    """triton.compile one KernelSpec for sm_<arch> (90 -> sm_90a, 100 -> sm_100a) on any host."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(spec.fn, spec.signature, spec.constexprs)
+    options = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, num_ctas=spec.num_ctas)
+    options.update(spec.options)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def smem_bytes_of(compiled) -> int:
+    """Shared memory a compiled kernel asks for (its metadata), for pruning after compile."""
+    return int(compiled.metadata.shared)

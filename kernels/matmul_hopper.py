@@ -1,0 +1,282 @@
+"""Hopper (sm_90a) matmul in Gluon: persistent, TMA-fed, multi-stage, async WGMMA.
+
+c[M, N] = a[M, K] @ b[K, N], fp16 or bf16 in and out, fp32 accumulation, any M, N, K and
+either operand row-major or transposed.
+
+Each CTA walks its tiles (grouped order, stride = grid size) as one flat sequence of
+k-steps. A ring of `num_stages` shared-memory slots runs `num_stages - 1` TMA loads ahead of
+the WGMMA, and the loads run straight across tile boundaries: while a tile's epilogue converts
+the accumulator and hands it to an async TMA store, the next tile's first k-steps are already
+in flight. One WGMMA stays outstanding behind the one being issued, so the tensor cores never
+wait for the issuing warps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import KernelSpec, problems
+from . import gluon_host as gh
+from .spaces.hopper import SPACES
+
+OP, BACKEND = "matmul", "hopper"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.matmul_problem
+inputs = problems.matmul_inputs
+reference = problems.matmul_reference
+flops = problems.matmul_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code -------------------------------------------------------------------------------
+
+
+@gluon.constexpr_function
+def wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps):
+    """Accumulator layout of a [BLOCK_M, BLOCK_N] WGMMA: warps stack along M in warpgroups of
+    4 (16 rows each) while M has rows to spare, then split N; the instruction's N is the
+    widest multiple of 8 (<= 256) that divides each warp column's share of the tile."""
+    warps = [4, 1]
+    while warps[0] * warps[1] < num_warps:
+        if BLOCK_M > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    max_n = max(BLOCK_N // warps[1], 8)
+    n = 256
+    while n > max_n or BLOCK_N % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
+    """Tile id -> (pid_m, pid_n), GROUP_M row-tiles at a time so their B columns stay in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // per_group) * GROUP_M
+    rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id % per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+@gluon.jit
+def _issue_load(step, total, off_m, off_n, k, a_desc, b_desc, a_bufs, b_bufs, ready,
+                TRANS_A: gl.constexpr, TRANS_B: gl.constexpr, STAGES: gl.constexpr):
+    """TMA-load the operands of flat k-step `step` of this CTA into ring slot step % STAGES."""
+    pred = step < total
+    slot = step % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred)
+    if TRANS_A:
+        tma.async_load(a_desc, [k, off_m], bar, a_bufs.index(slot), pred)
+    else:
+        tma.async_load(a_desc, [off_m, k], bar, a_bufs.index(slot), pred)
+    if TRANS_B:
+        tma.async_load(b_desc, [off_n, k], bar, b_bufs.index(slot), pred)
+    else:
+        tma.async_load(b_desc, [k, off_n], bar, b_bufs.index(slot), pred)
+
+
+@gluon.jit(do_not_specialize=["M", "N", "K", "GROUP_M"])
+def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M,
+                  TRANS_A: gl.constexpr, TRANS_B: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc tiles a [M, K] ([K, M] when TRANS_A), b_desc b [K, N] ([N, K] when TRANS_B)."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TRANS_A else a_desc.block_type.shape[1]
+    dtype: gl.constexpr = c_desc.dtype
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
+    total = my_tiles * k_tiles
+
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+
+    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles;
+    # tile coordinates are recomputed once per tile, not per k-step
+    pt = gl.to_tensor(0)
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+    pm = pid_m * BLOCK_M
+    pn = pid_n * BLOCK_N
+    pk = gl.to_tensor(0)
+    for i in gl.static_range(STAGES - 1):
+        _issue_load(i, total, pm, pn, pk, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A, TRANS_B, STAGES)
+        pk += BLOCK_K
+        wrap = pk >= K
+        pk = gl.where(wrap, 0, pk)
+        if wrap:
+            pt += 1
+            pid_m, pid_n = grouped_tile(pid + pt * nprog, num_pid_m, num_pid_n, GROUP_M)
+            pm = pid_m * BLOCK_M
+            pn = pid_n * BLOCK_N
+
+    step = 0
+    for t in range(my_tiles):
+        for kk in range(k_tiles):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            a = a_bufs.index(slot)
+            if TRANS_A:
+                a = a.permute((1, 0))
+            b = b_bufs.index(slot)
+            if TRANS_B:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, use_acc=kk != 0, is_async=True)
+            # the previous step's WGMMA has retired: its slot is free for the next load, which
+            # runs on into the next tile's k-steps near the end of this one
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            _issue_load(step + STAGES - 1, total, pm, pn, pk, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A,
+                        TRANS_B, STAGES)
+            pk += BLOCK_K
+            wrap = pk >= K
+            pk = gl.where(wrap, 0, pk)
+            if wrap:
+                pt += 1
+                pid_m, pid_n = grouped_tile(pid + pt * nprog, num_pid_m, num_pid_n, GROUP_M)
+                pm = pid_m * BLOCK_M
+                pn = pid_n * BLOCK_N
+            step += 1
+        # epilogue outside the k-loop: no WGMMA is in flight across a branch, so ptxas keeps
+        # the accumulator in place instead of serializing the WGMMAs
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
+        out = acc.to(dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+        c_smem.store(out)
+        fence_async_shared()
+        tma.async_store(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+JIT_FUNCTIONS = (matmul_kernel,)
+
+
+# ---- configs -------------------------------------------------------------------------------------
+
+
+def supports(p: dict, device) -> bool:
+    return device.capability == (9, 0) and p.get("dtype") in _DTYPES
+
+
+def config_space(p: dict, device) -> list[dict]:
+    return list(SPACES[OP])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def smem_bytes(c: dict, itemsize: int = 2) -> int:
+    ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
+    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
+
+
+def fits(c: dict, p: dict | None = None) -> bool:
+    """Static rules only: shared memory, accumulator registers, a useful pipeline."""
+    if smem_bytes(c) > gh.SMEM_LIMIT_BYTES:
+        return False
+    # fp32 accumulator per thread; past 128 the 255-register budget spills
+    if c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) > 128:
+        return False
+    # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
+    if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
+        return False
+    if p is not None:
+        # tiles far larger than the matrix compute mostly padding
+        if c["BLOCK_M"] > max(64, _pow2(p["M"])) or c["BLOCK_N"] > max(64, _pow2(p["N"])):
+            return False
+        if c["BLOCK_K"] > max(32, _pow2(p["K"])):
+            return False
+    return True
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    return [c for c in configs if fits(c, p)]
+
+
+def default_config(p: dict, device) -> dict:
+    sms = max(1, getattr(device, "sm_count", 132) or 132)
+    tiles_big = triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 256)
+    if tiles_big >= sms:
+        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    elif triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 128) >= sms // 2:
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    else:
+        c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
+    if not fits(c, p):
+        fitting = prune(config_space(p, device), p, device)
+        if fitting:
+            c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
+    return c
+
+
+# ---- host side -----------------------------------------------------------------------------------
+
+
+def _block_shapes(c: dict, trans_a: bool, trans_b: bool):
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    return ([bk, bm] if trans_a else [bm, bk]), ([bn, bk] if trans_b else [bk, bn]), [bm, bn]
+
+
+def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
+    return {"TRANS_A": trans_a, "TRANS_B": trans_b, "STAGES": c["num_stages"], "num_warps": c["num_warps"]}
+
+
+def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    M, K = a.shape
+    N = b.shape[1]
+    dt = a.dtype
+    trans_a = problems.matrix_layout(a, "a") == "col" and M > 1
+    trans_b = problems.matrix_layout(b, "b") == "col" and N > 1
+    # TMA reads the row-major storage: a transposed operand is described as its transpose
+    a_src = gh.tma_ready(a.t() if trans_a else a)
+    b_src = gh.tma_ready(b.t() if trans_b else b)
+    n_pad = gh.padded_channels(N, dt)
+    c = torch.empty((M, n_pad), device=a.device, dtype=dt)
+    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
+    a_desc = gh.tiled_desc(a_src, a_blk)
+    b_desc = gh.tiled_desc(b_src, b_blk)
+    c_desc = gh.tiled_desc(c, c_blk)
+    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+    grid = gh.persistent_grid(tiles, gh.num_sms(a.device))
+    matmul_kernel[grid](a_desc, b_desc, c_desc, M, N, K, config["GROUP_M"], **_constexprs(config, trans_a, trans_b))
+    return c if n_pad == N else c[:, :N].contiguous()
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
+    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
+    ce = _constexprs(config, trans_a, trans_b)
+    sig = {"a_desc": gh.desc_sig(dt, a_blk), "b_desc": gh.desc_sig(dt, b_blk), "c_desc": gh.desc_sig(dt, c_blk),
+           "M": "i32", "N": "i32", "K": "i32", "GROUP_M": "i32"}
+    sig.update({k: "constexpr" for k in ce})
+    return [KernelSpec(fn=matmul_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
+                       num_stages=config["num_stages"], name="matmul_kernel")]

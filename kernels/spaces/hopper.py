@@ -1,0 +1,40 @@
+"""Spaces of the Hopper (sm_90a) Gluon kernels: TMA loads, async WGMMA, persistent grids.
+
+`num_stages` is the depth of the kernel's own shared-memory ring (Gluon does not pipeline
+for us); `num_warps` is 4 (one warpgroup) or 8 (two warpgroups splitting the tile).
+"""
+
+from . import ConfigSpace
+
+SPACES = {
+    # c[M, N] = a[M, K] @ b[K, N]; persistent over tiles in grouped order
+    "matmul": ConfigSpace({
+        "BLOCK_M": (64, 128, 256),
+        "BLOCK_N": (64, 128, 256),
+        "BLOCK_K": (32, 64, 128),
+        "GROUP_M": (1, 8),
+        "num_warps": (4, 8),
+        "num_stages": (2, 3, 4, 5, 6),
+    }),
+    # implicit GEMM: M = N*P*Q output pixels (TMA im2col), N = Co, K = R*S*Ci
+    "conv2d_fprop": ConfigSpace({
+        "BLOCK_M": (64, 128, 256),
+        "BLOCK_N": (64, 128, 256),
+        "BLOCK_K": (16, 32, 64),
+        "GROUP_M": (1, 8),
+        "num_warps": (4, 8),
+        "num_stages": (2, 3, 4, 5, 6),
+    }),
+    # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]; the N*P*Q
+    # reduction split SPLIT_K ways into fp32 partials summed by a deterministic second pass.
+    # SPLIT_K=0 splits as far as one wave of CTAs fills the GPU (SM count // output tiles):
+    # powers of two leave a partial second wave on 132 SMs (9 tiles x 16 splits = 144 CTAs).
+    "conv2d_wgrad": ConfigSpace({
+        "BLOCK_M": (64, 128),
+        "BLOCK_N": (16, 32, 64, 128),
+        "BLOCK_K": (32, 64, 128),
+        "SPLIT_K": (0, 1, 2, 4, 8, 16, 32),
+        "num_warps": (4, 8),
+        "num_stages": (2, 3, 4, 5),
+    }),
+}
