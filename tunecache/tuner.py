@@ -70,9 +70,14 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
     key = make_key(mod, problem, device)
     space = mod.config_space(problem, device) if configs is None else configs
     candidates = mod.prune(space, problem, device) if configs is None else list(configs)
-    cap = settings.max_candidates()
-    if cap is not None and configs is None:
-        candidates = candidates[:cap]
+    if configs is None:
+        cap = settings.max_candidates()
+        if cap is not None:
+            candidates = candidates[:cap]
+        # the untuned default always competes, so a tuned entry is never slower than no tuning
+        default = mod.default_config(problem, device)
+        if default not in candidates:
+            candidates.append(default)
     if not candidates:
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
     trials: list[TrialRecord] = []
