@@ -145,7 +145,7 @@ def _decide(mod: ModuleType, problem: dict, device: DeviceClass) -> Entry:
         result = tune(mod, problem, device, store)
         fleet = _fleet()
         if fleet is not None and result.stored is not None:
-            fleet.publish(result.stored)
+            fleet.publish(result.stored, result.trials)
         config = result.stored.config if result.stored is not None else result.config
         return Entry(_bind(mod, config), config, mod.KERNEL, key=key)
     # policy "default": run something reasonable now, let a worker tune it

@@ -33,6 +33,8 @@ log = logging.getLogger("tunecache.store")
 # A new result replaces a stored one only when it is this much faster: timing noise must
 # not flip the winner back and forth between hosts.
 REPLACE_MARGIN = 0.03
+# a failed job waits at most this long before its next attempt
+MAX_BACKOFF_S = 24 * 3600.0
 
 
 class StoreError(RuntimeError):
@@ -253,6 +255,10 @@ def _make_engine(url: str) -> Engine:
     kwargs: dict[str, Any] = {"pool_pre_ping": True, "json_deserializer": _safe_json_loads}
     if u.get_backend_name() == "postgresql":
         kwargs["connect_args"] = {"connect_timeout": 10}
+        # the service runs up to 16 requests at once; connections opened past the pool size
+        # are closed on return, and reconnecting on every request under load is slow
+        kwargs["pool_size"] = int(os.environ.get("TUNECACHE_DB_POOL_SIZE", "16"))
+        kwargs["max_overflow"] = int(os.environ.get("TUNECACHE_DB_MAX_OVERFLOW", "16"))
     try:
         return create_engine(url, **kwargs)
     except (ImportError, ArgumentError) as e:
@@ -506,7 +512,9 @@ class Store:
                 row.status = "failed"
             else:
                 row.status = "queued"
-                row.not_before = now + timedelta(seconds=backoff_s * 2 ** (row.attempts - 1))
+                # capped: an exponent of a few dozen attempts would overflow datetime
+                row.not_before = now + timedelta(seconds=min(backoff_s * 2 ** min(row.attempts - 1, 30),
+                                                             MAX_BACKOFF_S))
             return row.status
 
     def get_job(self, digest: str) -> JobRecord | None:

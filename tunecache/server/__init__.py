@@ -1,1 +1,1 @@
-"""The fleet service: FastAPI over the store."""
+"""The fleet service: FastAPI over the store (`tunecache serve`, or `create_app()`)."""

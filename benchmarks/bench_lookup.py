@@ -1,0 +1,193 @@
+"""Load on the service's lookup endpoint over loopback: requests/s and latency percentiles.
+
+Starts `tunecache serve` (uvicorn) over a fresh Postgres database, publishes `--configs`
+results, then drives GET /v1/configs/{digest} with an asyncio httpx load generator at a fixed
+concurrency for `--seconds`: mostly hits, a share of misses (`--miss-rate`).
+
+    python benchmarks/bench_lookup.py [--pg postgresql+psycopg://postgres@127.0.0.1:5432/test]
+        [--concurrency 32] [--seconds 20] [--server-workers 1] [--out PATH]
+
+The load generator runs on the same host as the service and Postgres: on a small machine
+they share the cores, so the figures are a floor for a dedicated service host. JSON goes to
+benchmarks/results/bench_lookup.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    i = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
+async def _load(url: str, token: str, digests: list[str], misses: list[str], miss_rate: float,
+                concurrency: int, seconds: float, warmup_s: float) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    latencies: list[float] = []
+    status: dict[int, int] = {}
+    kinds: dict[str, int] = {}
+    errors = 0
+    rng = random.Random(0)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits,
+                                 timeout=10) as client:
+        t_start = time.perf_counter()
+        t_measure = t_start + warmup_s
+        t_end = t_measure + seconds
+
+        async def one_user() -> None:
+            nonlocal errors
+            while True:
+                now = time.perf_counter()
+                if now >= t_end:
+                    return
+                d = rng.choice(misses) if rng.random() < miss_rate else rng.choice(digests)
+                t0 = time.perf_counter()
+                try:
+                    r = await client.get(f"/v1/configs/{d}")
+                    code = r.status_code
+                except httpx.HTTPError as e:  # client side: e.g. a keep-alive connection the server just closed
+                    code = -1
+                    kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+                t1 = time.perf_counter()
+                if t0 >= t_measure:
+                    if code in (200, 404):
+                        latencies.append(t1 - t0)
+                    else:
+                        errors += 1
+                    status[code] = status.get(code, 0) + 1
+
+        await asyncio.gather(*(one_user() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t_measure
+    latencies.sort()
+    ms = [x * 1e3 for x in latencies]
+    return {
+        "requests": len(latencies) + errors, "ok": len(latencies), "errors": errors,
+        "status_counts": {str(k): v for k, v in sorted(status.items())}, "client_errors": kinds,
+        "seconds": round(elapsed, 3), "requests_per_s": round(len(latencies) / elapsed, 1),
+        "latency_ms": {"p50": round(_percentile(ms, 50), 3), "p90": round(_percentile(ms, 90), 3),
+                       "p99": round(_percentile(ms, 99), 3), "max": round(ms[-1], 3) if ms else None,
+                       "mean": round(statistics.fmean(ms), 3) if ms else None},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pg", default=os.environ.get("TUNECACHE_TEST_PG_URL",
+                                                   "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+                    help="a Postgres URL; a fresh database is created next to it and dropped after")
+    ap.add_argument("--configs", type=int, default=1000, help="published results to look up")
+    ap.add_argument("--miss-rate", type=float, default=0.1, help="share of lookups for unknown digests")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="in-flight requests")
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per concurrency")
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--server-workers", type=int, default=1, help="uvicorn worker processes")
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_lookup.json")
+    args = ap.parse_args()
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from tunecache.key import TuneKey
+    from tunecache.store import ConfigRecord, Store
+
+    base = make_url(args.pg)
+    dbname = f"tc_bench_{uuid.uuid4().hex[:8]}"
+    admin = psycopg.connect(host=base.host, port=base.port or 5432, user=base.username, dbname=base.database,
+                            password=base.password, autocommit=True)
+    admin.execute(f'CREATE DATABASE "{dbname}"')
+    url = base.set(database=dbname).render_as_string(hide_password=False)
+    server = None
+    try:
+        store = Store(url)
+        token, _ = store.create_token("bench", ["read"])
+        config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+        digests = []
+        for i in range(args.configs):
+            key = TuneKey("matmul.portable", "bench", "3.9.0", "sm_90", 132,
+                          {"M": 128 + i, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row",
+                           "b_layout": "row"})
+            store.put_config(ConfigRecord(key=key, config=config, median_ms=1.0 + i * 1e-3, source="import"))
+            digests.append(key.digest)
+        store.close()
+        misses = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(1000)]
+
+        port = _free_port()
+        server = subprocess.Popen([sys.executable, "-m", "tunecache.cli", "serve", "--port", str(port),
+                                   "--db-url", url, "--workers", str(args.server_workers), "--log-level", "warning"],
+                                  cwd=ROOT)
+        service = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(f"{service}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit("the service did not start")
+
+        runs = []
+        for c in args.concurrency:
+            res = asyncio.run(_load(service, token, digests, misses, args.miss_rate, c, args.seconds, args.warmup))
+            res["concurrency"] = c
+            runs.append(res)
+            lat = res["latency_ms"]
+            print(f"concurrency {c:4d}: {res['requests_per_s']:8.1f} req/s   p50 {lat['p50']:.2f} ms   "
+                  f"p90 {lat['p90']:.2f} ms   p99 {lat['p99']:.2f} ms   errors {res['errors']}")
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        admin.close()
+
+    from importlib.metadata import version
+
+    out = {
+        "benchmark": "lookup endpoint GET /v1/configs/{digest}, loopback",
+        "load_generator": "httpx.AsyncClient, closed loop, keep-alive, one process",
+        "configs": args.configs, "miss_rate": args.miss_rate, "server_workers": args.server_workers,
+        "runs": runs,
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "fastapi": version("fastapi"), "uvicorn": version("uvicorn"), "httpx": version("httpx")},
+        "note": "service, Postgres and load generator share the host's cores",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""`tunecache pretune MANIFEST`: tune every shape of a manifest on the local GPUs, resumably.
+
+A manifest is a small TOML file: a list of shapes, each one op (or several, e.g. a conv
+layer's fprop and wgrad) and the sizes `tunecache tune --problem` takes:
+
+    name = "resnet50"
+    ops = ["conv2d_fprop", "conv2d_wgrad"]       # the ops of every shape unless it names its own
+    [defaults]
+    N = 32
+    dtype = "bfloat16"
+    [[shape]]
+    name = "conv1"
+    H = 224; W = 224; Ci = 3; Co = 64; R = 7; S = 7; stride = 2; padding = 3
+
+Every shape becomes a job in the queue (the fleet's if TUNECACHE_SERVER_URL is set, else the
+local store's), then one worker per local GPU runs until the manifest's jobs are finished.
+The state lives in the queue and the store, not in this process: a shape with a stored
+config is skipped, enqueueing is idempotent, and a job left running by an interrupted run
+is released (Ctrl-C) or claimed again when its lease runs out (kill -9). So a rerun of a
+finished manifest does nothing, and a rerun of an interrupted one resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .key import DeviceClass, TuneKey
+
+log = logging.getLogger("tunecache.pretune")
+
+MANIFEST_DIR = Path(__file__).parent / "manifests"
+OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad")
+
+
+class ManifestError(ValueError):
+    """The manifest cannot be read or names something unknown; the message says where."""
+
+
+@dataclass
+class Shape:
+    op: str
+    given: dict  # as written (after defaults), e.g. {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"}
+    problem: dict  # canonical, as a library call computes it
+    name: str = ""
+
+
+@dataclass
+class Manifest:
+    name: str
+    path: Path
+    description: str = ""
+    shapes: list[Shape] = field(default_factory=list)
+
+
+def manifest_path(name_or_path: str | os.PathLike) -> Path:
+    """A file path, or the name of a shipped manifest ("resnet50" -> manifests/resnet50.toml)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    shipped = MANIFEST_DIR / f"{p.name.removesuffix('.toml')}.toml"
+    if shipped.exists():
+        return shipped
+    known = sorted(f.stem for f in MANIFEST_DIR.glob("*.toml"))
+    raise ManifestError(f"no manifest {str(name_or_path)!r}: not a file, and not a shipped one ({', '.join(known)})")
+
+
+def _toml_load(path: Path) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ManifestError("reading TOML manifests on Python 3.10 needs `pip install tomli`") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ManifestError(f"cannot read manifest {path}: {e}") from None
+
+
+def load_manifest(name_or_path: str | os.PathLike) -> Manifest:
+    """Parse a manifest and compute each shape's canonical problem (the op's own checks)."""
+    from .cli import problem_from_shape
+
+    path = manifest_path(name_or_path)
+    data = _toml_load(path)
+    defaults = data.get("defaults", {})
+    default_ops = data.get("ops", data.get("op"))
+    entries = data.get("shape", [])
+    if not isinstance(entries, list) or not entries:
+        raise ManifestError(f"{path}: no [[shape]] entries")
+    m = Manifest(name=str(data.get("name", path.stem)), path=path, description=str(data.get("description", "")))
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{path}: shape #{i + 1} is not a table")
+        given = {**defaults, **entry}
+        name = str(given.pop("name", f"#{i + 1}"))
+        ops = given.pop("ops", given.pop("op", default_ops))
+        ops = [ops] if isinstance(ops, str) else ops
+        if not ops:
+            raise ManifestError(f"{path}: shape {name} names no op (set `op` or `ops`)")
+        for op in ops:
+            if op not in OPS:
+                raise ManifestError(f"{path}: shape {name}: unknown op {op!r}; known: {', '.join(OPS)}")
+            try:
+                problem = problem_from_shape(op, given)
+            except (ValueError, TypeError) as e:
+                raise ManifestError(f"{path}: shape {name} ({op}): {e}") from None
+            ident = f"{op}:{sorted(problem.items())}"
+            if ident not in seen:  # e.g. a downsample conv that repeats a main-path shape
+                seen.add(ident)
+                m.shapes.append(Shape(op, given, problem, name))
+    return m
+
+
+@dataclass
+class Planned:
+    shape: Shape
+    kernel: str
+    key: TuneKey
+
+
+def plan(manifest: Manifest, device: DeviceClass, backend: str | None = None) -> list[Planned]:
+    """The key each shape has on `device` (the backend a library call would pick there)."""
+    from . import registry, settings
+    from .tuner import make_key
+
+    out = []
+    for s in manifest.shapes:
+        mod = registry.backend_for(s.op, device, s.problem, backend or settings.backend_override())
+        out.append(Planned(s, mod.KERNEL, make_key(mod, s.problem, device)))
+    return out
+
+
+@dataclass
+class Report:
+    total: int
+    already: int  # had a config before this run
+    tuned: int = 0
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+def local_gpus() -> list[int]:
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return []
+    return list(range(torch.cuda.device_count()))
+
+
+def _spawn_worker(gpu: int, lease_s: float, poll_s: float, log_dir: Path | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tunecache.cli", "worker", "--gpu", str(gpu), "--burst",
+           "--lease-s", str(lease_s), "--poll-s", str(poll_s), "--source", "pretune"]
+    out: Any = subprocess.DEVNULL
+    if log_dir is not None:
+        out = open(log_dir / f"worker-gpu{gpu}.log", "ab")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when pretune dies, even by kill -9, so no worker is orphaned
+    (SIGTERM makes the worker release its job). Linux only; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def pretune(manifest: Manifest, *, gpus: list[int] | None = None, queue=None, lease_s: float = 60.0,
+            poll_s: float = 1.0, priority: int = 10, log_dir: Path | None = None,
+            on_progress: Callable[[int, int, dict[str, str]], None] | None = None,
+            on_plan: Callable[[int, int], None] | None = None) -> Report:
+    """Enqueue every shape of `manifest` without a config, run workers until they are done."""
+    from .worker import default_queue, worker_device
+
+    t0 = time.perf_counter()
+    gpus = local_gpus() if gpus is None else gpus
+    device, _ = worker_device(gpus[0] if gpus else 0)
+    queue = queue or default_queue()
+    planned = plan(manifest, device)
+    todo = [p for p in planned if queue.lookup(p.key) is None]
+    report = Report(total=len(planned), already=len(planned) - len(todo))
+    if on_plan:
+        on_plan(len(planned), len(todo))
+    if not todo:
+        report.seconds = time.perf_counter() - t0
+        return report
+    for p in todo:
+        if queue.enqueue(p.key, priority=priority) is None:
+            raise RuntimeError(f"cannot enqueue into {queue.where}: the service is unreachable")
+    digests = [p.key.digest for p in todo]
+    workers = {g: _spawn_worker(g, lease_s, poll_s, log_dir) for g in (gpus or [0])}
+    restarts = {g: 0 for g in workers}
+    try:
+        while True:
+            statuses = queue.statuses(digests) or {}
+            finished = sum(statuses.get(d) in ("done", "failed") for d in digests)
+            if on_progress:
+                on_progress(finished, len(digests), statuses)
+            if finished == len(digests):
+                break
+            for g, proc in list(workers.items()):
+                if proc.poll() is not None:  # a burst worker exits when its queue is empty
+                    if restarts[g] >= 3:
+                        raise RuntimeError(f"the worker on GPU {g} keeps exiting (code {proc.returncode}) "
+                                           f"with {len(digests) - finished} job(s) left; see its log")
+                    restarts[g] += 1
+                    workers[g] = _spawn_worker(g, lease_s, poll_s, log_dir)
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        report.interrupted = True
+    finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # releases its job: a rerun resumes at once
+        for proc in workers.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    statuses = queue.statuses(digests) or {}
+    report.tuned = sum(statuses.get(d) == "done" for d in digests)
+    report.failed = [f"{p.shape.name} {p.shape.op}" for p in todo if statuses.get(p.key.digest) == "failed"]
+    report.seconds = time.perf_counter() - t0
+    return report

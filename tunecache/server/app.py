@@ -1,0 +1,161 @@
+"""The fleet service: FastAPI over the store.
+
+    uvicorn --factory tunecache.server.app:create_app     # or `tunecache serve`
+
+Routes are thin: each calls the same `Store` method the library uses. Every write needs a
+token; reads need one unless anonymous reads are switched on (TUNECACHE_ANONYMOUS_READ=1).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import settings
+from ..store import Store
+from . import configs, jobs, system
+from .deps import TokenCache
+from .metrics import Metrics
+from .schemas import ErrorOut
+
+MAX_BODY_BYTES = 1 << 20  # one published result with thousands of trials fits easily
+MAX_IMPORT_BYTES = 64 << 20
+
+_COMMON = {
+    400: {"model": ErrorOut, "description": "the body cannot be read (e.g. not UTF-8)"},
+    401: {"model": ErrorOut, "description": "missing, invalid or revoked token"},
+    403: {"model": ErrorOut, "description": "the token lacks the scope this route needs"},
+    404: {"model": ErrorOut, "description": "no such thing"},
+    413: {"model": ErrorOut, "description": "the body is larger than the limit"},
+    422: {"model": ErrorOut, "description": "the request is malformed or fails validation"},
+}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def create_app(store_url: str | None = None, *, anonymous_read: bool | None = None,
+               max_body_bytes: int | None = None, store: Store | None = None) -> FastAPI:
+    """The service over the store at `store_url` (default TUNECACHE_DB_URL), migrated to head."""
+    from importlib.metadata import version
+
+    threads = int(os.environ.get("TUNECACHE_SERVER_THREADS", "16"))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # routes are sync (the store is): this many run at once, within the DB pool's size
+        import anyio.to_thread
+
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+        app.state.store.close()
+
+    app = FastAPI(title="tunecache", version=version("tunecache"), lifespan=lifespan,
+                  description="A fleet-shared autotune cache for Triton/Gluon kernels: look up the best "
+                              "config for a kernel, device class and shape; publish results; run the "
+                              "queue of tuning jobs.")
+    app.state.store = store or Store(store_url or settings.db_url())
+    app.state.metrics = Metrics()
+    app.state.tokens = TokenCache()
+    app.state.anonymous_read = _env_flag("TUNECACHE_ANONYMOUS_READ") if anonymous_read is None else anonymous_read
+    limit = max_body_bytes or int(os.environ.get("TUNECACHE_MAX_BODY_BYTES", MAX_BODY_BYTES))
+
+    app.include_router(configs.router, responses=_COMMON)
+    app.include_router(jobs.router, responses=_COMMON)
+    app.include_router(system.router)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        parts = []
+        for err in errors[:8]:
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            msg = err.get("msg", "invalid")
+            if err.get("type") == "json_invalid":
+                msg = f"body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})"
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return JSONResponse({"detail": "; ".join(parts) or "invalid request",
+                             "errors": [_plain(e) for e in errors[:50]]}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OperationalError)
+    async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
+        return JSONResponse({"detail": "the database is unreachable; try again"}, status_code=503)
+
+    app.add_middleware(BodyLimit, limit=limit, import_limit=max(limit, MAX_IMPORT_BYTES))
+    return app
+
+
+def _plain(err: dict) -> dict:
+    """A validation error as plain JSON (ctx may hold exceptions, input may be anything)."""
+    return {"loc": [str(x) for x in err.get("loc", ())], "msg": str(err.get("msg", "")),
+            "type": str(err.get("type", ""))}
+
+
+class BodyLimit:
+    """413 for a body over the limit, whether it says its length or is chunked."""
+
+    def __init__(self, app: Any, limit: int, import_limit: int) -> None:
+        self.app, self.limit, self.import_limit = app, limit, import_limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.import_limit if scope["path"] == "/v1/import" else self.limit
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                await _reply(send, 400, "Content-Length is not a number")
+                return
+            if int(length) > limit:
+                await _reply(send, 413, f"body of {int(length)} bytes is over the limit of {limit}")
+                return
+            await self.app(scope, receive, send)
+            return
+        # no length given (chunked): read it here, within the limit, then hand it on
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _reply(send, 413, f"body is over the limit of {limit} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(send, status: int, detail: str) -> None:
+    import json
+
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

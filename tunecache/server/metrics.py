@@ -1,0 +1,31 @@
+"""Prometheus metrics of one app (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..store import JOB_STATUSES, Store
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.lookups = Counter("tunecache_lookups", "Config lookups", registry=r)
+        self.hits = Counter("tunecache_lookup_hits", "Lookups that found a tuned config", registry=r)
+        self.misses = Counter("tunecache_lookup_misses", "Lookups that found no tuned config", registry=r)
+        self.publishes = Counter("tunecache_publishes", "Published results by outcome", ["outcome"], registry=r)
+        self.enqueued = Counter("tunecache_jobs_enqueued", "Enqueue requests", registry=r)
+        self.job_events = Counter("tunecache_job_events", "Worker job transitions", ["event"], registry=r)
+        self.queue_depth = Gauge("tunecache_queue_depth", "Tuning jobs per status", ["status"], registry=r)
+        self.tune_seconds = Histogram("tunecache_tune_seconds", "Seconds a worker spent tuning one job",
+                                      buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600), registry=r)
+
+    def lookup(self, hit: bool) -> None:
+        self.lookups.inc()
+        (self.hits if hit else self.misses).inc()
+
+    def render(self, store: Store) -> bytes:
+        for status, n in store.job_counts().items():
+            if status in JOB_STATUSES:
+                self.queue_depth.labels(status).set(n)
+        return generate_latest(self.registry)
