@@ -8,8 +8,6 @@ trial and can never win.
 from __future__ import annotations
 
 import logging
-import math
-import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
@@ -175,11 +173,3 @@ def _cuda_broken() -> bool:
         return False
     except RuntimeError:
         return True
-
-
-def tflops_of(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12 if ms > 0 and math.isfinite(ms) else float("nan")
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0
