@@ -1,0 +1,268 @@
+"""Blackwell (sm_100a) conv2d forward in Gluon: implicit GEMM on TMA im2col and tcgen05.
+
+y[N*P*Q, Co] = im2col(x)[N*P*Q, R*S*Ci] @ w[Co, R*S*Ci]^T, NHWC, fp16 or bf16, per-axis
+stride and padding.
+
+Persistent and warp-specialized like matmul_blackwell (building blocks in gluon_blackwell):
+  load partition (1 warp)   per k-step one TMA im2col load of the activations (BLOCK_M
+                            consecutive output pixels, TMA wrapping rows and images itself,
+                            times BLOCK_K channels of one filter tap (r, s), zeros where the
+                            window overhangs the padding) and one tiled load of w viewed as
+                            [Co, R*S*Ci];
+  MMA partition (1 warp)    tcgen05 MMAs into a double-buffered fp32 accumulator in tensor
+                            memory (the weight tile fed through a permuted view: K-major B);
+  epilogue (num_warps)      tensor memory -> registers -> shared -> TMA store of y [M, Co].
+A 1x1, stride-1, unpadded conv reads x as the plain [N*H*W, Ci] matrix it is (tiled TMA).
+Channel counts that break TMA's 16-byte stride rule are zero-padded on the host (gluon_host),
+the same host code the Hopper backend runs.
+
+The k-steps walk the channel blocks of a tap before the next tap: the weight tile's columns
+advance contiguously, and a channel block that overhangs Ci reads zeros from im2col (TMA's
+out-of-bounds fill), so the neighbouring tap's weights it meets add nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    allocate_tensor_memory,
+    mbarrier,
+    tma,
+)
+
+from . import KernelSpec, problems
+from . import gluon_host as gh
+from .gluon_blackwell import (
+    TMEM_COLUMNS,
+    WORKER_REGS,
+    grouped_tile,
+    init_ring,
+    invalidate_ring,
+    mma_partition,
+    ring_slot,
+    tma_store_epilogue,
+)
+from .spaces.blackwell import SPACES
+
+OP, BACKEND = "conv2d_fprop", "blackwell"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_fprop_problem
+inputs = problems.conv2d_fprop_inputs
+reference = problems.conv2d_fprop_reference
+flops = problems.conv2d_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code ---------------------------------------------------------------------------
+
+
+@gluon.jit
+def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m,
+                    Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    ci_blocks = gl.cdiv(Ci, BLOCK_K)
+    use = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, group_m)
+        # first output pixel of the tile -> the top-left corner of its window in the input
+        m0 = pid_m * BLOCK_M
+        n = m0 // PQ
+        pq = m0 % PQ
+        h0 = (pq // Q) * stride_h - pad_h
+        w0 = (pq % Q) * stride_w - pad_w
+        off_n = pid_n * BLOCK_N
+        for rs in range(RS):
+            r = (rs // S).to(gl.int16)
+            s = (rs % S).to(gl.int16)
+            for cb in range(ci_blocks):
+                c0 = cb * BLOCK_K
+                slot, phase = ring_slot(use, NUM_BUFFERS)
+                mbarrier.wait(empty.index(slot), phase ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                if IM2COL:
+                    tma.async_load_im2col(x_desc, [n, h0, w0, c0], [r, s], bar, a_bufs.index(slot))
+                else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
+                    tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot))
+                tma.async_load(w_desc, [off_n, rs * Ci + c0], bar, b_bufs.index(slot))
+                use += 1
+
+
+@gluon.jit
+def conv2d_fprop_kernel(x_desc, w_desc, y_desc, M, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
+                        group_m, NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr, IM2COL: gl.constexpr):
+    """x_desc: im2col over x [N, H, W, Ci] (IM2COL) or tiles of x as [N*H*W, Ci];
+    w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co] in [BLOCK_M, epilogue slice] blocks."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = y_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(empty)
+    init_ring(acc_ready)
+    init_ring(acc_empty)
+    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
+    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
+
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(Co, BLOCK_N)
+    k_iters = RS * gl.cdiv(Ci, BLOCK_K)
+    gl.warp_specialize([
+        (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+        (mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
+                         num_pid_m * num_pid_n, num_pid_m * num_pid_n, k_iters, k_iters, False, True)),
+        (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m,
+                           Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL)),
+    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+
+    invalidate_ring(ready)
+    invalidate_ring(empty)
+    invalidate_ring(acc_ready)
+    invalidate_ring(acc_empty)
+
+
+JIT_FUNCTIONS = (conv2d_fprop_kernel,)
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+
+def _geometry_ok(p: dict) -> bool:
+    return gh.im2col_ok(p["H"], p["W"], p["P"], p["Q"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+
+
+def supports(p: dict, device) -> bool:
+    cap = getattr(device, "capability", None)
+    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and _geometry_ok(p)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def config_space(p: dict, device) -> list[dict]:
+    """The space minus tiles far larger than the problem: a k-step covers one filter tap, so
+    channel blocks beyond the (padded) Ci only read zeros; wide N tiles beyond Co compute
+    padding."""
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    return [c for c in SPACES[OP]
+            if c["BLOCK_K"] <= max(32, _pow2(ci)) and c["BLOCK_N"] <= max(32, _pow2(p["Co"]))
+            and c["BLOCK_M"] <= max(64, _pow2(p["gemm_M"]))]
+
+
+def epilogue_n(c: dict) -> int:
+    return min(c["BLOCK_N"], 64)
+
+
+# bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
+# measured over the whole space with `tunecache compile --all`
+_SMEM_OVERHEAD = 256
+
+
+def smem_bytes(c: dict, p: dict) -> int:
+    """Operand ring + two epilogue staging slices + barriers (+ the compiler's few bytes)."""
+    item = gh.ITEMSIZE[p["dtype"]]
+    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
+    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item
+    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
+
+
+def tmem_columns(c: dict) -> int:
+    return c["NUM_ACC"] * c["BLOCK_N"]
+
+
+def fits(c: dict, p: dict) -> bool:
+    """Hard limits only (pruning must agree with the compiler): shared and tensor memory."""
+    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    return [c for c in configs if fits(c, p)]
+
+
+def default_config(p: dict, device) -> dict:
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    bk = min(64, max(32, _pow2(ci)))
+    bn = 256 if p["Co"] >= 256 else 128 if p["Co"] >= 128 else 64
+    c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
+         "num_warps": 4}
+    space = config_space(p, device)
+    if c not in space or not fits(c, p):
+        fitting = prune(space, p, device)
+        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"]))
+    return c
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+
+def is_pointwise(p: dict) -> bool:
+    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
+    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
+
+
+def _constexprs(c: dict, im2col: bool) -> dict:
+    return {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col}
+
+
+def _blocks(c: dict):
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    return [bm, bk], [bn, bk], [bm, epilogue_n(c)]
+
+
+def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
+    (sh, sw) = problems.pair(stride, "stride", minimum=1)
+    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    N, H, W, _ = x.shape
+    Co, R, S, _ = w.shape
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    xp, wp = gh.pad_channels(x), gh.pad_channels(w)
+    Ci = xp.shape[-1]
+    M = N * P * Q
+    co_pad = gh.padded_channels(Co, x.dtype)
+    y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
+    x_blk, w_blk, y_blk = _blocks(config)
+    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
+    if im2col:
+        x_desc = gh.im2col_desc(xp, x_blk, stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
+    else:
+        x_desc = gh.tiled_desc(xp.view(M, Ci), x_blk)
+    w_desc = gh.tiled_desc(wp.view(Co, R * S * Ci), w_blk)
+    y_desc = gh.tiled_desc(y, y_blk)
+    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"])
+    grid = gh.persistent_grid(tiles, gh.num_sms(x.device))
+    conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, M, Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw,
+                              config["GROUP_M"], num_warps=config["num_warps"], **_constexprs(config, im2col))
+    y = y if co_pad == Co else y[:, :Co].contiguous()
+    return y.view(N, P, Q, Co)
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    x_blk, w_blk, y_blk = _blocks(config)
+    im2col = not is_pointwise(p)
+    ce = _constexprs(config, im2col)
+    sig = {"x_desc": gh.im2col_desc_sig(dt, x_blk) if im2col else gh.desc_sig(dt, x_blk),
+           "w_desc": gh.desc_sig(dt, w_blk), "y_desc": gh.desc_sig(dt, y_blk)}
+    sig.update({k: "i32" for k in ("M", "Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
+                                   "group_m")})
+    sig.update({k: "constexpr" for k in ce})
+    return [KernelSpec(fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
+                       num_stages=1, name="conv2d_fprop_kernel")]

@@ -1,0 +1,342 @@
+"""Blackwell (sm_100a) conv2d weight gradient in Gluon: split-K GEMM on TMA im2col and tcgen05.
+
+grad_w[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci], NHWC, fp16 or bf16.
+
+An output tile is BLOCK_M output channels x BLOCK_N input channels of one filter tap (r, s);
+its reduction runs over the N*P*Q output pixels, BLOCK_K at a time. The reduction is split
+SPLIT_K ways so that few output tiles (small filters, few channels) still fill the GPU; each
+split writes an fp32 partial into a workspace and a second kernel (gluon_host.split_k_reduce,
+shared with the Hopper backend) sums them in split order: deterministic, the same bits on
+every run, unlike atomics. With one active split the kernel writes grad_w directly.
+
+Persistent and warp-specialized (building blocks in gluon_blackwell):
+  load partition (1 warp)   grad_out rows by tiled TMA ([pixels, Co] blocks, K-outer) and x by
+                            TMA im2col at tap (r, s) ([pixels, channels] blocks, already the
+                            [K, N] B operand);
+  MMA partition (1 warp)    tcgen05 MMAs into a double-buffered fp32 accumulator in tensor
+                            memory, the grad_out tile fed through a permuted view (M-major A);
+  epilogue (num_warps)      tensor memory -> registers -> masked stores of the tile's rows and
+                            of the tap's real channels only (a channel block that overhangs
+                            Ci must not write into the next tap's columns).
+Work items are numbered split-major, so the CTAs running together read the same pixel slab
+of grad_out and x, which stays in L2.
+
+SPLIT_K is a runtime argument (the launch passes the K-iterations per split): configs that
+differ only in it share one compiled kernel, as long as they agree on whether the kernel
+writes the fp32 workspace (several splits) or grad_w itself (one).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    allocate_tensor_memory,
+    mbarrier,
+    tma,
+)
+
+from . import KernelSpec, problems
+from . import gluon_host as gh
+from .gluon_blackwell import (
+    TMEM_COLUMNS,
+    WORKER_REGS,
+    epilogue_width,
+    init_ring,
+    invalidate_ring,
+    mma_partition,
+    ring_slot,
+    split_k_range,
+)
+from .spaces.blackwell import SPACES
+
+OP, BACKEND = "conv2d_wgrad", "blackwell"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_wgrad_problem
+inputs = problems.conv2d_wgrad_inputs
+reference = problems.conv2d_wgrad_reference
+flops = problems.conv2d_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code ---------------------------------------------------------------------------
+
+
+@gluon.jit
+def _tile_coords(tile, co_blocks, ci_blocks):
+    """Output tile -> (Co block, channel block, filter tap); Co blocks vary fastest, so
+    neighbouring CTAs share the same im2col columns."""
+    pid_co = tile % co_blocks
+    rest = tile // co_blocks
+    return pid_co, rest % ci_blocks, rest // ci_blocks
+
+
+@gluon.jit
+def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, num_work, tiles_per_split, total_k,
+                    k_per_split, co_blocks, ci_blocks, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
+                    IM2COL: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
+    nbytes: gl.constexpr = g_desc.block_type.nbytes + x_desc.block_type.nbytes
+    use = 0
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        _, k_start, k_count = split_k_range(work_id, tiles_per_split, total_k, k_per_split)
+        pid_co, cb, rs = _tile_coords(work_id % tiles_per_split, co_blocks, ci_blocks)
+        r = (rs // S).to(gl.int16)
+        s = (rs % S).to(gl.int16)
+        off_co = pid_co * BLOCK_M
+        c0 = cb * BLOCK_N
+        for ki in range(k_count):
+            # BLOCK_K output pixels from pixel m on (TMA wraps rows and images by itself)
+            m = (k_start + ki) * BLOCK_K
+            slot, phase = ring_slot(use, NUM_BUFFERS)
+            mbarrier.wait(empty.index(slot), phase ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            tma.async_load(g_desc, [m, off_co], bar, a_bufs.index(slot))
+            if IM2COL:
+                n = m // PQ
+                pq = m % PQ
+                h = (pq // Q) * stride_h - pad_h
+                w = (pq % Q) * stride_w - pad_w
+                tma.async_load_im2col(x_desc, [n, h, w, c0], [r, s], bar, b_bufs.index(slot))
+            else:  # 1x1, stride 1, no padding: im2col(x) is x as [N*H*W, Ci]
+                tma.async_load(x_desc, [m, c0], bar, b_bufs.index(slot))
+            use += 1
+
+
+@gluon.jit
+def _epilogue_partition(out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks,
+                        ci_blocks, Co, Ci, RS):
+    """Masked stores of each tile into out[split, Co, RS * Ci] (split 0 only: grad_w itself)."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
+    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
+    SLICES: gl.constexpr = BLOCK_N // EPI_N
+    slice_layout: gl.constexpr = acc_tmem.index(0).slice(0, EPI_N).get_reg_layout()
+    row_layout: gl.constexpr = gl.SliceLayout(1, slice_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, slice_layout)
+    row_stride = RS * Ci
+    acc_use = 0
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        split = work_id // tiles_per_split
+        pid_co, cb, rs = _tile_coords(work_id % tiles_per_split, co_blocks, ci_blocks)
+        rows = pid_co * BLOCK_M + gl.arange(0, BLOCK_M, row_layout)
+        base = out_ptr + split.to(gl.int64) * Co * row_stride + rs * Ci
+        row_ptrs = base + rows.to(gl.int64)[:, None] * row_stride
+        row_ok = rows[:, None] < Co
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        acc = acc_tmem.index(acc_slot)
+        for j in gl.static_range(SLICES):
+            part = acc.slice(j * EPI_N, EPI_N).load(slice_layout).to(out_ptr.dtype.element_ty)
+            if j == SLICES - 1:
+                # the whole accumulator is in registers: the MMA warp may reuse it
+                mbarrier.arrive(acc_empty.index(acc_slot))
+            chans = cb * BLOCK_N + j * EPI_N + gl.arange(0, EPI_N, col_layout)
+            gl.store(row_ptrs + chans[None, :], part, mask=row_ok & (chans[None, :] < Ci))
+        acc_use += 1
+
+
+@gluon.jit
+def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
+                        total_k, k_per_split, num_splits, NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr,
+                        IM2COL: gl.constexpr):
+    """g_desc: tiles of grad_out as [N*P*Q, Co] ([BLOCK_K, BLOCK_M] blocks); x_desc: im2col over
+    x [N, H, W, Ci] (or tiles of x as [N*H*W, Ci]) in [BLOCK_K, BLOCK_N] blocks; out_ptr: grad_w
+    [Co, R*S*Ci] (one split) or the fp32 workspace [num_splits, Co, R*S*Ci]. The reduction
+    is total_k = cdiv(N*P*Q, BLOCK_K) iterations, k_per_split of them per split."""
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = g_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_M], g_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(empty)
+    init_ring(acc_ready)
+    init_ring(acc_empty)
+    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
+    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
+
+    co_blocks = gl.cdiv(Co, BLOCK_M)
+    ci_blocks = gl.cdiv(Ci, BLOCK_N)
+    tiles_per_split = co_blocks * ci_blocks * RS
+    num_work = tiles_per_split * num_splits
+    gl.warp_specialize([
+        (_epilogue_partition, (out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks,
+                               ci_blocks, Co, Ci, RS)),
+        (mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
+                         num_work, tiles_per_split, total_k, k_per_split, True, False)),
+        (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, num_work, tiles_per_split, total_k,
+                           k_per_split, co_blocks, ci_blocks, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL)),
+    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+
+    invalidate_ring(ready)
+    invalidate_ring(empty)
+    invalidate_ring(acc_ready)
+    invalidate_ring(acc_empty)
+
+
+JIT_FUNCTIONS = (conv2d_wgrad_kernel,)
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+
+def _geometry_ok(p: dict) -> bool:
+    return gh.im2col_ok(p["H"], p["W"], p["P"], p["Q"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+
+
+def supports(p: dict, device) -> bool:
+    cap = getattr(device, "capability", None)
+    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and _geometry_ok(p)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def splits_of(p: dict, c: dict) -> tuple[int, int]:
+    """(active splits, K iterations per split) of config c on problem p."""
+    npq = p["N"] * p["P"] * p["Q"]
+    return gh.split_k_plan(triton.cdiv(npq, c["BLOCK_K"]), c["SPLIT_K"])
+
+
+def output_tiles(p: dict, c: dict) -> int:
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    return triton.cdiv(p["Co"], c["BLOCK_M"]) * p["R"] * p["S"] * triton.cdiv(ci, c["BLOCK_N"])
+
+
+def config_space(p: dict, device) -> list[dict]:
+    """The space minus what cannot help on this problem: channel blocks wider than the tap's
+    channels, Co blocks beyond Co, more splits than the reduction has iterations (the same
+    launch as fewer), and splitting further once the output tiles alone fill every SM twice
+    (only adds reduction traffic)."""
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    sms = max(1, getattr(device, "sm_count", 0) or 148)
+    out = []
+    for c in SPACES[OP]:
+        if c["BLOCK_N"] > max(64, _pow2(ci)) or c["BLOCK_M"] > max(64, _pow2(p["Co"])):
+            continue
+        active, _ = splits_of(p, c)
+        if active < c["SPLIT_K"]:
+            continue
+        if c["SPLIT_K"] > 1 and output_tiles(p, c) * c["SPLIT_K"] // 2 >= 2 * sms:
+            continue
+        out.append(c)
+    return out
+
+
+# bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
+# measured over the whole space with `tunecache compile --all`
+_SMEM_OVERHEAD = 256
+
+
+def smem_bytes(c: dict, p: dict) -> int:
+    """Operand ring + barriers (+ the compiler's few bytes); the epilogue stores from registers."""
+    item = gh.ITEMSIZE[p["dtype"]]
+    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
+    return ring + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
+
+
+def tmem_columns(c: dict) -> int:
+    return c["NUM_ACC"] * c["BLOCK_N"]
+
+
+def fits(c: dict, p: dict) -> bool:
+    """Hard limits only (pruning must agree with the compiler): shared and tensor memory."""
+    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    return [c for c in configs if fits(c, p)]
+
+
+def default_config(p: dict, device) -> dict:
+    """128 x 128 tiles, 4 stages, and enough splits to give every SM about two work items."""
+    sms = max(1, getattr(device, "sm_count", 0) or 148)
+    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 1,
+         "num_warps": 4}
+    space = config_space(p, device)
+    for split in SPACES[OP].params["SPLIT_K"]:
+        candidate = dict(c, SPLIT_K=split)
+        if candidate in space:
+            c = candidate
+            if output_tiles(p, c) * split >= 2 * sms:
+                break
+    if c not in space or not fits(c, p):
+        fitting = prune(space, p, device)
+        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["NUM_BUFFERS"], -x["SPLIT_K"]))
+    return c
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+
+def is_pointwise(p: dict) -> bool:
+    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
+    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
+
+
+def _constexprs(c: dict, im2col: bool) -> dict:
+    return {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col}
+
+
+def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
+    (sh, sw) = problems.pair(stride, "stride", minimum=1)
+    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    N, H, W, Ci0 = x.shape
+    _, P, Q, Co = grad_out.shape
+    xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
+    Ci = xp.shape[-1]
+    npq = N * P * Q
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    total_k = triton.cdiv(npq, bk)
+    active, per = gh.split_k_plan(total_k, config["SPLIT_K"])
+    out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
+    target = out if active == 1 else gh.split_k_workspace(active, Co, R * S * Ci, x.device)
+    g_desc = gh.tiled_desc(gp.view(npq, gp.shape[-1]), [bk, bm])
+    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
+    if im2col:
+        x_desc = gh.im2col_desc(xp, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
+    else:
+        x_desc = gh.tiled_desc(xp.view(npq, Ci), [bk, bn])
+    tiles = triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn)
+    grid = gh.persistent_grid(tiles * active, gh.num_sms(x.device))
+    conv2d_wgrad_kernel[grid](g_desc, x_desc, target, Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw, total_k, per,
+                              active, num_warps=config["num_warps"], **_constexprs(config, im2col))
+    if active > 1:
+        gh.split_k_reduce(target, out)
+    return out if Ci == Ci0 else out[..., :Ci0].contiguous()
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    active, _ = splits_of(p, config)
+    im2col = not is_pointwise(p)
+    ce = _constexprs(config, im2col)
+    sig = {"g_desc": gh.desc_sig(dt, [bk, bm]),
+           "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
+           "out_ptr": "*fp32" if active > 1 else gh.ptr_sig(dt)}
+    sig.update({k: "i32" for k in ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
+                                   "total_k", "k_per_split", "num_splits")})
+    sig.update({k: "constexpr" for k in ce})
+    specs = [KernelSpec(fn=conv2d_wgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
+                        num_stages=1, name="conv2d_wgrad_kernel")]
+    if active > 1:
+        specs.append(gh.split_k_reduce_spec(dt))
+    return specs

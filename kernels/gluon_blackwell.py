@@ -1,0 +1,151 @@
+"""Device-side Gluon building blocks shared by the Blackwell (sm_100a) kernels.
+
+Every Blackwell kernel here has the same shape: a persistent grid, three warp-specialized
+partitions (TMA loads, tcgen05 MMA, epilogue) talking through mbarrier rings, an operand
+ring of `NUM_BUFFERS` shared-memory stages and an accumulator ring of `NUM_ACC` tensor
+memory buffers, so the epilogue of one tile overlaps the main loop of the next.
+
+Ring protocol (one producer, one consumer, `n` slots):
+  the i-th use of a ring is slot i % n with phase (i // n) & 1;
+  the consumer waits `ready[slot]` on that phase; the producer waits `empty[slot]` on the
+  flipped phase, which returns at once on a fresh barrier, so the first lap needs no
+  pre-arrival.
+
+The host side (descriptors, grids, split-K workspace and the reduction) is shared with the
+Hopper backend in `gluon_host.py`; only what runs on the device lives here.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    fence_async_shared,
+    mbarrier,
+    tcgen05_commit,
+    tcgen05_mma,
+    tma,
+)
+
+# Tensor memory of one SM: 128 lanes x 512 columns of 32 bits; an fp32 accumulator of
+# BLOCK_N columns takes BLOCK_N of them (at BLOCK_M 64 or 128 alike).
+TMEM_COLUMNS = 512
+# Registers per thread the one-warp load and MMA partitions keep (setmaxnreg); the epilogue
+# warps get the rest of the register file.
+WORKER_REGS = gl.constexpr(40)
+
+
+@gluon.jit
+def init_ring(bars, count: gl.constexpr = 1):
+    NUM: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(NUM):
+        mbarrier.init(bars.index(i), count=count)
+
+
+@gluon.jit
+def invalidate_ring(bars):
+    NUM: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(NUM):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def ring_slot(use, NUM: gl.constexpr):
+    """(slot, phase) of the `use`-th use of a ring of NUM slots."""
+    return use % NUM, (use // NUM) & 1
+
+
+@gluon.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, group_m):
+    """Tile id -> (pid_m, pid_n), walking `group_m` row-tiles at a time so that they
+    share their B columns in L2 while all SMs work on the same band."""
+    tiles_per_group = group_m * num_pid_n
+    first_m = (tile_id // tiles_per_group) * group_m
+    rows = gl.minimum(num_pid_m - first_m, group_m)
+    in_group = tile_id % tiles_per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+@gluon.jit
+def split_k_range(work_id, tiles_per_split, total_k, k_per_split):
+    """(split, first K iteration, number of K iterations) of work item `work_id`.
+
+    Work items are numbered split-major: the CTAs running at the same time work on the same
+    split, i.e. the same slab of the reduction, which they then share in L2. Without split-K
+    (tiles_per_split = all tiles, k_per_split = total_k) this is (0, 0, total_k)."""
+    split = work_id // tiles_per_split
+    k_start = split * k_per_split
+    return split, k_start, gl.minimum(k_per_split, total_k - k_start)
+
+
+@gluon.jit
+def mma_partition(a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
+                  num_work, tiles_per_split, total_k, k_per_split,
+                  A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    """The MMA warp: for each work item, chain tcgen05 MMAs over its K range into the next
+    free accumulator. Every MMA releases its operand stage (arrives on `empty`) when the
+    tensor core is done with it; a commit after the last one hands the accumulator to the
+    epilogue. An operand stored K-outer ([BLOCK_K, rows]) is fed through a permuted view."""
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    use = 0
+    acc_use = 0
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        _, _, k_count = split_k_range(work_id, tiles_per_split, total_k, k_per_split)
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
+        acc = acc_tmem.index(acc_slot)
+        for ki in range(k_count):
+            slot, phase = ring_slot(use, NUM_BUFFERS)
+            mbarrier.wait(ready.index(slot), phase)
+            a = a_bufs.index(slot)
+            b = b_bufs.index(slot)
+            if A_TRANS:
+                a = a.permute((1, 0))
+            if B_TRANS:
+                b = b.permute((1, 0))
+            tcgen05_mma(a, b, acc, use_acc=ki > 0, mbarriers=[empty.index(slot)])
+            use += 1
+        # arrives when every MMA issued so far, this tile's last one included, is complete
+        tcgen05_commit(acc_ready.index(acc_slot))
+        acc_use += 1
+
+
+@gluon.jit
+def tma_store_epilogue(c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m):
+    """The epilogue partition of a GEMM whose output is a row-major [rows, cols] tensor:
+    tensor memory -> registers -> shared memory -> TMA store, in slices of c_desc's block
+    width through two staging buffers, so one slice's store overlaps the next one's load.
+    The accumulator goes back to the MMA warp as soon as its last slice is in registers."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
+    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    EPI_N: gl.constexpr = c_desc.block_type.shape[1]
+    SLICES: gl.constexpr = BLOCK_N // EPI_N
+    acc_use = 0
+    store_use = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, group_m)
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        acc = acc_tmem.index(acc_slot)
+        for j in gl.static_range(SLICES):
+            part = acc.slice(j * EPI_N, EPI_N).load().to(c_desc.dtype)
+            if j == SLICES - 1:
+                # the whole accumulator is in registers (the conversion above consumed it):
+                # the MMA warp may start the next tile in it
+                mbarrier.arrive(acc_empty.index(acc_slot))
+            buf = c_smem.index(store_use % 2)
+            tma.store_wait(1)  # the store issued from this buffer two slices ago has read it
+            buf.store(part)
+            fence_async_shared()
+            tma.async_store(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N + j * EPI_N], buf)
+            store_use += 1
+        acc_use += 1
+    tma.store_wait(0)
+
+
+@gluon.constexpr_function
+def epilogue_width(block_n):
+    """Columns per epilogue slice: 64 fp32 registers per thread at 4 warps and BLOCK_M=128."""
+    return min(block_n, 64)

@@ -1,0 +1,240 @@
+"""Blackwell (sm_100a) matmul in Gluon: c[M, N] = a[M, K] @ b[K, N].
+
+Persistent and warp-specialized (the building blocks are in gluon_blackwell.py):
+  load partition (1 warp)   TMA tiles of a and b into a ring of NUM_BUFFERS stages;
+  MMA partition (1 warp)    tcgen05 MMAs into a ring of NUM_ACC fp32 accumulators in tensor
+                            memory; each MMA releases its operand stage when it completes;
+  epilogue (num_warps)      tensor memory -> registers -> shared memory -> TMA store, in
+                            64-column slices, handing the accumulator back to the MMA warp as
+                            soon as it is read, so tile i's epilogue overlaps tile i+1's loop.
+fp16 or bf16 in and out, fp32 accumulation, any M, N, K, either operand row-major or a
+transpose of a row-major matrix (loaded as tiles of the row-major storage and fed to the MMA
+through a permuted shared-memory view).
+
+GROUP_M is a runtime argument: it changes the tile order, not the code, so configs that
+differ only in it share one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    allocate_tensor_memory,
+    mbarrier,
+    tma,
+)
+
+from . import KernelSpec, problems
+from . import gluon_host as gh
+from .gluon_blackwell import (
+    TMEM_COLUMNS,
+    WORKER_REGS,
+    grouped_tile,
+    init_ring,
+    invalidate_ring,
+    mma_partition,
+    ring_slot,
+    tma_store_epilogue,
+)
+from .spaces.blackwell import SPACES
+
+OP, BACKEND = "matmul", "blackwell"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.matmul_problem
+inputs = problems.matmul_inputs
+reference = problems.matmul_reference
+flops = problems.matmul_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code ---------------------------------------------------------------------------
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, k_iters, group_m,
+                    A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if A_TRANS else a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if A_TRANS else a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANS else b_desc.block_type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    use = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, group_m)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for ki in range(k_iters):
+            slot, phase = ring_slot(use, NUM_BUFFERS)
+            mbarrier.wait(empty.index(slot), phase ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            off_k = ki * BLOCK_K
+            if A_TRANS:
+                tma.async_load(a_desc, [off_k, off_m], bar, a_bufs.index(slot))
+            else:
+                tma.async_load(a_desc, [off_m, off_k], bar, a_bufs.index(slot))
+            if B_TRANS:
+                tma.async_load(b_desc, [off_n, off_k], bar, b_bufs.index(slot))
+            else:
+                tma.async_load(b_desc, [off_k, off_n], bar, b_bufs.index(slot))
+            use += 1
+
+
+@gluon.jit
+def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, group_m,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr,
+                  A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    """a_desc tiles a [M, K] ([K, M] storage when A_TRANS), b_desc b [K, N] ([N, K] when
+    B_TRANS), c_desc c [M, N] in [BLOCK_M, epilogue slice] blocks."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(empty)
+    init_ring(acc_ready)
+    init_ring(acc_empty)
+    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
+    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
+
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_iters = gl.cdiv(K, BLOCK_K)
+    gl.warp_specialize([
+        (tma_store_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+        (mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
+                         num_pid_m * num_pid_n, num_pid_m * num_pid_n, k_iters, k_iters, A_TRANS, B_TRANS)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, k_iters, group_m,
+                           A_TRANS, B_TRANS)),
+    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+
+    invalidate_ring(ready)
+    invalidate_ring(empty)
+    invalidate_ring(acc_ready)
+    invalidate_ring(acc_empty)
+
+
+JIT_FUNCTIONS = (matmul_kernel,)
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+
+def supports(p: dict, device) -> bool:
+    cap = getattr(device, "capability", None)
+    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def config_space(p: dict, device) -> list[dict]:
+    """The space minus tiles far larger than the matrix (they compute mostly padding)."""
+    return [c for c in SPACES[OP]
+            if c["BLOCK_M"] <= max(64, _pow2(p["M"])) and c["BLOCK_N"] <= max(64, _pow2(p["N"]))
+            and c["BLOCK_K"] <= max(64, _pow2(p["K"]))]
+
+
+def epilogue_n(c: dict) -> int:
+    return min(c["BLOCK_N"], 64)
+
+
+def smem_bytes(c: dict, p: dict) -> int:
+    """Shared memory the kernel allocates: the operand ring, two epilogue staging slices and
+    the barriers (what the compiler reports, to within its few bytes of bookkeeping)."""
+    item = gh.ITEMSIZE[p["dtype"]]
+    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
+    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item
+    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
+
+
+# bytes the compiler adds beyond the buffers above (the tensor-memory base address and
+# alignment), measured over the whole space with `tunecache compile --all`
+_SMEM_OVERHEAD = 256
+
+
+def tmem_columns(c: dict) -> int:
+    return c["NUM_ACC"] * c["BLOCK_N"]
+
+
+def fits(c: dict, p: dict) -> bool:
+    """Hard limits only (pruning must agree with the compiler): shared and tensor memory."""
+    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    return [c for c in configs if fits(c, p)]
+
+
+def default_config(p: dict, device) -> dict:
+    sms = max(1, getattr(device, "sm_count", 0) or 148)
+    c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
+         "num_warps": 4}
+    if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 256) < sms:
+        # too few big tiles to fill the SMs: smaller tiles, deeper ring
+        c.update(BLOCK_N=128, NUM_BUFFERS=5)
+        if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 128) < sms // 2:
+            c.update(BLOCK_M=64, NUM_BUFFERS=6)
+    if c not in config_space(p, device):
+        fitting = prune(config_space(p, device), p, device)
+        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"], x["NUM_ACC"]))
+    return c
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+
+def _block_shapes(c: dict, trans_a: bool, trans_b: bool):
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    return ([bk, bm] if trans_a else [bm, bk]), ([bn, bk] if trans_b else [bk, bn]), [bm, epilogue_n(c)]
+
+
+def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
+    return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"],
+            "NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "A_TRANS": trans_a, "B_TRANS": trans_b}
+
+
+def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    M, K = a.shape
+    N = b.shape[1]
+    dt = a.dtype
+    trans_a = problems.matrix_layout(a, "a") == "col" and M > 1
+    trans_b = problems.matrix_layout(b, "b") == "col" and N > 1
+    # TMA reads the row-major storage: a transposed operand is described as its transpose
+    a_src = gh.tma_ready(a.t() if trans_a else a)
+    b_src = gh.tma_ready(b.t() if trans_b else b)
+    n_pad = gh.padded_channels(N, dt)
+    c = torch.empty((M, n_pad), device=a.device, dtype=dt)
+    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
+    a_desc = gh.tiled_desc(a_src, a_blk)
+    b_desc = gh.tiled_desc(b_src, b_blk)
+    c_desc = gh.tiled_desc(c, c_blk)
+    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+    grid = gh.persistent_grid(tiles, gh.num_sms(a.device))
+    matmul_kernel[grid](a_desc, b_desc, c_desc, M, N, K, config["GROUP_M"],
+                        num_warps=config["num_warps"], **_constexprs(config, trans_a, trans_b))
+    return c if n_pad == N else c[:, :N].contiguous()
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
+    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
+    ce = _constexprs(config, trans_a, trans_b)
+    sig = {"a_desc": gh.desc_sig(dt, a_blk), "b_desc": gh.desc_sig(dt, b_blk), "c_desc": gh.desc_sig(dt, c_blk),
+           "M": "i32", "N": "i32", "K": "i32", "group_m": "i32"}
+    sig.update({k: "constexpr" for k in ce})
+    return [KernelSpec(fn=matmul_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
+                       num_stages=1, name="matmul_kernel")]

@@ -1,0 +1,60 @@
+"""Spaces of the Blackwell (sm_100a) Gluon kernels: tcgen05 MMA into tensor memory.
+
+Starting points are the reference designs in shared/seeds (conv fprop 004, conv wgrad 000,
+persistent matmul 001), widened where the hardware allows:
+- BLOCK_M 64 or 128: the single-CTA tcgen05 instruction shapes (M=256 needs a 2-CTA pair);
+- BLOCK_N up to 256, the largest MMA N; NUM_ACC=2 accumulators of 256 fp32 columns fill
+  the 512 columns of tensor memory exactly (NUM_ACC stays a parameter, at 2: a single
+  accumulator serializes the epilogue with the next tile's main loop and frees nothing
+  another CTA could use; it compiled and fit, and cost CI time for no candidate);
+- NUM_BUFFERS 2..6 operand stages: the seed figures show Blackwell still gaining at 4,
+  and small tiles leave room for more in the 227 KiB of shared memory;
+- GROUP_M (grouped tile order for L2 reuse) and SPLIT_K are runtime arguments of the
+  kernels: they change the schedule, not the code, so configs that differ only in them
+  share one compiled kernel.
+`num_warps` is the epilogue partition's warps; the load and MMA partitions have one warp
+each. The seeds run Blackwell at 4 (the persistent-matmul figures show 8 slower there).
+
+Not every config fits: `prune()` in each kernel module drops the ones that exceed shared
+or tensor memory, and tests/test_compile_targets.py checks those rules against the
+compiler over the whole space.
+"""
+
+from . import ConfigSpace
+
+_STAGES = (2, 3, 4, 5, 6)
+
+SPACES = {
+    # c[M, N] = a[M, K] @ b[K, N]
+    "matmul": ConfigSpace({
+        "BLOCK_M": (64, 128),
+        "BLOCK_N": (64, 128, 256),
+        "BLOCK_K": (64, 128),
+        "NUM_BUFFERS": _STAGES,
+        "NUM_ACC": (2,),
+        "GROUP_M": (1, 8),
+        "num_warps": (4,),
+    }),
+    # implicit GEMM: M = N*P*Q output pixels (TMA im2col rows), N = Co, K = R*S*Ci
+    "conv2d_fprop": ConfigSpace({
+        "BLOCK_M": (64, 128),
+        "BLOCK_N": (32, 64, 128, 256),
+        "BLOCK_K": (32, 64, 128),
+        "NUM_BUFFERS": _STAGES,
+        "NUM_ACC": (2,),
+        "GROUP_M": (1, 4, 8),
+        "num_warps": (4,),
+    }),
+    # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]:
+    # M = Co, N = Ci at one filter tap (r, s), K = N*P*Q split SPLIT_K ways and reduced
+    # deterministically by a second kernel.
+    "conv2d_wgrad": ConfigSpace({
+        "BLOCK_M": (64, 128),
+        "BLOCK_N": (64, 128, 256),
+        "BLOCK_K": (64, 128),
+        "NUM_BUFFERS": _STAGES,
+        "NUM_ACC": (2,),
+        "SPLIT_K": (1, 2, 4, 8, 16, 32),
+        "num_warps": (4,),
+    }),
+}

@@ -1,0 +1,456 @@
+"""Compile a Gluon backend's configs for an explicit target, on any host, no GPU needed.
+
+`triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 100, 32))`
+runs the whole pipeline (Gluon IR -> TTGIR -> LLVM -> PTX -> ptxas cubin) on the CPU. Each
+backend module says what to compile through `compile_specs(problem, config, device)`: one
+KernelSpec per kernel launch of the op (a split-K wgrad is the GEMM plus the reduction).
+
+Per config this reports what the compiler says: did it compile, the shared memory it asks
+for (metadata), the tensor memory columns it allocates (metadata, sm_100), registers per
+thread and the stack frame that holds spilled registers (ptxas' resource usage, read from
+the cubin with cuobjdump: the `n_regs` Triton reports needs a GPU to load the binary),
+compile seconds, and the error.
+
+Specs are compiled in a pool of spawned processes, one per CPU core, and identical specs are
+compiled once: configs that differ only in runtime arguments of the kernel (GROUP_M,
+SPLIT_K) share their kernel, and the reduction kernel of split-K is shared by every split.
+
+The tuner uses `compile_configs` to precompile its candidates and drop those the compiler
+rejects or that do not fit the device; `tunecache compile` prints the same reports as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any, Iterable
+
+from .key import DeviceClass
+
+# Explicit targets, named as `--arch` takes them. The Gluon backends use the arch-specific
+# ("a") features: WGMMA on sm_90a, tcgen05 and tensor memory on sm_100a (sm_103a, B300, too).
+# name -> (compute capability as Triton spells it, SM count of the usual part)
+ARCHES = {"sm_90a": (90, 132), "sm_100a": (100, 148), "sm_103a": (103, 148)}
+# per-block opt-in dynamic shared memory: 227 KiB on all of them
+SMEM_LIMIT_BYTES = {name: 227 * 1024 for name in ARCHES}
+# tensor memory columns per SM (sm_100 family only; the compiler reports none elsewhere)
+TMEM_COLUMNS = 512
+
+_ERROR_CHARS = 4000
+
+
+@dataclass
+class KernelReport:
+    """The compiler's word on one kernel of a config."""
+
+    name: str
+    compiled: bool
+    shared: int | None = None
+    tmem: int | None = None
+    regs: int | None = None
+    stack_bytes: int | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    reused: bool = False  # an identical spec was compiled for an earlier config of this run
+
+
+@dataclass
+class ConfigReport:
+    """One config: `compiled` (every kernel compiled) and `ok` (compiled and fits the device:
+    shared memory within the per-block limit, tensor memory within 512 columns). `error`
+    says why not. Resource figures are the maximum over the config's kernels."""
+
+    config: dict
+    arch: str
+    compiled: bool
+    ok: bool
+    shared: int | None = None
+    tmem: int | None = None
+    regs: int | None = None
+    stack_bytes: int | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    pruned: bool | None = None  # set by compile_space: would the backend's prune() drop it?
+    kernels: list[KernelReport] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        if self.pruned is None:
+            d.pop("pruned")
+        return d
+
+
+# ---- targets ---------------------------------------------------------------------------------
+
+
+def arch_of(target: str | DeviceClass) -> str:
+    """'sm_100a' | 'sm_100' | DeviceClass -> 'sm_100a' (the explicit target's name)."""
+    if isinstance(target, DeviceClass):
+        cap = target.capability
+        if cap is None:
+            raise ValueError(f"{target} is the CPU interpreter: there is nothing to compile for it")
+        name = f"sm_{cap[0]}{cap[1]}a"
+    else:
+        name = target if target.endswith("a") else f"{target}a"
+    if name not in ARCHES:
+        raise ValueError(f"unknown target {target!r}; expected one of {sorted(ARCHES)}")
+    return name
+
+
+def device_for(arch: str, sm_count: int | None = None) -> DeviceClass:
+    """The DeviceClass a compile for `arch` stands for (its usual SM count unless given)."""
+    arch = arch_of(arch)
+    return DeviceClass(arch.removesuffix("a"), sm_count or ARCHES[arch][1], f"compile target {arch}")
+
+
+def backend_module(op: str, backend: str) -> ModuleType:
+    import importlib
+
+    name = f"tunecache_kernels.{op}_{backend}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        raise ValueError(f"no backend {backend!r} for op {op!r} (module {name} not found)") from None
+
+
+# ---- problems --------------------------------------------------------------------------------
+
+# One problem per op that exercises every config of the spaces: large enough in every GEMM
+# dimension that no tile is pruned for being larger than the problem, NHWC channel counts that
+# need no padding, a 3x3 filter with padding (im2col offsets and a partial window).
+REPRESENTATIVE = {
+    "matmul": {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"},
+    "conv2d_fprop": {"N": 32, "H": 56, "W": 56, "Ci": 256, "Co": 256, "R": 3, "S": 3, "stride": 1,
+                     "padding": 1, "dtype": "bfloat16"},
+    "conv2d_wgrad": {"N": 32, "H": 56, "W": 56, "Ci": 256, "Co": 256, "R": 3, "S": 3, "stride": 1,
+                     "padding": 1, "dtype": "bfloat16"},
+}
+
+
+def canonical_problem(op: str, given: dict | None = None) -> dict:
+    """A partial problem (shape and dtype, as a user would type it; the op's representative
+    one if None) -> the op's canonical problem dict, through the ops' own argument checks on
+    meta tensors (no memory). A dict that is already canonical is returned as is."""
+    given = dict(REPRESENTATIVE[op] if given is None else given)
+    canonical_field = {"matmul": "a_layout", "conv2d_fprop": "gemm_M", "conv2d_wgrad": "gemm_M"}
+    if op not in canonical_field:
+        raise ValueError(f"unknown op {op!r}; expected one of {sorted(canonical_field)}")
+    if canonical_field[op] in given and "dtype" in given:
+        return given
+    import torch
+
+    from tunecache_kernels import problems
+
+    dt = problems.DTYPES.get(given.get("dtype", "bfloat16"))
+    if dt is None:
+        raise ValueError(f"dtype must be one of {sorted(problems.DTYPES)}, got {given.get('dtype')!r}")
+
+    def need(*names):
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise ValueError(f"the {op} problem is missing {', '.join(missing)}")
+        return [int(given[n]) for n in names]
+
+    def t(*shape):
+        return torch.empty(shape, dtype=dt, device="meta")
+
+    if op == "matmul":
+        M, N, K = need("M", "N", "K")
+        a = t(M, K) if given.get("a_layout", "row") == "row" else t(K, M).t()
+        b = t(K, N) if given.get("b_layout", "row") == "row" else t(N, K).t()
+        return problems.matmul_problem(a, b)
+    N, H, W, Ci, Co, R, S = need("N", "H", "W", "Ci", "Co", "R", "S")
+    st = (int(given.get("stride_h", given.get("stride", 1))), int(given.get("stride_w", given.get("stride", 1))))
+    pd = (int(given.get("pad_h", given.get("padding", 0))), int(given.get("pad_w", given.get("padding", 0))))
+    if op == "conv2d_fprop":
+        return problems.conv2d_fprop_problem(t(N, H, W, Ci), t(Co, R, S, Ci), st, pd)
+    P = problems.out_size(H, R, st[0], pd[0])
+    Q = problems.out_size(W, S, st[1], pd[1])
+    if P <= 0 or Q <= 0:
+        raise ValueError(f"empty output: a {R}x{S} filter with stride {st} and padding {pd} over {H}x{W}")
+    return problems.conv2d_wgrad_problem(t(N, H, W, Ci), t(N, P, Q, Co), R, S, st, pd)
+
+
+# ---- compiling one spec ------------------------------------------------------------------------
+
+
+def spec_key(spec: Any, arch: str) -> str:
+    """Identity of a compile: same key, same binary."""
+    fn = spec.fn
+    fn_name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+    ce = {str(k): repr(v) for k, v in spec.constexprs.items()}
+    return json.dumps([arch, fn_name, spec.signature, ce, spec.num_warps, spec.num_stages, spec.num_ctas,
+                       {k: repr(v) for k, v in sorted(spec.options.items())}], sort_keys=True)
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, stack frame bytes per thread) of a cubin, from cuobjdump.
+
+    The stack frame is where ptxas spills registers (these kernels keep no local arrays), so
+    a nonzero one means the config does not fit the register file. With warp specialization
+    the register count is the launch allocation (setmaxnreg moves registers between the
+    partitions at run time)."""
+    try:
+        from triton import knobs
+
+        tool = knobs.nvidia.cuobjdump.path
+    except Exception:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    regs = [int(v) for v in re.findall(r"REG:(\d+)", out)]
+    stack = [int(v) for v in re.findall(r"STACK:(\d+)", out)]
+    return (max(regs) if regs else None), (max(stack) if stack else None)
+
+
+def compile_spec(spec: Any, arch: str):
+    """`triton.compile` one KernelSpec for an explicit target; returns the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cc = ARCHES[arch_of(arch)][0]
+    is_gluon = getattr(spec.fn, "is_gluon", lambda: False)()
+    if is_gluon:
+        from triton.experimental.gluon import GluonASTSource as source_cls
+    else:
+        source_cls = ASTSource
+    src = source_cls(spec.fn, spec.signature, spec.constexprs)
+    options = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, num_ctas=spec.num_ctas)
+    options.update(spec.options)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+
+
+def report_spec(spec: Any, arch: str) -> KernelReport:
+    """Compile one spec and read what the compiler says about it; never raises."""
+    name = spec.name or getattr(spec.fn, "__name__", "kernel")
+    t0 = time.perf_counter()
+    try:
+        kernel = compile_spec(spec, arch)
+    except Exception as e:  # a compile error is a result, not a failure of this tool
+        return KernelReport(name, False, seconds=time.perf_counter() - t0, error=_short(_describe(e)))
+    seconds = time.perf_counter() - t0
+    md = kernel.metadata
+    tmem = getattr(md, "tmem_size", None)
+    regs, spill = _resource_usage(kernel.asm["cubin"]) if "cubin" in kernel.asm else (None, None)
+    return KernelReport(name, True, shared=int(md.shared), tmem=None if tmem is None else int(tmem),
+                        regs=regs, stack_bytes=spill, seconds=seconds)
+
+
+def _describe(e: BaseException) -> str:
+    """The error and its causes, innermost last (a CompilationError's cause says what broke)."""
+    parts = []
+    while e is not None and len(parts) < 5:
+        parts.append("".join(traceback.format_exception_only(type(e), e)).strip())
+        e = e.__cause__ or (e.__context__ if not e.__suppress_context__ else None)
+    return "\nCaused by: ".join(parts)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS // 2] + "\n...\n" + text[-_ERROR_CHARS // 2:]
+
+
+# ---- the process pool --------------------------------------------------------------------------
+
+
+def _worker_init(env: dict) -> None:
+    # Gluon kernels must be real JIT functions here even when the parent runs tests under
+    # the interpreter (TRITON_INTERPRET=1 turns @triton.jit helpers into Python functions).
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.update(env)
+    import warnings
+
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    # libtriton's nanobind reports "leaked instances" at interpreter exit: noise per worker
+    import atexit
+
+    def _quiet_exit():
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    atexit.register(_quiet_exit)
+
+
+def _worker_compile(module_name: str, problem: dict, config: dict, index: int, arch: str,
+                    device: tuple[str, int]) -> KernelReport:
+    import importlib
+
+    mod = importlib.import_module(module_name)
+    spec = mod.compile_specs(problem, config, DeviceClass(*device))[index]
+    return report_spec(spec, arch)
+
+
+def default_workers() -> int:
+    env = os.environ.get("TUNECACHE_COMPILE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> list[KernelReport]:
+    if not tasks:
+        return []
+    if workers <= 1 and not os.environ.get("TRITON_INTERPRET"):
+        return [_worker_compile(*t) for t in tasks]
+    results: list[KernelReport | None] = [None] * len(tasks)
+    pending = list(range(len(tasks)))
+    # A worker that dies (ptxas or LLVM crashing the process, the OOM killer) breaks the whole
+    # pool: rerun what was left in a fresh pool, and after a second break give every spec its
+    # own process so that only the culprit fails.
+    for attempt in range(3):
+        width = 1 if attempt == 2 else workers
+        groups = [[i] for i in pending] if attempt == 2 else [pending]
+        still = []
+        for group in groups:
+            still += _run_pool([tasks[i] for i in group], group, width, env, results)
+        pending = still
+        if not pending:
+            break
+    for i in pending:
+        results[i] = KernelReport(f"spec {tasks[i][3]}", False,
+                                  error="the compile worker process died (a crash in the compiler or ptxas)")
+    return results  # type: ignore[return-value]
+
+
+def _run_pool(tasks: list[tuple], indices: list[int], workers: int, env: dict,
+              results: list[KernelReport | None]) -> list[int]:
+    """Run tasks in one spawned pool, filling `results`; returns the indices a broken pool lost."""
+    import multiprocessing as mp
+    from concurrent.futures.process import BrokenProcessPool
+
+    lost = []
+    # spawn, not fork: the parent may hold CUDA state or threads that do not survive a fork
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(tasks))), mp_context=mp.get_context("spawn"),
+                             initializer=_worker_init, initargs=(env,)) as pool:
+        futures = [pool.submit(_worker_compile, *t) for t in tasks]
+        for fut, i in zip(futures, indices):
+            try:
+                results[i] = fut.result()
+            except BrokenProcessPool:
+                lost.append(i)
+            except Exception as e:
+                results[i] = KernelReport(f"spec {tasks[0][3]}", False, error=_short(f"compile worker failed: {e!r}"))
+    return lost
+
+
+# ---- configs -----------------------------------------------------------------------------------
+
+
+def compile_configs(mod: ModuleType, problem: dict, configs: Iterable[dict], device: DeviceClass | str,
+                    *, workers: int | None = None, cache_dir: str | None = None) -> list[ConfigReport]:
+    """Compile every kernel of every config for the device's target; one report per config,
+    in order. Identical specs are compiled once (in parallel across `workers` processes)."""
+    arch = arch_of(device)
+    if not isinstance(device, DeviceClass):
+        device = device_for(arch)
+    configs = list(configs)
+    unique: dict[str, int] = {}
+    tasks: list[tuple] = []
+    plan: list[list[tuple[int, bool]] | str] = []  # per config: [(task index, shared)] or an error
+    for cfg in configs:
+        try:
+            specs = mod.compile_specs(problem, cfg, device)
+        except Exception as e:
+            plan.append(_short(f"compile_specs failed: {type(e).__name__}: {e}"))
+            continue
+        entries = []
+        for i, spec in enumerate(specs):
+            k = spec_key(spec, arch)
+            if k in unique:
+                entries.append((unique[k], True))
+            else:
+                unique[k] = len(tasks)
+                tasks.append((mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)))
+                entries.append((unique[k], False))
+        plan.append(entries)
+    env = {"TRITON_CACHE_DIR": cache_dir} if cache_dir else {}
+    results = _run_tasks(tasks, workers or default_workers(), env)
+    return [_config_report(cfg, arch, entry, results) for cfg, entry in zip(configs, plan)]
+
+
+def _config_report(cfg: dict, arch: str, entry, results: list[KernelReport]) -> ConfigReport:
+    if isinstance(entry, str):
+        return ConfigReport(cfg, arch, compiled=False, ok=False, error=entry)
+    kernels = []
+    for idx, shared in entry:
+        r = results[idx]
+        kernels.append(KernelReport(**{**asdict(r), "reused": shared, "seconds": 0.0 if shared else round(r.seconds, 3)}))
+    compiled = all(k.compiled for k in kernels)
+
+    def most(attr):
+        vals = [getattr(k, attr) for k in kernels if getattr(k, attr) is not None]
+        return max(vals) if vals else None
+
+    rep = ConfigReport(cfg, arch, compiled=compiled, ok=False, shared=most("shared"), tmem=most("tmem"),
+                       regs=most("regs"), stack_bytes=most("stack_bytes"),
+                       seconds=round(sum(k.seconds for k in kernels), 3), kernels=kernels)
+    if not compiled:
+        rep.error = next(k.error for k in kernels if not k.compiled)
+        return rep
+    rep.error = resource_error(rep, arch)
+    rep.ok = rep.error is None
+    return rep
+
+
+def resource_error(rep: ConfigReport | KernelReport, arch: str) -> str | None:
+    """Why a compiled config cannot launch on the target (None: it fits)."""
+    limit = SMEM_LIMIT_BYTES[arch]
+    if rep.shared is not None and rep.shared > limit:
+        return f"shared memory {rep.shared} B exceeds the {arch} limit of {limit} B per block"
+    if rep.tmem is not None and rep.tmem > TMEM_COLUMNS:
+        return f"tensor memory {rep.tmem} columns exceeds the {TMEM_COLUMNS} of an SM"
+    return None
+
+
+def compile_space(op: str, backend: str, arch: str, problem: dict | None = None, *, all_configs: bool = False,
+                  workers: int | None = None, sm_count: int | None = None,
+                  cache_dir: str | None = None) -> list[ConfigReport]:
+    """`tunecache compile`: the backend's candidates for the problem (its config_space after
+    prune) or, with all_configs, every config of its space, each marked with `pruned`."""
+    from tunecache_kernels.spaces import space_for
+
+    mod = backend_module(op, backend)
+    if not hasattr(mod, "compile_specs"):
+        raise ValueError(f"{mod.KERNEL} has no compile_specs: only Gluon backends compile for a target")
+    device = device_for(arch, sm_count)
+    p = canonical_problem(op, problem)
+    if not mod.supports(p, device):
+        raise ValueError(f"{mod.KERNEL} does not support this problem on {arch_of(arch)}: {p}")
+    if all_configs:
+        configs = list(space_for(mod.KERNEL))
+    else:
+        configs = mod.prune(mod.config_space(p, device), p, device)
+    kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, p, device)}
+    reports = compile_configs(mod, p, configs, device, workers=workers, cache_dir=cache_dir)
+    for r in reports:
+        r.pruned = json.dumps(r.config, sort_keys=True) not in kept
+    return reports
+
+
+def report_lines(reports: list[ConfigReport], *, kernel: str) -> Iterable[str]:
+    """One JSON object per config (the `tunecache compile` output)."""
+    for r in reports:
+        d = r.to_json()
+        d["kernel"] = kernel
+        d.pop("kernels")
+        d["kernels"] = [{k: v for k, v in asdict(kr).items() if v is not None} for kr in r.kernels]
+        yield json.dumps(d, sort_keys=False)
