@@ -239,7 +239,44 @@ def _constexprs(c: dict, im2col: bool) -> dict:
     return {"STAGES": c["num_stages"], "IM2COL": im2col, "num_warps": c["num_warps"]}
 
 
+class _Plan:
+    """One (config, x/w shapes and strides, dtype, stride, padding, device) launch, precomputed:
+    see gluon_host.DirectLauncher."""
+
+    __slots__ = ("launcher", "maps", "grid0", "tail", "x_desc", "w_desc", "y_blk", "ci", "pad_x", "pad_w",
+                 "y_shape", "Co", "co_pad", "out_shape")
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
+        xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
+        wp = gh.pad_last_dim(w, self.ci) if self.pad_w else w
+        y = torch.empty(self.y_shape, device=x.device, dtype=x.dtype)
+        px, pw, py = xp.data_ptr(), wp.data_ptr(), y.data_ptr()
+        maps, ld = self.maps, self.launcher
+        xm = maps.get((0, px)) or maps.put((0, px), ld.expand_desc(0, self.x_desc(xp)))
+        wm = maps.get((1, pw)) or maps.put((1, pw), ld.expand_desc(1, self.w_desc(wp)))
+        ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, gh.tiled_desc(y, self.y_blk)))
+        ld(self.grid0, stream, [*xm, *wm, *ym, *self.tail])
+        y = y if self.co_pad == self.Co else y[:, :self.Co].contiguous()
+        return y.view(self.out_shape)
+
+
+_PLANS = gh.PlanCache()
+
+
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
+    key = None
+    if gh.direct_launch_enabled():
+        st, pd = gh.int_pair_key(stride), gh.int_pair_key(padding)
+        if st is not None and pd is not None:
+            dev, stream = gh.current_device_and_stream()
+            key = (gh.config_key(config), x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, st, pd, dev)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan.run(x, w, stream)
+    return _launch_jit(config, x, w, stride, padding, key)
+
+
+def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding, key) -> torch.Tensor:
     (sh, sw) = problems.pair(stride, "stride", minimum=1)
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
     N, H, W, _ = x.shape
@@ -253,15 +290,32 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
     if im2col:
-        x_desc = gh.im2col_desc(xp, [bm, bk], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
+        def x_desc_of(t):
+            return gh.im2col_desc(t, [bm, bk], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
     else:
-        x_desc = gh.tiled_desc(xp.view(M, Ci), [bm, bk])
-    w_desc = gh.tiled_desc(wp.view(Co, R * S * Ci), [bn, bk])
+        def x_desc_of(t):
+            return gh.tiled_desc(t.view(M, Ci), [bm, bk])
+
+    def w_desc_of(t):
+        return gh.tiled_desc(t.view(Co, R * S * Ci), [bn, bk])
+
+    x_desc, w_desc = x_desc_of(xp), w_desc_of(wp)
     y_desc = gh.tiled_desc(y, [bm, bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(Co, bn)
     grid = gh.persistent_grid(tiles, gh.num_sms(x.device))
-    conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw,
-                              config["GROUP_M"], **_constexprs(config, im2col))
+    ce = _constexprs(config, im2col)
+    scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"])
+    compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, *scalars, **ce)
+    if key is not None:
+        ld = gh.DirectLauncher.of(compiled)
+        if ld is not None:
+            plan = _Plan()
+            plan.launcher, plan.maps, plan.grid0 = ld, gh.DescMaps(), grid[0]
+            plan.tail = gh.kernel_args(conv2d_fprop_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.x_desc, plan.w_desc, plan.y_blk = x_desc_of, w_desc_of, [bm, bn]
+            plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
+            plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
+            _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
 

@@ -261,7 +261,52 @@ def _constexprs(c: dict, im2col: bool) -> dict:
     return {"STAGES": c["num_stages"], "IM2COL": im2col, "num_warps": c["num_warps"]}
 
 
+class _Plan:
+    """One (config, x/grad_out shapes and strides, dtype, filter, stride, padding, device) launch,
+    precomputed: see gluon_host.DirectLauncher."""
+
+    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_desc", "x_desc", "ci", "pad_x", "pad_g",
+                 "ci_g", "out_shape", "active", "ws_shape", "reduce_grid0", "reduce_tail", "Ci0")
+
+    def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
+        xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
+        gp = gh.pad_last_dim(g, self.ci_g) if self.pad_g else g
+        out = torch.empty(self.out_shape, device=x.device, dtype=x.dtype)
+        active = self.active
+        target = out if active == 1 else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
+        if (target.data_ptr() | out.data_ptr()) & 15:
+            return None  # pointer arguments were specialized 16-byte aligned: the JIT path
+        px, pg = xp.data_ptr(), gp.data_ptr()
+        maps, ld = self.maps, self.launcher
+        gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(gp)))
+        xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
+        ld(self.grid0, stream, [*gm, *xm, target, *self.tail])
+        if active > 1:
+            self.reduce(self.reduce_grid0, stream, (target, out, *self.reduce_tail))
+        return out if self.ci == self.Ci0 else out[..., :self.Ci0].contiguous()
+
+
+_PLANS = gh.PlanCache()
+
+
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
+    key = None
+    if gh.direct_launch_enabled() and type(R) is int and type(S) is int:
+        st, pd = gh.int_pair_key(stride), gh.int_pair_key(padding)
+        if st is not None and pd is not None:
+            dev, stream = gh.current_device_and_stream()
+            key = (gh.config_key(config), x.shape, x.stride(), grad_out.shape, grad_out.stride(), x.dtype,
+                   grad_out.dtype, R, S, st, pd, dev)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                out = plan.run(x, grad_out, stream)
+                if out is not None:
+                    return out
+    return _launch_jit(config, x, grad_out, R, S, stride, padding, key)
+
+
+def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride, padding,
+                key) -> torch.Tensor:
     (sh, sw) = problems.pair(stride, "stride", minimum=1)
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
     N, H, W, Ci0 = x.shape
@@ -275,18 +320,42 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     active, per = gh.split_k_plan(triton.cdiv(npq, bk), split)
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     target = out if active == 1 else gh.split_k_workspace(active, Co, R * S * Ci, x.device)
-    g_desc = gh.tiled_desc(gp.view(npq, gp.shape[-1]), [bk, bm])
+    gc = gp.shape[-1]
+
+    def g_desc_of(t):
+        return gh.tiled_desc(t.view(npq, gc), [bk, bm])
+
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
     if im2col:
-        x_desc = gh.im2col_desc(xp, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
+        def x_desc_of(t):
+            return gh.im2col_desc(t, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
     else:
-        x_desc = gh.tiled_desc(xp.view(npq, Ci), [bk, bn])
+        def x_desc_of(t):
+            return gh.tiled_desc(t.view(npq, Ci), [bk, bn])
+
+    g_desc, x_desc = g_desc_of(gp), x_desc_of(xp)
     tiles = triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn) * active
     grid = gh.persistent_grid(tiles, sms)
-    conv2d_wgrad_kernel[grid](g_desc, x_desc, target, Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw, per, active,
-                              **_constexprs(config, im2col))
+    ce = _constexprs(config, im2col)
+    scalars = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw, per, active)
+    compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, target, *scalars, **ce)
+    reduce = None
     if active > 1:
-        gh.split_k_reduce(target, out)
+        reduce = gh.split_k_reduce_jit(target, out)
+    if key is not None and not (target.data_ptr() | out.data_ptr()) & 15:
+        ld = gh.DirectLauncher.of(compiled)
+        rd = gh.DirectLauncher.of(reduce) if active > 1 else None
+        if ld is not None and (active == 1 or rd is not None):
+            plan = _Plan()
+            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, gh.DescMaps(), grid[0]
+            plan.tail = gh.kernel_args(conv2d_wgrad_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
+            plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
+            plan.out_shape, plan.active, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), active, (active, Co, R * S * Ci), Ci0
+            numel = out.numel()
+            plan.reduce_grid0 = gh.split_k_reduce_grid(numel)[0]
+            plan.reduce_tail = (numel, active) + gh.split_k_reduce_tail()
+            _PLANS.put(key, plan)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
 

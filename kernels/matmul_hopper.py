@@ -249,15 +249,59 @@ def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
     return {"TRANS_A": trans_a, "TRANS_B": trans_b, "STAGES": c["num_stages"], "num_warps": c["num_warps"]}
 
 
+class _Plan:
+    """One (config, a/b shapes and strides, dtype, device) launch, precomputed: see
+    gluon_host.DirectLauncher."""
+
+    __slots__ = ("launcher", "maps", "grid0", "tail", "trans_a", "trans_b", "a_ok", "b_ok", "a_blk", "b_blk",
+                 "c_blk", "c_shape", "N", "n_pad")
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
+        # a_ok/b_ok: the strides suit TMA, so only the base address can force tma_ready's copy
+        av = a.t() if self.trans_a else a
+        bv = b.t() if self.trans_b else b
+        pa, pb = av.data_ptr(), bv.data_ptr()
+        if not (self.a_ok and not pa & 15):
+            av = gh.tma_ready(av)
+            pa = av.data_ptr()
+        if not (self.b_ok and not pb & 15):
+            bv = gh.tma_ready(bv)
+            pb = bv.data_ptr()
+        c = torch.empty(self.c_shape, device=a.device, dtype=a.dtype)
+        pc = c.data_ptr()
+        maps, ld = self.maps, self.launcher
+        am = maps.get((0, pa)) or maps.put((0, pa), ld.expand_desc(0, gh.tiled_desc(av, self.a_blk)))
+        bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
+        cm = maps.get((2, pc)) or maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(c, self.c_blk)))
+        ld(self.grid0, stream, [*am, *bm, *cm, *self.tail])
+        return c if self.n_pad == self.N else c[:, :self.N].contiguous()
+
+
+_PLANS = gh.PlanCache()
+
+
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    key = stream = None
+    if gh.direct_launch_enabled():
+        dev, stream = gh.current_device_and_stream()
+        key = (gh.config_key(config), a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, dev)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan.run(a, b, stream)
+    return _launch_jit(config, a, b, key)
+
+
+def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[1]
     dt = a.dtype
     trans_a = problems.matrix_layout(a, "a") == "col" and M > 1
     trans_b = problems.matrix_layout(b, "b") == "col" and N > 1
     # TMA reads the row-major storage: a transposed operand is described as its transpose
-    a_src = gh.tma_ready(a.t() if trans_a else a)
-    b_src = gh.tma_ready(b.t() if trans_b else b)
+    a_view = a.t() if trans_a else a
+    b_view = b.t() if trans_b else b
+    a_src = gh.tma_ready(a_view)
+    b_src = gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
     a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
@@ -266,7 +310,20 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c_desc = gh.tiled_desc(c, c_blk)
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
     grid = gh.persistent_grid(tiles, gh.num_sms(a.device))
-    matmul_kernel[grid](a_desc, b_desc, c_desc, M, N, K, config["GROUP_M"], **_constexprs(config, trans_a, trans_b))
+    ce = _constexprs(config, trans_a, trans_b)
+    scalars = (M, N, K, config["GROUP_M"])
+    compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, *scalars, **ce)
+    if key is not None:
+        ld = gh.DirectLauncher.of(compiled)
+        if ld is not None:
+            plan = _Plan()
+            plan.launcher, plan.maps, plan.grid0 = ld, gh.DescMaps(), grid[0]
+            plan.tail = gh.kernel_args(matmul_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.trans_a, plan.trans_b = trans_a, trans_b
+            plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
+            plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
+            plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
+            _PLANS.put(key, plan)
     return c if n_pad == N else c[:, :N].contiguous()
 
 

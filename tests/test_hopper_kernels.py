@@ -301,3 +301,114 @@ def test_conv_fp16_and_bf16(dtype):
     gw = wgrad.launch(wgrad.default_config(pw, dev), x, g, 3, 3, 2, 1)
     assert gw.dtype == dtype
     _check(gw, wgrad.reference(x.float(), g.float(), 3, 3, 2, 1), 1e-2)
+
+
+# ---- direct launches: a (config, problem)'s second and later launches skip JITFunction.run ------
+
+
+def test_plan_key_parts_reject_what_pair_must_check():
+    assert gh.int_pair_key(2) == (2, 2) and gh.int_pair_key((1, 2)) == (1, 2)
+    for v in (True, [1, 2], (1,), (1, 2, 3), (1.0, 2), (True, 1), "1"):
+        assert gh.int_pair_key(v) is None, v
+    assert gh.config_key({"a": 1, "b": 2}) != gh.config_key({"a": 1, "b": 3})
+
+
+def _no_jit(monkeypatch, *fns):
+    """Make JITFunction.run fail for `fns`: a launch must then go through its plan."""
+    def boom(*a, **k):
+        raise AssertionError("JITFunction.run called on a planned launch")
+    for fn in fns:
+        monkeypatch.setattr(fn, "run", boom)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layouts", ["rr", "cc"])
+def test_matmul_direct_launch_matches_torch_on_new_data(monkeypatch, layouts):
+    M, N, K = 333, 517, 129  # N padded for TMA: the output is sliced
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+
+    def operands(seed):
+        torch.manual_seed(seed)
+        a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+        if layouts[0] == "c":
+            a = a.t().contiguous().t()
+        if layouts[1] == "c":
+            b = b.t().contiguous().t()
+        return a, b
+
+    a, b = operands(0)
+    _check(mm.launch(c, a, b), a.float() @ b.float(), 1e-2)  # JIT: builds the plan
+    _no_jit(monkeypatch, mm.matmul_kernel)
+    for seed in (1, 2, 3):
+        del a, b  # the next operands may land at the freed addresses: cached maps stay right
+        a, b = operands(seed)
+        _poison(M * gh.round_up(N, 8), torch.float16)
+        _check(mm.launch(c, a, b), a.float() @ b.float(), 1e-2)
+    # a plan built on aligned operands, then a base address TMA cannot take: copied, still right
+    if layouts == "rr":
+        a2 = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+        b2 = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+        monkeypatch.undo()
+        mm.launch(c, a2, b2)
+        _no_jit(monkeypatch, mm.matmul_kernel)
+        flat = torch.randn(256 * 256 + 1, device="cuda", dtype=torch.float16)
+        a3 = flat[1:].view(256, 256)  # 2 bytes past a 16-byte boundary
+        assert a3.data_ptr() % 16
+        _check(mm.launch(c, a3, b2), a3.float() @ b2.float(), 1e-2)
+    # another config of the same problem has no plan yet: it goes to the JIT (here: fails)
+    with pytest.raises(AssertionError, match="planned launch"):
+        mm.launch(dict(c, GROUP_M=8), a, b)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(3, 15, 17, 5, 7, 3, 3, 2, 1), (4, 20, 12, 40, 200, 5, 5, (1, 2), (1, 0)),
+                                  (8, 14, 14, 64, 96, 1, 1, 1, 0)], ids=_conv_ids)
+def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
+    N, H, W, Ci, Co, R, S, st, pd = case
+    cf = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    cw = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+    cw1 = dict(cw, SPLIT_K=1)
+
+    def data(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+        y = fprop.reference(x.float(), w.float(), st, pd)
+        g = torch.randn(y.shape, device="cuda", dtype=torch.bfloat16)
+        return x, w, g
+
+    def check_all(x, w, g):
+        _check(fprop.launch(cf, x, w, st, pd), fprop.reference(x.float(), w.float(), st, pd), 1e-2)
+        ref_w = wgrad.reference(x.float(), g.float(), R, S, st, pd)
+        _check(wgrad.launch(cw, x, g, R, S, st, pd), ref_w, 1e-2)
+        _check(wgrad.launch(cw1, x, g, R, S, st, pd), ref_w, 1e-2)
+
+    check_all(*data(0))  # JIT: builds the plans
+    _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+    for seed in (1, 2):
+        check_all(*data(seed))
+    # the same problem with stride given as a tuple shares the plan; a bool stride still raises
+    x, w, g = data(3)
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    _check(fprop.launch(cf, x, w, (sh, sw), (ph, pw)), fprop.reference(x.float(), w.float(), st, pd), 1e-2)
+    with pytest.raises((TypeError, AssertionError)):
+        fprop.launch(cf, x, w, True, pd)
+
+
+@gpu
+@pytest.mark.gpu
+def test_direct_launch_off_switch_and_hooks_use_the_jit(monkeypatch):
+    from triton import knobs
+
+    a = torch.randn(128, 64, device="cuda", dtype=torch.float16)
+    b = torch.randn(64, 128, device="cuda", dtype=torch.float16)
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    mm.launch(c, a, b)
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda md: seen.append(md))
+    _check(mm.launch(c, a, b), a.float() @ b.float(), 1e-2)
+    assert seen, "a launch hook must see the launch (JIT path)"
