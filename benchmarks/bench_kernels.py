@@ -51,40 +51,12 @@ def _pow2(n: int) -> int:
 
 
 def quick_candidates(op: str, mod, p: dict, device) -> list[dict]:
-    """A small subset of the pruned space worth timing for this shape."""
-    pruned = mod.prune(mod.config_space(p, device), p, device)
-    if op == "conv2d_wgrad":
-        # per tile shape and split: the deepest ring; splits around the one that fills the GPU
-        best: dict[tuple, dict] = {}
-        for c in pruned:
-            if c["BLOCK_K"] != 64 and not (c["BLOCK_K"] == 128 and c["BLOCK_N"] <= 64):
-                continue
-            k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"])
-            if k not in best or c["num_stages"] > best[k]["num_stages"]:
-                best[k] = c
-        out = []
-        for c in best.values():
-            tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
-            fill = max(1, _pow2(-(-device.sm_count // tiles)))
-            if c["SPLIT_K"] in (0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
-                    c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
-                out.append(c)
-        return out
-    best = {}
-    for c in pruned:
-        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= _pow2(p["Ci"])):
-            continue
-        if c["GROUP_M"] != 8:
-            continue
-        if (c["num_warps"] == 8) != (c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
-            continue
-        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
-        if k not in best or c["num_stages"] > best[k]["num_stages"]:
-            best[k] = c
-    out = list(best.values())
-    # one shallower ring for each, in case the deepest one starves the epilogue
-    out += [dict(c, num_stages=c["num_stages"] - 1) for c in list(out) if c["num_stages"] > 3]
-    return out
+    """A small subset of the pruned space worth timing for this shape (the tuner's own
+    first candidates, see gluon_host.quick_subset)."""
+    from tunecache_kernels import gluon_host as gh
+
+    pruned = [c for c in mod.config_space(p, device) if mod.resources_ok(c)]
+    return gh.quick_subset(op, pruned, p, device.sm_count)
 
 
 def portable_candidates(mod, p: dict, device, n: int) -> list[dict]:

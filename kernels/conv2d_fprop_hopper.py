@@ -178,7 +178,16 @@ def supports(p: dict, device) -> bool:
 
 
 def config_space(p: dict, device) -> list[dict]:
-    return list(SPACES[OP])
+    """The space, less configs that would run but cannot help on this problem (too-large
+    tiles, narrow two-warpgroup tiles). Resource limits are left to
+    prune(), which must agree with the compiler."""
+    return [c for c in SPACES[OP] if not resources_ok(c) or fits(c, p)]
+
+
+def resources_ok(c: dict) -> bool:
+    """What the compiler decides: shared memory within the limit, the fp32 accumulator
+    within the register budget (past 128 values per thread it spills)."""
+    return smem_bytes(c) <= gh.SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
 
 
 def _pow2(n: int) -> int:
@@ -208,7 +217,9 @@ def fits(c: dict, p: dict | None = None) -> bool:
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if fits(c, p)]
+    """Configs that fit the device, the likeliest winners first."""
+    kept = [c for c in configs if resources_ok(c)]
+    return gh.quick_first(OP, kept, p, getattr(device, "sm_count", 0) or 132)
 
 
 def default_config(p: dict, device) -> dict:

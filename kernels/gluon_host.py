@@ -492,3 +492,53 @@ def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
     then each remaining parameter from `constexprs` (KeyError if one is missing)."""
     names = fn.arg_names
     return tuple(positional) + tuple(constexprs[n] for n in names[len(positional):])
+
+
+# ---- candidate order ------------------------------------------------------------------------
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
+    """The configs most worth timing first, from configs that fit: per tile shape the deepest
+    ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
+    GROUP_M 8, two warpgroups exactly on tiles of 128x128 and up; for wgrad the splits
+    around the one that fills the GPU. The tuner times these before the rest of the space,
+    so a capped tuning run (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
+    best: dict[tuple, dict] = {}
+    if op == "conv2d_wgrad":
+        for c in configs:
+            if c["BLOCK_K"] != 64 and not (c["BLOCK_K"] == 128 and c["BLOCK_N"] <= 64):
+                continue
+            k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"])
+            if k not in best or c["num_stages"] > best[k]["num_stages"]:
+                best[k] = c
+        out = []
+        for c in best.values():
+            tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
+            fill = max(1, _pow2_at_least(-(-max(1, sm_count) // tiles)))
+            if c["SPLIT_K"] in (0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
+                    c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
+                out.append(c)
+        return out
+    for c in configs:
+        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= _pow2_at_least(p["Ci"])):
+            continue
+        if c.get("GROUP_M", 8) != 8:
+            continue
+        if (c["num_warps"] == 8) != (c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
+            continue
+        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
+        if k not in best or c["num_stages"] > best[k]["num_stages"]:
+            best[k] = c
+    out = list(best.values())
+    shallower = [dict(c, num_stages=c["num_stages"] - 1) for c in out if c["num_stages"] > 3]
+    return out + [c for c in shallower if c in configs]
+
+
+def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
+    """`configs` reordered with quick_subset() first."""
+    first = quick_subset(op, configs, p, sm_count)
+    return first + [c for c in configs if c not in first]

@@ -45,12 +45,14 @@ def backend_override() -> str | None:
 
 
 def max_candidates() -> int | None:
-    """TUNECACHE_MAX_CANDIDATES caps how many configs one tuning run benchmarks (the backend's
-    pruning ranks them best-first), trading search breadth for tuning time."""
-    v = os.environ.get("TUNECACHE_MAX_CANDIDATES")
-    if not v:
-        return None
-    n = int(v)
-    if n < 1:
-        raise ValueError(f"TUNECACHE_MAX_CANDIDATES must be >= 1, got {v!r}")
-    return n
+    """TUNECACHE_MAX_CANDIDATES caps how many configs one tuning run benchmarks (backends
+    order their pruned candidates likeliest-first), bounding a tune at about a minute;
+    0 searches the whole pruned space."""
+    v = os.environ.get("TUNECACHE_MAX_CANDIDATES", "48")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"TUNECACHE_MAX_CANDIDATES must be an integer, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"TUNECACHE_MAX_CANDIDATES must be >= 0, got {v!r}")
+    return n or None
