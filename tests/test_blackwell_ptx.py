@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import canonical_problem, compile_spec, device_for  # noqa: E402
+from tunecache.compile import asm_in_fresh_process, canonical_problem, device_for  # noqa: E402
 from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell  # noqa: E402
 from tunecache_kernels import matmul_blackwell  # noqa: E402
 
@@ -53,8 +53,8 @@ def ptx_of():
             device = device_for(ARCH)
             p = canonical_problem(op)
             cfg = mod.default_config(p, device)
-            spec = mod.compile_specs(p, cfg, device)[0]
-            cache[op] = compile_spec(spec, ARCH).asm["ptx"]
+            # a fresh process: earlier tests ran the CPU interpreter in this one
+            cache[op] = asm_in_fresh_process(mod, p, cfg, device, ARCH)["ptx"]
         return cache[op]
 
     return get

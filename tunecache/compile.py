@@ -296,6 +296,30 @@ def _worker_compile(module_name: str, problem: dict, config: dict, index: int, a
     return report_spec(spec, arch)
 
 
+def _worker_asm(module_name: str, problem: dict, config: dict, index: int, arch: str,
+                device: tuple[str, int]) -> dict[str, str]:
+    import importlib
+
+    mod = importlib.import_module(module_name)
+    spec = mod.compile_specs(problem, config, DeviceClass(*device))[index]
+    return {k: v for k, v in compile_spec(spec, arch).asm.items() if isinstance(v, str)}
+
+
+def asm_in_fresh_process(mod: ModuleType, problem: dict, config: dict, device: DeviceClass, arch: str,
+                         index: int = 0) -> dict[str, str]:
+    """The text assembly (ttir, ttgir, llir, ptx) of one kernel, compiled in a spawned process.
+
+    A process that has run Triton's CPU interpreter may not compile Gluon correctly any more:
+    an interpreted call of a @jit helper (tl.cdiv, say) patches triton.language and never
+    restores it (triton/runtime/interpreter.py, InterpretedFunction.__call__)."""
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                             initargs=({},)) as pool:
+        return pool.submit(_worker_asm, mod.__name__, problem, config, index, arch,
+                           (device.arch, device.sm_count)).result()
+
+
 def default_workers() -> int:
     env = os.environ.get("TUNECACHE_COMPILE_WORKERS")
     if env:
