@@ -153,18 +153,14 @@ def supports(p: dict, device) -> bool:
     return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and _geometry_ok(p)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def config_space(p: dict, device) -> list[dict]:
     """The space minus tiles far larger than the problem: a k-step covers one filter tap, so
     channel blocks beyond the (padded) Ci only read zeros; wide N tiles beyond Co compute
     padding."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     return [c for c in SPACES[OP]
-            if c["BLOCK_K"] <= max(32, _pow2(ci)) and c["BLOCK_N"] <= max(32, _pow2(p["Co"]))
-            and c["BLOCK_M"] <= max(64, _pow2(p["gemm_M"]))]
+            if c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci)) and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
+            and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))]
 
 
 def epilogue_n(c: dict) -> int:
@@ -199,7 +195,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    bk = min(64, max(32, _pow2(ci)))
+    bk = min(64, max(32, gh.pow2_at_least(ci)))
     bn = 256 if p["Co"] >= 256 else 128 if p["Co"] >= 128 else 64
     c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
          "num_warps": 4}

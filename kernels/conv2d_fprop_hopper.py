@@ -185,13 +185,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 
 def resources_ok(c: dict) -> bool:
-    """What the compiler decides: shared memory within the limit, the fp32 accumulator
-    within the register budget (past 128 values per thread it spills)."""
-    return smem_bytes(c) <= gh.SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return gh.wgmma_resources_ok(c, smem_bytes(c))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
@@ -209,9 +203,9 @@ def fits(c: dict, p: dict | None = None) -> bool:
     if p is not None:
         ci = gh.padded_channels(p["Ci"], p["dtype"])
         # a k-step covers one filter tap: more channels than the tap has are zeros
-        if c["BLOCK_K"] > max(16, _pow2(ci)):
+        if c["BLOCK_K"] > max(16, gh.pow2_at_least(ci)):
             return False
-        if c["BLOCK_N"] > max(64, _pow2(p["Co"])) or c["BLOCK_M"] > max(64, _pow2(p["gemm_M"])):
+        if c["BLOCK_N"] > max(64, gh.pow2_at_least(p["Co"])) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["gemm_M"])):
             return False
     return True
 
@@ -224,7 +218,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    bk = min(64, max(16, _pow2(ci)))
+    bk = min(64, max(16, gh.pow2_at_least(ci)))
     if p["Co"] >= 256:
         c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
     elif p["Co"] >= 128:

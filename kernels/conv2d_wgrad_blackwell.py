@@ -205,10 +205,6 @@ def supports(p: dict, device) -> bool:
     return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and _geometry_ok(p)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def splits_of(p: dict, c: dict) -> tuple[int, int]:
     """(active splits, K iterations per split) of config c on problem p."""
     npq = p["N"] * p["P"] * p["Q"]
@@ -229,7 +225,7 @@ def config_space(p: dict, device) -> list[dict]:
     sms = max(1, getattr(device, "sm_count", 0) or 148)
     out = []
     for c in SPACES[OP]:
-        if c["BLOCK_N"] > max(64, _pow2(ci)) or c["BLOCK_M"] > max(64, _pow2(p["Co"])):
+        if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
             continue
         active, _ = splits_of(p, c)
         if active < c["SPLIT_K"]:

@@ -184,13 +184,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 
 def resources_ok(c: dict) -> bool:
-    """What the compiler decides: shared memory within the limit, the fp32 accumulator
-    within the register budget (past 128 values per thread it spills)."""
-    return smem_bytes(c) <= gh.SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return gh.wgmma_resources_ok(c, smem_bytes(c))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
@@ -224,10 +218,10 @@ def fits(c: dict, p: dict | None = None, sms: int = 132) -> bool:
         return False
     if p is not None:
         ci = gh.padded_channels(p["Ci"], p["dtype"])
-        if c["BLOCK_N"] > max(16, _pow2(ci)) or c["BLOCK_M"] > max(64, _pow2(p["Co"])):
+        if c["BLOCK_N"] > max(16, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
             return False
         npq = p["N"] * p["P"] * p["Q"]
-        if c["BLOCK_K"] > max(32, _pow2(npq)):
+        if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)):
             return False
         active, _ = splits_of(p, c, sms)
         if c["SPLIT_K"] > 0 and active < c["SPLIT_K"]:
@@ -249,7 +243,7 @@ def default_config(p: dict, device) -> dict:
     sms = getattr(device, "sm_count", 0) or 132
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bm = 128 if p["Co"] >= 128 else 64
-    bn = min(128, max(16, _pow2(ci)))
+    bn = min(128, max(16, gh.pow2_at_least(ci)))
     warps = 8 if bm == 128 and bn >= 128 else 4
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": warps, "num_stages": 4}
     if not fits(c, p, sms):

@@ -497,8 +497,14 @@ def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
 # ---- candidate order ------------------------------------------------------------------------
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
+    """What the compiler decides for a WGMMA kernel: shared memory within the limit, the fp32
+    accumulator within the register budget (past 128 values per thread it spills)."""
+    return smem_bytes <= SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
 
 
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
@@ -518,13 +524,13 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
         out = []
         for c in best.values():
             tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
-            fill = max(1, _pow2_at_least(-(-max(1, sm_count) // tiles)))
+            fill = max(1, pow2_at_least(-(-max(1, sm_count) // tiles)))
             if c["SPLIT_K"] in (0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
                     c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
                 out.append(c)
         return out
     for c in configs:
-        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= _pow2_at_least(p["Ci"])):
+        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
             continue
         if c.get("GROUP_M", 8) != 8:
             continue

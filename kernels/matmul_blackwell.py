@@ -136,15 +136,11 @@ def supports(p: dict, device) -> bool:
     return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def config_space(p: dict, device) -> list[dict]:
     """The space minus tiles far larger than the matrix (they compute mostly padding)."""
     return [c for c in SPACES[OP]
-            if c["BLOCK_M"] <= max(64, _pow2(p["M"])) and c["BLOCK_N"] <= max(64, _pow2(p["N"]))
-            and c["BLOCK_K"] <= max(64, _pow2(p["K"]))]
+            if c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"])) and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
+            and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"]))]
 
 
 def epilogue_n(c: dict) -> int:

@@ -193,13 +193,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 
 def resources_ok(c: dict) -> bool:
-    """What the compiler decides: shared memory within the limit, the fp32 accumulator
-    within the register budget (past 128 values per thread it spills)."""
-    return smem_bytes(c) <= gh.SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return gh.wgmma_resources_ok(c, smem_bytes(c))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
@@ -219,9 +213,9 @@ def fits(c: dict, p: dict | None = None) -> bool:
         return False
     if p is not None:
         # tiles far larger than the matrix compute mostly padding
-        if c["BLOCK_M"] > max(64, _pow2(p["M"])) or c["BLOCK_N"] > max(64, _pow2(p["N"])):
+        if c["BLOCK_M"] > max(64, gh.pow2_at_least(p["M"])) or c["BLOCK_N"] > max(64, gh.pow2_at_least(p["N"])):
             return False
-        if c["BLOCK_K"] > max(32, _pow2(p["K"])):
+        if c["BLOCK_K"] > max(32, gh.pow2_at_least(p["K"])):
             return False
     return True
 
