@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import asm_in_fresh_process, canonical_problem, device_for  # noqa: E402
+from tunecache.compile import canonical_problem, compile_in_fresh_processes, device_for  # noqa: E402
 from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell  # noqa: E402
 from tunecache_kernels import matmul_blackwell  # noqa: E402
 
@@ -45,19 +45,14 @@ IM2COL = {"matmul": False, "conv2d_fprop": True, "conv2d_wgrad": True}
 
 @pytest.fixture(scope="module")
 def ptx_of():
-    cache: dict[str, str] = {}
-
-    def get(op: str) -> str:
-        if op not in cache:
-            mod = MODULES[op]
-            device = device_for(ARCH)
-            p = canonical_problem(op)
-            cfg = mod.default_config(p, device)
-            # a fresh process: earlier tests ran the CPU interpreter in this one
-            cache[op] = asm_in_fresh_process(mod, p, cfg, device, ARCH)["ptx"]
-        return cache[op]
-
-    return get
+    # one batch of compiles in fresh processes: earlier tests ran the CPU interpreter in this one
+    device = device_for(ARCH)
+    jobs = []
+    for op, mod in MODULES.items():
+        p = canonical_problem(op)
+        jobs.append((mod, p, mod.default_config(p, device), 0))
+    ptx = {op: out["asm"]["ptx"] for op, out in zip(MODULES, compile_in_fresh_processes(jobs, device, ARCH))}
+    return ptx.__getitem__
 
 
 def _lines_in_ptx(ptx: str) -> set[tuple[str, int]]:

@@ -297,27 +297,32 @@ def _worker_compile(module_name: str, problem: dict, config: dict, index: int, a
 
 
 def _worker_asm(module_name: str, problem: dict, config: dict, index: int, arch: str,
-                device: tuple[str, int]) -> dict[str, str]:
+                device: tuple[str, int]) -> dict:
     import importlib
 
     mod = importlib.import_module(module_name)
     spec = mod.compile_specs(problem, config, DeviceClass(*device))[index]
-    return {k: v for k, v in compile_spec(spec, arch).asm.items() if isinstance(v, str)}
+    kernel = compile_spec(spec, arch)
+    return {"asm": {k: v for k, v in kernel.asm.items() if isinstance(v, str)},
+            "shared": int(kernel.metadata.shared)}
 
 
-def asm_in_fresh_process(mod: ModuleType, problem: dict, config: dict, device: DeviceClass, arch: str,
-                         index: int = 0) -> dict[str, str]:
-    """The text assembly (ttir, ttgir, llir, ptx) of one kernel, compiled in a spawned process.
+def compile_in_fresh_processes(jobs: list[tuple[ModuleType, dict, dict, int]], device: DeviceClass,
+                               arch: str) -> list[dict]:
+    """Compile (module, problem, config, spec index) jobs in spawned processes; for each, the
+    text assembly (`asm`: ttir, ttgir, llir, ptx) and the shared memory it uses (`shared`).
 
     A process that has run Triton's CPU interpreter may not compile Gluon correctly any more:
     an interpreted call of a @jit helper (tl.cdiv, say) patches triton.language and never
     restores it (triton/runtime/interpreter.py, InterpretedFunction.__call__)."""
     import multiprocessing as mp
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+    workers = max(1, min(default_workers(), len(jobs)))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                              initargs=({},)) as pool:
-        return pool.submit(_worker_asm, mod.__name__, problem, config, index, arch,
-                           (device.arch, device.sm_count)).result()
+        futures = [pool.submit(_worker_asm, mod.__name__, p, c, i, arch_of(arch), (device.arch, device.sm_count))
+                   for mod, p, c, i in jobs]
+        return [f.result() for f in futures]
 
 
 def default_workers() -> int:
