@@ -144,13 +144,9 @@ JIT_FUNCTIONS = (conv2d_fprop_kernel,)
 # ---- configs ---------------------------------------------------------------------------------
 
 
-def _geometry_ok(p: dict) -> bool:
-    return gh.im2col_ok(p["H"], p["W"], p["P"], p["Q"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
-
-
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and _geometry_ok(p)
+    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:

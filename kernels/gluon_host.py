@@ -150,6 +150,11 @@ def im2col_ok(H: int, W: int, P: int, Q: int, stride, padding) -> bool:
     return all(lo <= v <= hi for v in lower + upper)
 
 
+def conv_geometry_ok(p: dict) -> bool:
+    """im2col_ok() for a conv problem dict: can TMA im2col walk this geometry?"""
+    return im2col_ok(p["H"], p["W"], p["P"], p["Q"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+
+
 def im2col_desc(x: torch.Tensor, block_shape: Sequence[int], *, stride: Sequence[int],
                 padding: Sequence[int], out_hw: Sequence[int], layout=None) -> TensorDescriptorIm2Col:
     """TMA im2col descriptor over NHWC `x`: a load at coord [n, p*sh - ph, q*sw - pw, c] with

@@ -124,17 +124,9 @@ class Autotuner(TritonAutotuner):
 
     def live_config(self, rec: Any, key: TuneKey, configs: Sequence[Config], where: str) -> Config | None:
         """The candidate whose values are `rec.config`'s, or None (with a warning) if there is none."""
-        if rec is None:
-            return None
-        from tunecache_kernels.spaces import space_for
+        from .launcher import valid_record
 
-        if rec.key.digest != key.digest:
-            log.warning("tunecache: ignoring a %s entry for another key (%s)", where, rec.key.kernel)
-            return None
-        try:
-            space_for(self.kernel_name).check(rec.config)
-        except ValueError as e:
-            log.warning("tunecache: ignoring %s config of %s %s: %s", where, self.kernel_name, key.digest[:12], e)
+        if valid_record(self.kernel_name, rec, key, where) is None:
             return None
         wanted = canonical_json(rec.config)
         matches = [c for c in configs if _same_values(c, wanted)]

@@ -89,8 +89,9 @@ def _bind(mod: ModuleType, config: dict) -> Callable[..., Any]:
     return run
 
 
-def _valid(mod: ModuleType, rec: ConfigRecord | None, key: TuneKey, where: str) -> ConfigRecord | None:
-    """A record is launched only if it is this key's and its config lies in the kernel's space."""
+def valid_record(kernel: str, rec: ConfigRecord | None, key: TuneKey, where: str) -> ConfigRecord | None:
+    """A record is launched only if it is this key's and its config lies in the kernel's space
+    (the ops and `@tunecache.autotune` both check what they read through here)."""
     if rec is None:
         return None
     from tunecache_kernels.spaces import space_for
@@ -99,9 +100,9 @@ def _valid(mod: ModuleType, rec: ConfigRecord | None, key: TuneKey, where: str) 
         log.warning("tunecache: ignoring a %s entry for another key (%s)", where, rec.key.kernel)
         return None
     try:
-        space_for(mod.KERNEL).check(rec.config)
+        space_for(kernel).check(rec.config)
     except ValueError as e:
-        log.warning("tunecache: ignoring %s config for %s %s: %s", where, mod.KERNEL, key.digest[:12], e)
+        log.warning("tunecache: ignoring %s config of %s %s: %s", where, kernel, key.digest[:12], e)
         return None
     return rec
 
@@ -117,13 +118,13 @@ def _fleet():
 
 def _lookup(mod: ModuleType, key: TuneKey, store: Store | None = None) -> ConfigRecord | None:
     store = store or default_store()
-    rec = _valid(mod, store.get_config(key.digest), key, "stored")
+    rec = valid_record(mod.KERNEL, store.get_config(key.digest), key, "stored")
     if rec is not None:
         return rec
     fleet = _fleet()
     if fleet is None:
         return None
-    rec = _valid(mod, fleet.lookup(key), key, "fleet")
+    rec = valid_record(mod.KERNEL, fleet.lookup(key), key, "fleet")
     if rec is not None:
         rec.source = "fleet"
         store.put_config(rec)  # write-through: the next process on this host needs no network
@@ -180,6 +181,6 @@ def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store
             continue
         d = sum(abs(math.log(max(1, problem[f])) - math.log(max(1, other.get(f, 1))))
                 for f in _SIZE_FIELDS if f in problem)
-        if d < best_d and _valid(mod, rec, k, "stored") and mod.prune([rec.config], problem, device):
+        if d < best_d and valid_record(mod.KERNEL, rec, k, "stored") and mod.prune([rec.config], problem, device):
             best, best_d = rec.config, d
     return best
