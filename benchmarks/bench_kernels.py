@@ -5,7 +5,7 @@ default config, of the tuned portable kernel and of torch (cuBLAS for matmul, cu
 convolutions), with the ratios to torch and their geomeans per op. JSON goes to
 benchmarks/results/.
 
-    python benchmarks/bench_kernels.py --quick              # ~6 min on an H100 (matmul 2.3, convs 3.4)
+    python benchmarks/bench_kernels.py --quick              # ~10 min on an H100 (matmul 2.5, fprop 2, wgrad 5)
     python benchmarks/bench_kernels.py --ops conv2d_wgrad   # one op
     python benchmarks/bench_kernels.py --full               # the whole pruned space (slow)
 
@@ -13,7 +13,8 @@ Tuning goes through tunecache.tuner.tune (store=None: nothing is persisted), ove
 pruned space with --full, or with --quick over a subset per shape (the deepest pipeline that
 fits for each tile shape, a few split-K factors): tuning every shape over the full space
 takes far longer than a benchmark run should. Every tuned candidate is checked against the
-PyTorch reference before it is timed; timings are medians of CUDA-event runs with an L2 flush.
+PyTorch reference before it is timed; timings are medians of CUDA-event runs with an L2 flush,
+taken after all tuning of a shape, the columns in turn over --rounds rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
     mode.add_argument("--full", action="store_true", help="tune over the whole pruned space")
     ap.add_argument("--portable-candidates", type=int, default=3, help="portable configs tuned per shape")
     ap.add_argument("--no-portable", action="store_true", help="skip the portable kernels")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds per column (the median is kept)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hopper-<time>.json)")
     args = ap.parse_args(argv)
 
@@ -165,29 +168,32 @@ def main(argv=None) -> int:
             row = {"op": op, "shape": name, "dtype": p["dtype"], "problem": p}
             args_ = hop.inputs(p, "cuda")
             fl = hop.flops(p)
-
-            def measure(fn):
-                ms = bench.time_ms(fn, True)
-                return {"ms": ms, "tflops": fl / (ms * 1e-3) / 1e12}
-
-            row["torch"] = measure(torch_fn(op, args_))
             dflt = hop.default_config(p, device)
-            row["gluon_default"] = dict(measure(lambda: hop.launch(dflt, *args_)), config=dflt)
             cands = None if args.full else quick_candidates(op, hop, p, device)
             if cands is not None and dflt not in cands:
                 cands.append(dflt)
             tr = tune(hop, p, device, store=None, configs=cands)
-            # re-time the winner next to the others, with the same method
-            row["gluon_tuned"] = dict(measure(lambda: hop.launch(tr.config, *args_)), config=tr.config,
-                                      candidates=tr.candidates, tuner_ms=tr.median_ms)
+            fns = {"torch": torch_fn(op, args_), "gluon_default": lambda: hop.launch(dflt, *args_),
+                   "gluon_tuned": lambda: hop.launch(tr.config, *args_)}
+            row["gluon_default"] = {"config": dflt}
+            row["gluon_tuned"] = {"config": tr.config, "candidates": tr.candidates, "tuner_ms": tr.median_ms}
             if not args.no_portable:
                 try:
                     pc = portable_candidates(por, p, device, args.portable_candidates)
                     pr = tune(por, p, device, store=None, configs=pc)
-                    row["portable_tuned"] = dict(measure(lambda: por.launch(pr.config, *args_)), config=pr.config,
-                                                 candidates=pr.candidates)
+                    fns["portable_tuned"] = lambda: por.launch(pr.config, *args_)
+                    row["portable_tuned"] = {"config": pr.config, "candidates": pr.candidates}
                 except Exception as e:  # the portable kernel is a reference point, not the subject
                     row["portable_tuned"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            # every column timed in the same rounds, after all tuning, in turn: a clock that
+            # drifts over the run (the GPU warms up while tuning) moves them all alike
+            samples = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, fn in fns.items():
+                    samples[k].append(bench.time_ms(fn, True))
+            for k, ms_list in samples.items():
+                ms = statistics.median(ms_list)
+                row.setdefault(k, {}).update(ms=ms, tflops=fl / (ms * 1e-3) / 1e12)
             tt = row["torch"]["tflops"]
             for k in ("gluon_tuned", "gluon_default", "portable_tuned"):
                 if "tflops" in row.get(k, {}):

@@ -4,14 +4,18 @@ grad_w[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci], NHWC, fp1
 
 A tile is (BLOCK_M output channels) x (BLOCK_N input channels of one filter tap (r, s)); its
 reduction runs over the N*P*Q output pixels, BLOCK_K at a time: grad_out rows by tiled TMA
-(read as [pixels, Co] and fed to WGMMA transposed), x by TMA im2col at offset (r, s). The
-reduction is split SPLIT_K ways so that small filters still fill the GPU; each split writes an
-fp32 partial and a second kernel (gluon_host.split_k_reduce) sums them in a fixed order, so
-the result is deterministic. With one active split the kernel writes grad_w directly.
+(read as [pixels, Co] and fed to WGMMA transposed), x by TMA im2col at offset (r, s).
 
-The pipeline is matmul_hopper's: persistent CTAs, a `num_stages` ring of TMA loads running
-ahead across tiles, one WGMMA in flight. Tiles are numbered split-major so the CTAs running
-together share the same pixel range of grad_out and x in L2.
+Two schedules, chosen by SPLIT_K (see spaces/hopper.py):
+- split-K (conv2d_wgrad_kernel): persistent CTAs over (split, tile) units numbered split-major,
+  so the CTAs running together share the same pixel range of grad_out and x in L2; each split
+  writes an fp32 partial and gluon_host.split_k_reduce sums them in a fixed order
+  (deterministic); with one split the kernel writes grad_w directly. Warp-specialized: a
+  one-warp TMA loader feeds the WGMMA warps through a `num_stages` mbarrier ring.
+- stream-K (conv2d_wgrad_streamk_kernel): every CTA runs an equal share of the (tile, k-step)
+  iterations, for problems with too few tiles for whole waves and too short a reduction to
+  split (ResNet-50's 512-channel 7x7 layer: 72 tiles of 98 k-steps on 132 SMs); the tiles
+  that CTAs share are summed inside the kernel in CTA order (deterministic).
 """
 
 from __future__ import annotations
@@ -57,14 +61,6 @@ def _tile(tile_id, co_blocks, ci_blocks, RS):
 
 
 @gluon.jit
-def _tile_origin(t, pid, nprog, co_blocks, ci_blocks, RS, S, k_per_split,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """This CTA's t-th tile -> (first pixel of its split, first Co, first Ci, tap r, tap s)."""
-    split, rs, ci_blk, co_blk = _tile(pid + t * nprog, co_blocks, ci_blocks, RS)
-    return split * k_per_split * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, rs // S, rs % S
-
-
-@gluon.jit
 def _issue_load(step, total, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs, ready,
                 PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES: gl.constexpr, IM2COL: gl.constexpr):
     """TMA-load pixels m0... of grad_out (channels co0...) and of im2col(x) at tap (r, s)."""
@@ -81,13 +77,125 @@ def _issue_load(step, total, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs,
         tma.async_load(x_desc, [m0, ci0], bar, b_bufs.index(slot), pred)
 
 
+@gluon.jit
+def _ws_load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w,
+                       pad_h, pad_w, k_per_split, num_splits, IM2COL: gl.constexpr):
+    """The loader warp: TMA loads for each (tile, split) unit of this CTA into the ring, a slot
+    as soon as the WGMMA warps release it."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
+    co_blocks = gl.cdiv(Co, BLOCK_M)
+    ci_blocks = gl.cdiv(Ci, BLOCK_N)
+    use = 0
+    for t in range(gl.program_id(0), co_blocks * RS * ci_blocks * num_splits, gl.num_programs(0)):
+        split, rs, ci_blk, co_blk = _tile(t, co_blocks, ci_blocks, RS)
+        m0 = split * k_per_split * BLOCK_K
+        r = rs // S
+        s = rs % S
+        for kk in range(k_per_split):
+            slot = use % STAGES
+            mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
+            _issue_load(use, use + 1, m0 + kk * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, r, s, g_desc, x_desc,
+                        a_bufs, b_bufs, ready, PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
+            use += 1
+
+
+@gluon.jit
+def _ws_mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, Co, Ci, RS, k_per_split, num_splits,
+                      num_warps: gl.constexpr):
+    """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read
+    it has retired; the tile's epilogue while the loader already fills the next unit's slots."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    co_blocks = gl.cdiv(Co, BLOCK_M)
+    ci_blocks = gl.cdiv(Ci, BLOCK_N)
+    row_len = RS * Ci
+    use = 0
+    for t in range(gl.program_id(0), co_blocks * RS * ci_blocks * num_splits, gl.num_programs(0)):
+        for kk in range(k_per_split):
+            slot = use % STAGES
+            mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # the previous k-step's WGMMA has retired: its slot goes back to the loader
+            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
+            use += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES))
+        split, rs, ci_blk, co_blk = _tile(t, co_blocks, ci_blocks, RS)
+        rows = co_blk * BLOCK_M + rows0
+        ci = ci_blk * BLOCK_N + cols0
+        mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
+        base = (split.to(gl.int64) * Co + rows.to(gl.int64)) * row_len + rs * Ci
+        gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @gluon.jit(do_not_specialize=["Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
                               "k_per_split", "num_splits"])
 def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                        k_per_split, num_splits, STAGES: gl.constexpr, IM2COL: gl.constexpr,
-                        num_warps: gl.constexpr):
+                           k_per_split, num_splits, STAGES: gl.constexpr, IM2COL: gl.constexpr,
+                           num_warps: gl.constexpr):
     """g_desc: tiles of grad_out [N*P*Q, Co]; x_desc: im2col over x [N, H, W, Ci];
-    out_ptr: [num_splits, Co, RS*Ci] (fp32 partials, or grad_w itself when num_splits == 1)."""
+    out_ptr: [num_splits, Co, RS*Ci] (fp32 partials, or grad_w itself when num_splits == 1).
+
+    Warp-specialized: a one-warp TMA loader and the WGMMA warps talk through ready/empty
+    mbarrier rings, so no k-step waits on a CTA-wide barrier (the single-partition version
+    of this loop synchronized all warps several times per k-step and ran 10-25% slower)."""
+    dtype: gl.constexpr = g_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_ws_mma_partition, (a_bufs, b_bufs, ready, empty, out_ptr, Co, Ci, RS, k_per_split, num_splits, num_warps)),
+        (_ws_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w,
+                              pad_h, pad_w, k_per_split, num_splits, IM2COL)),
+    ], [1], [40])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
+def _tile_coords(tile, co_blocks, ci_blocks, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """output tile -> (first Co, first Ci, tap r, tap s, tap index), Co blocks fastest."""
+    co_blk = tile % co_blocks
+    rest = tile // co_blocks
+    rs = rest // ci_blocks
+    return co_blk * BLOCK_M, (rest % ci_blocks) * BLOCK_N, rs // S, rs % S, rs
+
+
+@gluon.jit
+def _piece(t, start, end, k_steps):
+    """The k-steps [from, to) of tile t that the run [start, end) of iterations covers."""
+    return gl.maximum(start - t * k_steps, 0), gl.minimum(end - t * k_steps, k_steps)
+
+
+@gluon.jit(do_not_specialize=["Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
+                              "k_steps", "iters_per_cta"])
+def conv2d_wgrad_streamk_kernel(g_desc, x_desc, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, S, PQ, Q, stride_h,
+                                stride_w, pad_h, pad_w, k_steps, iters_per_cta, STAGES: gl.constexpr,
+                                IM2COL: gl.constexpr, num_warps: gl.constexpr):
+    """Stream-K: the (output tile, k-step) iterations, tile-major, cut into one equal run per
+    CTA, so every SM gets the same work whatever the tile count.
+
+    A CTA walks its run's tiles last to first. A tile it runs whole goes straight to out_ptr
+    [Co, RS*Ci]. A tile shared by CTAs c_lo..c_hi is finished by c_hi, the one holding its last
+    k-steps: the others (each holds at most one such piece, the first one it runs) store their
+    fp32 partial in ws_ptr [CTAs, BLOCK_M, BLOCK_N] and raise flags_ptr[cta]; c_hi reaches the
+    tile last in its own run, adds the partials in CTA order (deterministic), lowers the flags
+    and stores the sum. It only ever waits on lower-numbered CTAs, which were started before it."""
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
@@ -100,72 +208,89 @@ def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h,
         mbarrier.init(ready.index(i), count=1)
 
     pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
-    num_tiles = co_blocks * RS * ci_blocks * num_splits
-    my_tiles = gl.cdiv(num_tiles - pid, nprog)
-    total = my_tiles * k_per_split
+    start = pid * iters_per_cta
+    end = gl.minimum(start + iters_per_cta, co_blocks * RS * ci_blocks * k_steps)
+    n = end - start
+    first_tile = start // k_steps
+    last_tile = (end - 1) // k_steps
     row_len = RS * Ci
 
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    tile_offs = rows0[:, None] * BLOCK_N + cols0[None, :]
 
-    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles;
-    # the tile's coordinates are decoded once per tile
-    pt = gl.to_tensor(0)
-    pkk = gl.to_tensor(0)
-    pbase, pco, pci, pr, ps = _tile_origin(pt, pid, nprog, co_blocks, ci_blocks, RS, S, k_per_split, BLOCK_M, BLOCK_N,
-                                           BLOCK_K)
+    # the producer runs STAGES - 1 k-steps ahead along the same walk (tiles last to first,
+    # k-steps in order within a tile); a tile's coordinates are decoded once
+    ptile = last_tile
+    pkk, pk_to = _piece(ptile, start, end, k_steps)
+    pco, pci, pr, ps, _ = _tile_coords(ptile, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
     for i in gl.static_range(STAGES - 1):
-        _issue_load(i, total, pbase + pkk * BLOCK_K, pco, pci, pr, ps, g_desc, x_desc, a_bufs, b_bufs, ready, PQ, Q,
-                    stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
+        _issue_load(i, n, pkk * BLOCK_K, pco, pci, pr, ps, g_desc, x_desc, a_bufs, b_bufs, ready, PQ, Q, stride_h,
+                    stride_w, pad_h, pad_w, STAGES, IM2COL)
         pkk += 1
-        wrap = pkk == k_per_split
-        pkk = gl.where(wrap, 0, pkk)
-        if wrap:
-            pt += 1
-            pbase, pco, pci, pr, ps = _tile_origin(pt, pid, nprog, co_blocks, ci_blocks, RS, S, k_per_split, BLOCK_M,
-                                                   BLOCK_N, BLOCK_K)
+        if pkk == pk_to:
+            ptile -= 1
+            pkk, pk_to = _piece(ptile, start, end, k_steps)
+            pco, pci, pr, ps, _ = _tile_coords(ptile, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
 
+    # the epilogue sits outside the k-loop so that no WGMMA is in flight across a branch
     step = 0
-    for t in range(my_tiles):
-        for kk in range(k_per_split):
+    for i in range(last_tile - first_tile + 1):
+        t = last_tile - i
+        k_from, k_to = _piece(t, start, end, k_steps)
+        for kk in range(k_from, k_to):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != 0,
+            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != k_from,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            _issue_load(step + STAGES - 1, total, pbase + pkk * BLOCK_K, pco, pci, pr, ps, g_desc, x_desc, a_bufs,
-                        b_bufs, ready, PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
+            _issue_load(step + STAGES - 1, n, pkk * BLOCK_K, pco, pci, pr, ps, g_desc, x_desc, a_bufs, b_bufs, ready,
+                        PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
             pkk += 1
-            wrap = pkk == k_per_split
-            pkk = gl.where(wrap, 0, pkk)
-            if wrap:
-                pt += 1
-                pbase, pco, pci, pr, ps = _tile_origin(pt, pid, nprog, co_blocks, ci_blocks, RS, S, k_per_split,
-                                                       BLOCK_M, BLOCK_N, BLOCK_K)
+            if pkk == pk_to:
+                ptile -= 1
+                pkk, pk_to = _piece(ptile, start, end, k_steps)
+                pco, pci, pr, ps, _ = _tile_coords(ptile, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        split, rs, ci_blk, co_blk = _tile(pid + t * nprog, co_blocks, ci_blocks, RS)
-        rows = co_blk * BLOCK_M + rows0
-        ci = ci_blk * BLOCK_N + cols0
-        # a Ci block may run past this tap's channels into the next tap's: mask it off
-        mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
-        base = (split.to(gl.int64) * Co + rows.to(gl.int64)) * row_len + rs * Ci
-        ptrs = out_ptr + base[:, None] + ci[None, :]
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if k_to < k_steps:
+            # a leading piece: hand it to the CTA that finishes the tile
+            gl.store(ws_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+            gl.barrier()
+            gl.atomic_store(flags_ptr + pid, 1, sem="release", scope="gpu")
+        else:
+            if k_from > 0:
+                for c in range(t * k_steps // iters_per_cta, pid):
+                    gl.atomic_poll(flags_ptr + c, 1, sem="acquire", scope="gpu")
+                    acc += gl.load(ws_ptr + c.to(gl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
+                    gl.atomic_store(flags_ptr + c, 0, sem="relaxed", scope="gpu")
+            co0, ci0, _r, _s, rs = _tile_coords(t, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
+            rows = co0 + rows0
+            ci = ci0 + cols0
+            mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
+            base = rows.to(gl.int64) * row_len + rs * Ci
+            gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
 
-JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_streamk_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
+
+STREAM_K = -1  # SPLIT_K value of the stream-K schedule; 0 asks for the modeled best split count
+
+# the work model that picks SPLIT_K=0's split count: an SM's sustained WGMMA rate, the
+# memory bandwidth the fp32 partials make a round trip through, the reduction launch
+_SM_FLOP_PER_US = 5.0e6
+_BYTES_PER_US = 2.5e6
+_REDUCE_LAUNCH_US = 4.0
 
 
 def supports(p: dict, device) -> bool:
@@ -187,21 +312,47 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
     return c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 8 * c["num_stages"] + 1024
 
 
-def output_tiles(p: dict, c: dict) -> int:
-    ci = gh.padded_channels(p["Ci"], p["dtype"])
-    return triton.cdiv(p["Co"], c["BLOCK_M"]) * p["R"] * p["S"] * triton.cdiv(ci, c["BLOCK_N"])
+class Work:
+    """How a config's launch divides the GEMM: `tiles` output tiles, each `k_steps` BLOCK_K
+    steps long; split-K runs `splits` units of `per` steps per tile over `ctas` persistent CTAs,
+    stream-K gives each of `ctas` CTAs `per` consecutive (tile, step) iterations."""
+
+    __slots__ = ("tiles", "k_steps", "splits", "per", "ctas", "stream")
+
+    def __init__(self, Co: int, Ci: int, RS: int, npq: int, c: dict, sms: int):
+        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+        self.tiles = triton.cdiv(Co, bm) * RS * triton.cdiv(Ci, bn)
+        self.k_steps = max(1, triton.cdiv(npq, bk))
+        self.stream = c["SPLIT_K"] == STREAM_K
+        if self.stream:
+            total = self.tiles * self.k_steps
+            self.splits, self.per = 1, triton.cdiv(total, sms)
+            self.ctas = triton.cdiv(total, self.per)
+        else:
+            want = c["SPLIT_K"] or auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
+            self.splits, self.per = gh.split_k_plan(self.k_steps, want)
+            self.ctas = gh.persistent_grid(self.tiles * self.splits, sms)[0]
+
+    @classmethod
+    def of(cls, p: dict, c: dict, sms: int = 132) -> "Work":
+        ci = gh.padded_channels(p["Ci"], p["dtype"])
+        return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
 
 
-def requested_splits(p: dict, c: dict, sms: int) -> int:
-    """SPLIT_K, with 0 meaning: as many splits as keep one wave of CTAs within the SMs."""
-    if c["SPLIT_K"] == 0:
-        return max(1, sms // output_tiles(p, c))
-    return c["SPLIT_K"]
-
-
-def splits_of(p: dict, c: dict, sms: int = 132) -> tuple[int, int]:
-    """(active splits, k-steps per split) of config c on problem p."""
-    return gh.split_k_plan(triton.cdiv(p["N"] * p["P"] * p["Q"], c["BLOCK_K"]), requested_splits(p, c, sms))
+def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> int:
+    """SPLIT_K=0: the split count with the shortest modeled time, the slowest CTA's k-steps
+    (whole waves of units over the SMs) plus the fp32 partials' round trip; the fewest splits
+    within 2% of the best. A power of two is often a poor choice: 81 tiles x 2 splits = 162
+    units is 1.2 waves on 132 SMs, x 8 = 648 units is 4.9."""
+    step_us = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] / _SM_FLOP_PER_US
+    costs = {}
+    for s in range(1, min(k_steps, 64) + 1):
+        active, per = gh.split_k_plan(k_steps, s)
+        if active == s:
+            t = triton.cdiv(tiles * s, sms) * per * step_us
+            costs[s] = t + (s > 1) * (s * out_elems * 8 / _BYTES_PER_US + _REDUCE_LAUNCH_US)
+    best = min(costs.values())
+    return min(s for s, t in costs.items() if t <= 1.02 * best)
 
 
 def fits(c: dict, p: dict | None = None, sms: int = 132) -> bool:
@@ -219,13 +370,14 @@ def fits(c: dict, p: dict | None = None, sms: int = 132) -> bool:
         npq = p["N"] * p["P"] * p["Q"]
         if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)):
             return False
-        active, _ = splits_of(p, c, sms)
-        if c["SPLIT_K"] > 0 and active < c["SPLIT_K"]:
+        w = Work.of(p, c, sms)
+        if c["SPLIT_K"] > 0 and w.splits < c["SPLIT_K"]:
             return False  # the same launch as a smaller SPLIT_K
-        tiles = output_tiles(p, c)
-        # splitting further once the output tiles alone fill the GPU twice only adds reduction
-        if c["SPLIT_K"] > 1 and tiles * c["SPLIT_K"] // 2 >= 2 * sms:
+        # once the output tiles alone fill the GPU twice, splitting only adds reduction
+        if c["SPLIT_K"] > 1 and w.tiles >= 2 * sms:
             return False
+        if w.stream and w.per < c["num_stages"]:
+            return False  # runs too short to fill the pipeline
     return True
 
 
@@ -245,7 +397,7 @@ def default_config(p: dict, device) -> dict:
     if not fits(c, p, sms):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
-            c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], -x["SPLIT_K"]))
+            c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], -abs(x["SPLIT_K"])))
     return c
 
 
@@ -261,28 +413,47 @@ def _constexprs(c: dict, im2col: bool) -> dict:
     return {"STAGES": c["num_stages"], "IM2COL": im2col, "num_warps": c["num_warps"]}
 
 
+_FLAGS: dict = {}
+
+
+def _streamk_flags(device: torch.device, stream: int, ctas: int) -> torch.Tensor:
+    """Stream-K's per-CTA flags, one zeroed buffer per (device, stream): every flag a launch
+    raises is lowered by the CTA that consumes it, so the buffer is all zeros between launches,
+    and launches on one stream never overlap."""
+    key = (device, stream)
+    flags = _FLAGS.get(key)
+    if flags is None or flags.numel() < ctas:
+        flags = _FLAGS[key] = torch.zeros(max(ctas, 1024), device=device, dtype=torch.int32)
+    return flags
+
+
 class _Plan:
     """One (config, x/grad_out shapes and strides, dtype, filter, stride, padding, device) launch,
     precomputed: see gluon_host.DirectLauncher."""
 
     __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_desc", "x_desc", "ci", "pad_x", "pad_g",
-                 "ci_g", "out_shape", "active", "ws_shape", "reduce_grid0", "reduce_tail", "Ci0")
+                 "ci_g", "out_shape", "mode", "ws_shape", "reduce_grid0", "reduce_tail", "Ci0")
 
     def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
         xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
         gp = gh.pad_last_dim(g, self.ci_g) if self.pad_g else g
         out = torch.empty(self.out_shape, device=x.device, dtype=x.dtype)
-        active = self.active
-        target = out if active == 1 else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
-        if (target.data_ptr() | out.data_ptr()) & 15:
+        mode = self.mode  # "direct", "split" or "stream"
+        ws = None if mode == "direct" else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
+        if (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         px, pg = xp.data_ptr(), gp.data_ptr()
         maps, ld = self.maps, self.launcher
         gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(gp)))
         xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
-        ld(self.grid0, stream, [*gm, *xm, target, *self.tail])
-        if active > 1:
-            self.reduce(self.reduce_grid0, stream, (target, out, *self.reduce_tail))
+        if mode == "stream":
+            flags = _streamk_flags(x.device, stream, self.grid0)
+            ld(self.grid0, stream, [*gm, *xm, out, ws, flags, *self.tail])
+        elif mode == "split":
+            ld(self.grid0, stream, [*gm, *xm, ws, *self.tail])
+            self.reduce(self.reduce_grid0, stream, (ws, out, *self.reduce_tail))
+        else:
+            ld(self.grid0, stream, [*gm, *xm, out, *self.tail])
         return out if self.ci == self.Ci0 else out[..., :self.Ci0].contiguous()
 
 
@@ -315,11 +486,11 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
     Ci = xp.shape[-1]
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    sms = gh.num_sms(x.device)
-    split = config["SPLIT_K"] or max(1, sms // (triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn)))
-    active, per = gh.split_k_plan(triton.cdiv(npq, bk), split)
+    work = Work(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
+    mode = "stream" if work.stream else ("split" if work.splits > 1 else "direct")
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
-    target = out if active == 1 else gh.split_k_workspace(active, Co, R * S * Ci, x.device)
+    ws_shape = (work.ctas, bm, bn) if mode == "stream" else (work.splits, Co, R * S * Ci)
+    ws = None if mode == "direct" else torch.empty(ws_shape, device=x.device, dtype=torch.float32)
     gc = gp.shape[-1]
 
     def g_desc_of(t):
@@ -334,27 +505,35 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
             return gh.tiled_desc(t.view(npq, Ci), [bk, bn])
 
     g_desc, x_desc = g_desc_of(gp), x_desc_of(xp)
-    tiles = triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn) * active
-    grid = gh.persistent_grid(tiles, sms)
+    grid = (work.ctas,)
     ce = _constexprs(config, im2col)
-    scalars = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw, per, active)
-    compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, target, *scalars, **ce)
+    geometry = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw)
     reduce = None
-    if active > 1:
-        reduce = gh.split_k_reduce_jit(target, out)
-    if key is not None and not (target.data_ptr() | out.data_ptr()) & 15:
+    if mode == "stream":
+        flags = _streamk_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        scalars = geometry + (work.k_steps, work.per)
+        fn, leading = conv2d_wgrad_streamk_kernel, (None,) * 5
+        compiled = fn[grid](g_desc, x_desc, out, ws, flags, *scalars, **ce)
+    else:
+        scalars = geometry + (work.per, work.splits)
+        fn, leading = conv2d_wgrad_kernel, (None,) * 3
+        compiled = fn[grid](g_desc, x_desc, out if mode == "direct" else ws, *scalars, **ce)
+        if mode == "split":
+            reduce = gh.split_k_reduce_jit(ws, out)
+    aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
+    if key is not None and aligned:
         ld = gh.DirectLauncher.of(compiled)
-        rd = gh.DirectLauncher.of(reduce) if active > 1 else None
-        if ld is not None and (active == 1 or rd is not None):
+        rd = gh.DirectLauncher.of(reduce) if mode == "split" else None
+        if ld is not None and (mode != "split" or rd is not None):
             plan = _Plan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, gh.DescMaps(), grid[0]
-            plan.tail = gh.kernel_args(conv2d_wgrad_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.tail = gh.kernel_args(fn, leading + scalars, ce)[len(leading):]
             plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
             plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
-            plan.out_shape, plan.active, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), active, (active, Co, R * S * Ci), Ci0
-            numel = out.numel()
-            plan.reduce_grid0 = gh.split_k_reduce_grid(numel)[0]
-            plan.reduce_tail = (numel, active) + gh.split_k_reduce_tail()
+            plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
+            if mode == "split":
+                plan.reduce_grid0 = gh.split_k_reduce_grid(out.numel())[0]
+                plan.reduce_tail = (out.numel(), work.splits) + gh.split_k_reduce_tail()
             _PLANS.put(key, plan)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
@@ -362,17 +541,24 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    active, _ = splits_of(p, config)
+    work = Work.of(p, config, getattr(device, "sm_count", 0) or 132)
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {"g_desc": gh.desc_sig(dt, [bk, bm]),
-           "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
-           "out_ptr": "*fp32" if active > 1 else gh.ptr_sig(dt)}
-    sig.update({k: "i32" for k in ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                                   "k_per_split", "num_splits")})
+           "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn])}
+    geometry = ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w")
+    if work.stream:
+        sig.update({"out_ptr": gh.ptr_sig(dt), "ws_ptr": "*fp32", "flags_ptr": "*i32"})
+        sig.update({k: "i32" for k in geometry + ("k_steps", "iters_per_cta")})
+        sig.update({k: "constexpr" for k in ce})
+        return [KernelSpec(fn=conv2d_wgrad_streamk_kernel, signature=sig, constexprs=ce,
+                           num_warps=config["num_warps"], num_stages=config["num_stages"],
+                           name="conv2d_wgrad_streamk_kernel")]
+    sig["out_ptr"] = "*fp32" if work.splits > 1 else gh.ptr_sig(dt)
+    sig.update({k: "i32" for k in geometry + ("k_per_split", "num_splits")})
     sig.update({k: "constexpr" for k in ce})
     specs = [KernelSpec(fn=conv2d_wgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
                         num_stages=config["num_stages"], name="conv2d_wgrad_kernel")]
-    if active > 1:
+    if work.splits > 1:
         specs.append(gh.split_k_reduce_spec(dt))
     return specs

@@ -515,8 +515,8 @@ def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
     """The configs most worth timing first, from configs that fit: per tile shape the deepest
     ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
-    GROUP_M 8, two warpgroups exactly on tiles of 128x128 and up; for wgrad the splits
-    around the one that fills the GPU. The tuner times these before the rest of the space,
+    GROUP_M 8, two warpgroups exactly on tiles of 128x128 and up; for wgrad stream-K, the modeled split
+    and the splits around the one that fills the GPU. The tuner times these before the rest of the space,
     so a capped tuning run (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
     best: dict[tuple, dict] = {}
     if op == "conv2d_wgrad":
@@ -530,7 +530,7 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
         for c in best.values():
             tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
             fill = max(1, pow2_at_least(-(-max(1, sm_count) // tiles)))
-            if c["SPLIT_K"] in (0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
+            if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
                     c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
                 out.append(c)
         return out

@@ -106,6 +106,34 @@ def test_wgrad_split_plan_never_launches_empty_splits():
         assert active * per >= k_iters > (active - 1) * per
 
 
+def _seed_wgrad_problem():
+    # the seeds' 384-channel 64x64 3x3 layer at batch 128: 81 output tiles of 128x128
+    return problems.conv2d_wgrad_problem(_meta(128, 64, 64, 384), _meta(128, 64, 64, 384), 3, 3, 1, 1)
+
+
+def test_wgrad_auto_split_fills_whole_waves():
+    # one split leaves 51 of 132 SMs idle and two leave a 30-unit second wave: SPLIT_K=0 picks
+    # a count whose units fill the SMs' waves at least 95%
+    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
+    w = wgrad.Work.of(_seed_wgrad_problem(), c, 132)
+    units = w.tiles * w.splits
+    assert w.tiles == 81 and w.splits > 1
+    assert units / (-(-units // 132) * 132) >= 0.95
+
+
+@pytest.mark.parametrize("sms", [132, 114, 7])
+def test_wgrad_stream_k_gives_every_cta_an_equal_run(sms):
+    p = problems.conv2d_wgrad_problem(_meta(128, 7, 7, 512), _meta(128, 7, 7, 512), 3, 3, 1, 1)
+    for bn in (64, 128, 256):
+        c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": wgrad.STREAM_K, "num_warps": 8,
+             "num_stages": 4}
+        w = wgrad.Work.of(p, c, sms)
+        total = w.tiles * w.k_steps
+        assert w.stream and w.ctas <= sms and w.splits == 1
+        assert w.ctas * w.per >= total > (w.ctas - 1) * w.per  # every CTA has work, all work is covered
+        assert w.per - total / w.ctas < 1 + total / w.ctas / 100  # balanced to about 1%
+
+
 def test_im2col_geometry_limits():
     # corners within the descriptor's signed 8-bit range; element strides 1..8
     assert gh.im2col_ok(56, 56, 56, 56, (1, 1), (1, 1))
@@ -270,9 +298,10 @@ def test_conv2d_wgrad_matches_torch(case):
     dev = DeviceClass("sm_90", gh.num_sms(0))
     ref = wgrad.reference(x.float(), g.float(), R, S, st, pd)
     base = wgrad.default_config(p, dev)
-    configs = [base, dict(base, SPLIT_K=1)]
+    configs = [base, dict(base, SPLIT_K=1), dict(base, SPLIT_K=wgrad.STREAM_K)]
     if case in CONV_EXTRA:
-        configs.append({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3})
+        small = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+        configs += [small, dict(small, SPLIT_K=wgrad.STREAM_K)]
     for c in configs:
         _poison(Co * R * S * gh.round_up(Ci, 8), torch.bfloat16)
         _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
@@ -284,10 +313,11 @@ def test_wgrad_split_k_is_deterministic():
     torch.manual_seed(0)
     x = torch.randn(32, 28, 28, 128, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(32, 28, 28, 128, device="cuda", dtype=torch.bfloat16)
-    c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 16, "num_warps": 4, "num_stages": 4}
-    first = wgrad.launch(c, x, g, 3, 3, 1, 1)
-    for _ in range(3):
-        assert torch.equal(wgrad.launch(c, x, g, 3, 3, 1, 1), first)
+    for split in (16, wgrad.STREAM_K):
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+        first = wgrad.launch(c, x, g, 3, 3, 1, 1)
+        for _ in range(3):
+            assert torch.equal(wgrad.launch(c, x, g, 3, 3, 1, 1), first)
 
 
 @gpu
@@ -377,6 +407,7 @@ def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
     cf = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
     cw = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
     cw1 = dict(cw, SPLIT_K=1)
+    cws = dict(cw, SPLIT_K=wgrad.STREAM_K)
 
     def data(seed):
         torch.manual_seed(seed)
@@ -391,9 +422,11 @@ def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
         ref_w = wgrad.reference(x.float(), g.float(), R, S, st, pd)
         _check(wgrad.launch(cw, x, g, R, S, st, pd), ref_w, 1e-2)
         _check(wgrad.launch(cw1, x, g, R, S, st, pd), ref_w, 1e-2)
+        _check(wgrad.launch(cws, x, g, R, S, st, pd), ref_w, 1e-2)
 
     check_all(*data(0))  # JIT: builds the plans
-    _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+    _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel, gh.split_k_reduce_kernel,
+            wgrad.conv2d_wgrad_streamk_kernel)
     for seed in (1, 2):
         check_all(*data(seed))
     # the same problem with stride given as a tuple shares the plan; a bool stride still raises

@@ -25,15 +25,16 @@ SPACES = {
         "num_warps": (4, 8),
         "num_stages": (2, 3, 4, 5, 6),
     }),
-    # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]; the N*P*Q
-    # reduction split SPLIT_K ways into fp32 partials summed by a deterministic second pass.
-    # SPLIT_K=0 splits as far as one wave of CTAs fills the GPU (SM count // output tiles):
-    # powers of two leave a partial second wave on 132 SMs (9 tiles x 16 splits = 144 CTAs).
+    # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]. SPLIT_K > 0 splits
+    # the N*P*Q reduction that many ways into fp32 partials summed by a deterministic second
+    # pass; 0 takes the split count a work model finds fastest (whole waves of CTAs on the
+    # SMs); -1 is stream-K: every CTA runs an equal share of the (tile, k-step) iterations and
+    # the tiles shared between CTAs are summed in CTA order by a fix-up pass.
     "conv2d_wgrad": ConfigSpace({
-        "BLOCK_M": (64, 128),
-        "BLOCK_N": (16, 32, 64, 128),
+        "BLOCK_M": (64, 128, 256),
+        "BLOCK_N": (16, 32, 64, 128, 256),
         "BLOCK_K": (32, 64, 128),
-        "SPLIT_K": (0, 1, 2, 4, 8, 16, 32),
+        "SPLIT_K": (-1, 0, 1, 2, 4, 8, 16, 32),
         "num_warps": (4, 8),
         "num_stages": (2, 3, 4, 5),
     }),
