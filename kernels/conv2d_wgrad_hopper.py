@@ -7,12 +7,12 @@ reduction runs over the N*P*Q output pixels, BLOCK_K at a time: grad_out rows by
 (read as [pixels, Co] and fed to WGMMA transposed), x by TMA im2col at offset (r, s).
 
 Two schedules, chosen by SPLIT_K (see spaces/hopper.py):
-- split-K (conv2d_wgrad_kernel): persistent CTAs over (split, tile) units numbered split-major,
+- split-K: persistent CTAs over (split, tile) units numbered split-major,
   so the CTAs running together share the same pixel range of grad_out and x in L2; each split
   writes an fp32 partial and gluon_host.split_k_reduce sums them in a fixed order
   (deterministic); with one split the kernel writes grad_w directly. Warp-specialized: a
   one-warp TMA loader feeds the WGMMA warps through a `num_stages` mbarrier ring.
-- stream-K (conv2d_wgrad_streamk_kernel): every CTA runs an equal share of the (tile, k-step)
+- stream-K: every CTA runs an equal share of the (tile, k-step)
   iterations, for problems with too few tiles for whole waves and too short a reduction to
   split (ResNet-50's 512-channel 7x7 layer: 72 tiles of 98 k-steps on 132 SMs); the tiles
   that CTAs share are summed inside the kernel in CTA order (deterministic).
@@ -51,16 +51,6 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _tile(tile_id, co_blocks, ci_blocks, RS):
-    """tile id -> (split, rs, ci block, co block), split slowest."""
-    co_blk = tile_id % co_blocks
-    rest = tile_id // co_blocks
-    ci_blk = rest % ci_blocks
-    rest = rest // ci_blocks
-    return rest // RS, rest % RS, ci_blk, co_blk
-
-
-@gluon.jit
 def _issue_load(step, total, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs, ready,
                 PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES: gl.constexpr, IM2COL: gl.constexpr):
     """TMA-load pixels m0... of grad_out (channels co0...) and of im2col(x) at tap (r, s)."""
@@ -78,35 +68,79 @@ def _issue_load(step, total, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs,
 
 
 @gluon.jit
-def _ws_load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w,
-                       pad_h, pad_w, k_per_split, num_splits, IM2COL: gl.constexpr):
-    """The loader warp: TMA loads for each (tile, split) unit of this CTA into the ring, a slot
-    as soon as the WGMMA warps release it."""
+def _run(tiles, k_steps, per):
+    """Stream-K: this CTA's iterations [start, end) of the tile-major (tile, k-step) order."""
+    start = gl.program_id(0) * per
+    return start, gl.minimum(start + per, tiles * k_steps)
+
+
+@gluon.jit
+def _num_pieces(tiles, k_steps, per, num_splits, STREAM: gl.constexpr):
+    if STREAM:
+        start, end = _run(tiles, k_steps, per)
+        n = (end - 1) // k_steps - start // k_steps + 1
+    else:
+        n = gl.cdiv(tiles * num_splits - gl.program_id(0), gl.num_programs(0))
+    return n
+
+
+@gluon.jit
+def _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM: gl.constexpr):
+    """This CTA's i-th piece of work -> (split, tile, Co block, Ci block, tap index, first
+    k-step, end k-step). Split-K: unit pid + i * nprog of the split-major order (the CTAs
+    running together share a pixel range in L2). Stream-K: the run's tiles, last to first."""
+    if STREAM:
+        start, end = _run(tiles, k_steps, per)
+        t = (end - 1) // k_steps - i
+        split = t * 0
+        k_from = gl.maximum(start - t * k_steps, 0)
+        k_to = gl.minimum(end - t * k_steps, k_steps)
+    else:
+        u = gl.program_id(0) + i * gl.num_programs(0)
+        split = u // tiles
+        t = u % tiles
+        k_from = split * per
+        k_to = gl.minimum(k_from + per, k_steps)
+    rest = t // co_blocks
+    return split, t, t % co_blocks, rest % ci_blocks, rest // ci_blocks, k_from, k_to
+
+
+@gluon.jit
+def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h,
+                    pad_w, k_steps, per, num_splits, STREAM: gl.constexpr, IM2COL: gl.constexpr):
+    """The loader warp: TMA loads of every piece of this CTA's work into the ring, each slot as
+    soon as the WGMMA warps release it."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
+    tiles = co_blocks * ci_blocks * RS
     use = 0
-    for t in range(gl.program_id(0), co_blocks * RS * ci_blocks * num_splits, gl.num_programs(0)):
-        split, rs, ci_blk, co_blk = _tile(t, co_blocks, ci_blocks, RS)
-        m0 = split * k_per_split * BLOCK_K
+    for i in range(_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        _, _, co_blk, ci_blk, rs, k_from, k_to = _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
         r = rs // S
         s = rs % S
-        for kk in range(k_per_split):
-            slot = use % STAGES
-            mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
-            _issue_load(use, use + 1, m0 + kk * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, r, s, g_desc, x_desc,
+        for kk in range(k_from, k_to):
+            mbarrier.wait(empty.index(use % STAGES), ((use // STAGES) & 1) ^ 1)
+            _issue_load(use, use + 1, kk * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, r, s, g_desc, x_desc,
                         a_bufs, b_bufs, ready, PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
             use += 1
 
 
 @gluon.jit
-def _ws_mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, Co, Ci, RS, k_per_split, num_splits,
-                      num_warps: gl.constexpr):
-    """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read
-    it has retired; the tile's epilogue while the loader already fills the next unit's slots."""
+def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, k_steps, per, num_splits,
+                   STREAM: gl.constexpr, num_warps: gl.constexpr):
+    """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read it
+    has retired; a piece's epilogue runs while the loader already fills the next piece's slots.
+
+    Split-K stores each piece into its split's slab of out_ptr. Stream-K stores a tile it ran
+    whole into out_ptr; a tile shared by CTAs c_lo..c_hi is finished by c_hi, which holds its
+    last k-steps: the others (each holds at most one such piece, the first it runs) store
+    their fp32 partial in ws_ptr [CTAs, BLOCK_M, BLOCK_N] and raise flags_ptr[cta]; c_hi
+    reaches the tile last in its own run, adds the partials in CTA order (deterministic),
+    lowers the flags and stores the sum. It only waits on lower-numbered CTAs, started before it."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
@@ -114,41 +148,62 @@ def _ws_mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, Co, Ci, RS, k_per_s
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    tile_offs = rows0[:, None] * BLOCK_N + cols0[None, :]
+    pid = gl.program_id(0)
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
+    tiles = co_blocks * ci_blocks * RS
     row_len = RS * Ci
     use = 0
-    for t in range(gl.program_id(0), co_blocks * RS * ci_blocks * num_splits, gl.num_programs(0)):
-        for kk in range(k_per_split):
+    for i in range(_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        split, t, co_blk, ci_blk, rs, k_from, k_to = _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
+        for kk in range(k_from, k_to):
             slot = use % STAGES
             mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != 0,
+            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != k_from,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             # the previous k-step's WGMMA has retired: its slot goes back to the loader
-            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
+            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != k_from)
             use += 1
+        # outside the k-loop: no WGMMA is in flight across the epilogue's branches
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES))
-        split, rs, ci_blk, co_blk = _tile(t, co_blocks, ci_blocks, RS)
-        rows = co_blk * BLOCK_M + rows0
-        ci = ci_blk * BLOCK_N + cols0
-        mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
-        base = (split.to(gl.int64) * Co + rows.to(gl.int64)) * row_len + rs * Ci
-        gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if STREAM:
+            if k_to < k_steps:
+                gl.store(ws_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+                gl.barrier()
+                gl.atomic_store(flags_ptr + pid, 1, sem="release", scope="gpu")
+            elif k_from > 0:
+                for c in range(t * k_steps // per, pid):
+                    gl.atomic_poll(flags_ptr + c, 1, sem="acquire", scope="gpu")
+                    acc += gl.load(ws_ptr + c.to(gl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
+                    gl.atomic_store(flags_ptr + c, 0, sem="relaxed", scope="gpu")
+            done = k_to == k_steps
+        else:
+            done = k_to > 0
+        if done:
+            rows = co_blk * BLOCK_M + rows0
+            ci = ci_blk * BLOCK_N + cols0
+            mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
+            base = (split.to(gl.int64) * Co + rows.to(gl.int64)) * row_len + rs * Ci
+            gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit(do_not_specialize=["Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                              "k_per_split", "num_splits"])
-def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                           k_per_split, num_splits, STAGES: gl.constexpr, IM2COL: gl.constexpr,
-                           num_warps: gl.constexpr):
-    """g_desc: tiles of grad_out [N*P*Q, Co]; x_desc: im2col over x [N, H, W, Ci];
-    out_ptr: [num_splits, Co, RS*Ci] (fp32 partials, or grad_w itself when num_splits == 1).
+                              "k_steps", "per", "num_splits"])
+def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h,
+                        pad_w, k_steps, per, num_splits, STREAM: gl.constexpr, STAGES: gl.constexpr,
+                        IM2COL: gl.constexpr, num_warps: gl.constexpr):
+    """g_desc: tiles of grad_out [N*P*Q, Co]; x_desc: im2col over x [N, H, W, Ci].
+    Split-K (STREAM False): out_ptr [num_splits, Co, RS*Ci] (fp32 partials, or grad_w itself
+    with one split), `per` k-steps per split; ws_ptr and flags_ptr unused.
+    Stream-K: out_ptr grad_w [Co, RS*Ci], ws_ptr [CTAs, BLOCK_M, BLOCK_N] fp32, flags_ptr
+    [CTAs] int32 (all zero at launch, left so), `per` iterations per CTA.
 
     Warp-specialized: a one-warp TMA loader and the WGMMA warps talk through ready/empty
     mbarrier rings, so no k-step waits on a CTA-wide barrier (the single-partition version
-    of this loop synchronized all warps several times per k-step and ran 10-25% slower)."""
+    of this loop synchronized all warps several times per k-step and ran 10-35% slower)."""
     dtype: gl.constexpr = g_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -158,128 +213,17 @@ def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_ws_mma_partition, (a_bufs, b_bufs, ready, empty, out_ptr, Co, Ci, RS, k_per_split, num_splits, num_warps)),
-        (_ws_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w,
-                              pad_h, pad_w, k_per_split, num_splits, IM2COL)),
+        (_mma_partition, (a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, k_steps, per,
+                          num_splits, STREAM, num_warps)),
+        (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w,
+                           pad_h, pad_w, k_steps, per, num_splits, STREAM, IM2COL)),
     ], [1], [40])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
 
 
-@gluon.jit
-def _tile_coords(tile, co_blocks, ci_blocks, S, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """output tile -> (first Co, first Ci, tap r, tap s, tap index), Co blocks fastest."""
-    co_blk = tile % co_blocks
-    rest = tile // co_blocks
-    rs = rest // ci_blocks
-    return co_blk * BLOCK_M, (rest % ci_blocks) * BLOCK_N, rs // S, rs % S, rs
-
-
-@gluon.jit
-def _piece(t, start, end, k_steps):
-    """The k-steps [from, to) of tile t that the run [start, end) of iterations covers."""
-    return gl.maximum(start - t * k_steps, 0), gl.minimum(end - t * k_steps, k_steps)
-
-
-@gluon.jit(do_not_specialize=["Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                              "k_steps", "iters_per_cta"])
-def conv2d_wgrad_streamk_kernel(g_desc, x_desc, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, S, PQ, Q, stride_h,
-                                stride_w, pad_h, pad_w, k_steps, iters_per_cta, STAGES: gl.constexpr,
-                                IM2COL: gl.constexpr, num_warps: gl.constexpr):
-    """Stream-K: the (output tile, k-step) iterations, tile-major, cut into one equal run per
-    CTA, so every SM gets the same work whatever the tile count.
-
-    A CTA walks its run's tiles last to first. A tile it runs whole goes straight to out_ptr
-    [Co, RS*Ci]. A tile shared by CTAs c_lo..c_hi is finished by c_hi, the one holding its last
-    k-steps: the others (each holds at most one such piece, the first one it runs) store their
-    fp32 partial in ws_ptr [CTAs, BLOCK_M, BLOCK_N] and raise flags_ptr[cta]; c_hi reaches the
-    tile last in its own run, adds the partials in CTA order (deterministic), lowers the flags
-    and stores the sum. It only ever waits on lower-numbered CTAs, which were started before it."""
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
-    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
-    dtype: gl.constexpr = g_desc.dtype
-
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-
-    pid = gl.program_id(0)
-    co_blocks = gl.cdiv(Co, BLOCK_M)
-    ci_blocks = gl.cdiv(Ci, BLOCK_N)
-    start = pid * iters_per_cta
-    end = gl.minimum(start + iters_per_cta, co_blocks * RS * ci_blocks * k_steps)
-    n = end - start
-    first_tile = start // k_steps
-    last_tile = (end - 1) // k_steps
-    row_len = RS * Ci
-
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-    rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    tile_offs = rows0[:, None] * BLOCK_N + cols0[None, :]
-
-    # the producer runs STAGES - 1 k-steps ahead along the same walk (tiles last to first,
-    # k-steps in order within a tile); a tile's coordinates are decoded once
-    ptile = last_tile
-    pkk, pk_to = _piece(ptile, start, end, k_steps)
-    pco, pci, pr, ps, _ = _tile_coords(ptile, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
-    for i in gl.static_range(STAGES - 1):
-        _issue_load(i, n, pkk * BLOCK_K, pco, pci, pr, ps, g_desc, x_desc, a_bufs, b_bufs, ready, PQ, Q, stride_h,
-                    stride_w, pad_h, pad_w, STAGES, IM2COL)
-        pkk += 1
-        if pkk == pk_to:
-            ptile -= 1
-            pkk, pk_to = _piece(ptile, start, end, k_steps)
-            pco, pci, pr, ps, _ = _tile_coords(ptile, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
-
-    # the epilogue sits outside the k-loop so that no WGMMA is in flight across a branch
-    step = 0
-    for i in range(last_tile - first_tile + 1):
-        t = last_tile - i
-        k_from, k_to = _piece(t, start, end, k_steps)
-        for kk in range(k_from, k_to):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != k_from,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            _issue_load(step + STAGES - 1, n, pkk * BLOCK_K, pco, pci, pr, ps, g_desc, x_desc, a_bufs, b_bufs, ready,
-                        PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
-            pkk += 1
-            if pkk == pk_to:
-                ptile -= 1
-                pkk, pk_to = _piece(ptile, start, end, k_steps)
-                pco, pci, pr, ps, _ = _tile_coords(ptile, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if k_to < k_steps:
-            # a leading piece: hand it to the CTA that finishes the tile
-            gl.store(ws_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
-            gl.barrier()
-            gl.atomic_store(flags_ptr + pid, 1, sem="release", scope="gpu")
-        else:
-            if k_from > 0:
-                for c in range(t * k_steps // iters_per_cta, pid):
-                    gl.atomic_poll(flags_ptr + c, 1, sem="acquire", scope="gpu")
-                    acc += gl.load(ws_ptr + c.to(gl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
-                    gl.atomic_store(flags_ptr + c, 0, sem="relaxed", scope="gpu")
-            co0, ci0, _r, _s, rs = _tile_coords(t, co_blocks, ci_blocks, S, BLOCK_M, BLOCK_N)
-            rows = co0 + rows0
-            ci = ci0 + cols0
-            mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
-            base = rows.to(gl.int64) * row_len + rs * Ci
-            gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-
-
-JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_streamk_kernel, gh.split_k_reduce_kernel)
+JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -410,7 +354,8 @@ def is_pointwise(p: dict) -> bool:
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:
-    return {"STAGES": c["num_stages"], "IM2COL": im2col, "num_warps": c["num_warps"]}
+    return {"STREAM": c["SPLIT_K"] == STREAM_K, "STAGES": c["num_stages"], "IM2COL": im2col,
+            "num_warps": c["num_warps"]}
 
 
 _FLAGS: dict = {}
@@ -450,10 +395,10 @@ class _Plan:
             flags = _streamk_flags(x.device, stream, self.grid0)
             ld(self.grid0, stream, [*gm, *xm, out, ws, flags, *self.tail])
         elif mode == "split":
-            ld(self.grid0, stream, [*gm, *xm, ws, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, ws, ws, ws, *self.tail])
             self.reduce(self.reduce_grid0, stream, (ws, out, *self.reduce_tail))
         else:
-            ld(self.grid0, stream, [*gm, *xm, out, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, out, out, out, *self.tail])
         return out if self.ci == self.Ci0 else out[..., :self.Ci0].contiguous()
 
 
@@ -511,15 +456,15 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
     reduce = None
     if mode == "stream":
         flags = _streamk_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
-        scalars = geometry + (work.k_steps, work.per)
-        fn, leading = conv2d_wgrad_streamk_kernel, (None,) * 5
-        compiled = fn[grid](g_desc, x_desc, out, ws, flags, *scalars, **ce)
+        ptrs = (out, ws, flags)
     else:
-        scalars = geometry + (work.per, work.splits)
-        fn, leading = conv2d_wgrad_kernel, (None,) * 3
-        compiled = fn[grid](g_desc, x_desc, out if mode == "direct" else ws, *scalars, **ce)
-        if mode == "split":
-            reduce = gh.split_k_reduce_jit(ws, out)
+        target = out if mode == "direct" else ws
+        ptrs = (target, target, target)  # ws_ptr and flags_ptr unused
+    scalars = geometry + (work.k_steps, work.per, work.splits)
+    compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, *ptrs, *scalars, **ce)
+    if mode == "split":
+        reduce = gh.split_k_reduce_jit(ws, out)
+    leading = (None,) * 5
     aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
         ld = gh.DirectLauncher.of(compiled)
@@ -527,7 +472,7 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
         if ld is not None and (mode != "split" or rd is not None):
             plan = _Plan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, gh.DescMaps(), grid[0]
-            plan.tail = gh.kernel_args(fn, leading + scalars, ce)[len(leading):]
+            plan.tail = gh.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading):]
             plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
             plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
             plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
@@ -546,19 +491,15 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     ce = _constexprs(config, im2col)
     sig = {"g_desc": gh.desc_sig(dt, [bk, bm]),
            "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn])}
-    geometry = ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w")
-    if work.stream:
-        sig.update({"out_ptr": gh.ptr_sig(dt), "ws_ptr": "*fp32", "flags_ptr": "*i32"})
-        sig.update({k: "i32" for k in geometry + ("k_steps", "iters_per_cta")})
-        sig.update({k: "constexpr" for k in ce})
-        return [KernelSpec(fn=conv2d_wgrad_streamk_kernel, signature=sig, constexprs=ce,
-                           num_warps=config["num_warps"], num_stages=config["num_stages"],
-                           name="conv2d_wgrad_streamk_kernel")]
-    sig["out_ptr"] = "*fp32" if work.splits > 1 else gh.ptr_sig(dt)
-    sig.update({k: "i32" for k in geometry + ("k_per_split", "num_splits")})
+    out_sig = gh.ptr_sig(dt) if work.stream or work.splits == 1 else "*fp32"
+    sig["out_ptr"] = out_sig
+    sig["ws_ptr"] = "*fp32" if work.stream else out_sig
+    sig["flags_ptr"] = "*i32" if work.stream else out_sig
+    sig.update({k: "i32" for k in ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
+                                   "k_steps", "per", "num_splits")})
     sig.update({k: "constexpr" for k in ce})
     specs = [KernelSpec(fn=conv2d_wgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
                         num_stages=config["num_stages"], name="conv2d_wgrad_kernel")]
-    if work.splits > 1:
+    if not work.stream and work.splits > 1:
         specs.append(gh.split_k_reduce_spec(dt))
     return specs
