@@ -51,20 +51,19 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _issue_load(step, total, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs, ready,
-                PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES: gl.constexpr, IM2COL: gl.constexpr):
-    """TMA-load pixels m0... of grad_out (channels co0...) and of im2col(x) at tap (r, s)."""
-    pred = step < total
-    slot = step % STAGES
+def _issue_load(slot, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs, ready,
+                PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL: gl.constexpr):
+    """TMA-load pixels m0... of grad_out (channels co0...) and of im2col(x) at tap (r, s) into
+    ring slot `slot`, completing on ready[slot]."""
     bar = ready.index(slot)
-    mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes, pred)
-    tma.async_load(g_desc, [m0, co0], bar, a_bufs.index(slot), pred)
+    mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
+    tma.async_load(g_desc, [m0, co0], bar, a_bufs.index(slot))
     if IM2COL:
         pq = m0 % PQ
         tma.async_load_im2col(x_desc, [m0 // PQ, (pq // Q) * stride_h - pad_h, (pq % Q) * stride_w - pad_w, ci0],
-                              [r.to(gl.int16), s.to(gl.int16)], bar, b_bufs.index(slot), pred)
+                              [r.to(gl.int16), s.to(gl.int16)], bar, b_bufs.index(slot))
     else:  # 1x1, stride 1, no padding: x as it lies, [N*H*W, Ci]
-        tma.async_load(x_desc, [m0, ci0], bar, b_bufs.index(slot), pred)
+        tma.async_load(x_desc, [m0, ci0], bar, b_bufs.index(slot))
 
 
 @gluon.jit
@@ -123,9 +122,10 @@ def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S,
         r = rs // S
         s = rs % S
         for kk in range(k_from, k_to):
-            mbarrier.wait(empty.index(use % STAGES), ((use // STAGES) & 1) ^ 1)
-            _issue_load(use, use + 1, kk * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, r, s, g_desc, x_desc,
-                        a_bufs, b_bufs, ready, PQ, Q, stride_h, stride_w, pad_h, pad_w, STAGES, IM2COL)
+            slot = use % STAGES
+            mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
+            _issue_load(slot, kk * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, r, s, g_desc, x_desc, a_bufs, b_bufs,
+                        ready, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL)
             use += 1
 
 

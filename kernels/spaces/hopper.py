@@ -29,7 +29,7 @@ SPACES = {
     # the N*P*Q reduction that many ways into fp32 partials summed by a deterministic second
     # pass; 0 takes the split count a work model finds fastest (whole waves of CTAs on the
     # SMs); -1 is stream-K: every CTA runs an equal share of the (tile, k-step) iterations and
-    # the tiles shared between CTAs are summed in CTA order by a fix-up pass.
+    # the CTA that finishes a tile shared between CTAs sums its pieces in CTA order.
     "conv2d_wgrad": ConfigSpace({
         "BLOCK_M": (64, 128, 256),
         "BLOCK_N": (16, 32, 64, 128, 256),
