@@ -160,25 +160,27 @@ def test_a_stored_config_matching_no_live_config_is_never_launched(db_url):
 
 FLEET = """
     import json, torch
-    import tunecache.launcher
     from tunecache.store import ConfigRecord
     import autotune_kernels as k
 
     class FakeFleet:  # what tunecache.client's FleetClient answers
         published, asked = [], []
 
-        def lookup(self, key):
+        generation = 1
+
+        def fetch(self, key):
             self.asked.append(key.kernel)
             if key.problem["M"] != 40:
-                return None
+                return "miss", None
             values = {"kwargs": {"BLOCK_M": 32, "BLOCK_N": 8}, "num_warps": 4, "num_stages": 3, "num_ctas": 1,
                       "maxnreg": None}
-            return ConfigRecord(key=key, config=values, median_ms=1.0, source="worker")
+            return "hit", ConfigRecord(key=key, config=values, median_ms=1.0, source="worker")
 
         def publish(self, rec, trials=(), tune_seconds=None):
             self.published.append([rec.key.problem["M"], rec.config["kwargs"], len(list(trials))])
 
-    tunecache.launcher._fleet = FakeFleet
+    from tunecache.config_cache import CACHE
+    CACHE.fleet = FakeFleet
     x, z = torch.randn(40, 24), torch.randn(24, 24)
     y, w = k.scale(x), k.scale(z)
     print(json.dumps({

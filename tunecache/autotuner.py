@@ -101,26 +101,22 @@ class Autotuner(TritonAutotuner):
 
     def _lookup(self, key: TuneKey, configs: list[Config]) -> tuple[Config, dict] | None:
         """The stored or fleet winner as one of `configs`, with its timings; None to benchmark."""
-        store = _store()
-        rec = None
-        if store is not None:
+        from tunecache_kernels.spaces import TritonConfigSchema
+
+        from .config_cache import CACHE
+
+        def well_formed(config: dict) -> str | None:
             try:
-                rec = store.get_config(key.digest)
-            except _store_errors() as e:
-                log.warning("tunecache: store lookup for %s failed, tuning instead: %s", self.kernel_name, e)
-        config = self.live_config(rec, key, configs, "stored")
+                TritonConfigSchema().check(config)
+            except ValueError as e:
+                return str(e)
+            return None
+
+        rec = CACHE.get(key, well_formed)
+        config = None if rec is None else self.live_config(rec, key, configs, rec.source)
         if config is None:
-            rec = _fleet_call("lookup", key)
-            config = self.live_config(rec, key, configs, "fleet")
-            if config is None:
-                return None
-            rec.source = "fleet"
-            if store is not None:
-                try:  # write-through: the next process on this host needs no network
-                    store.put_config(rec)
-                except _store_errors() as e:
-                    log.warning("tunecache: cannot keep the fleet's config for %s: %s", self.kernel_name, e)
-        return config, self._stored_timings(store, key, configs, config, rec.median_ms)
+            return None
+        return config, self._stored_timings(key, configs, config, rec.median_ms)
 
     def live_config(self, rec: Any, key: TuneKey, configs: Sequence[Config], where: str) -> Config | None:
         """The candidate whose values are `rec.config`'s, or None (with a warning) if there is none."""
@@ -140,15 +136,15 @@ class Autotuner(TritonAutotuner):
             return None
         return matches[0]
 
-    def _stored_timings(self, store: Any, key: TuneKey, configs: Sequence[Config], best: Config,
+    def _stored_timings(self, key: TuneKey, configs: Sequence[Config], best: Config,
                         best_ms: float) -> dict[Config, list[float]]:
         """`configs_timings` after a hit: the last stored median of each candidate, in ms."""
+        from .config_cache import CACHE
+
         timings: dict[Config, list[float]] = {}
+        store = CACHE.store()
         if store is not None:
-            try:
-                trials = store.trials(key.digest)
-            except _store_errors():
-                trials = []
+            trials = CACHE._store_call("read trials", lambda: store.trials(key.digest), [])
             by_values = {canonical_json(v): c for c in configs if (v := config_values(c)) is not None}
             for t in trials:
                 c = by_values.get(canonical_json(t.config))
@@ -177,21 +173,15 @@ class Autotuner(TritonAutotuner):
                               else TrialRecord(v, "failed", error="did not compile or ran out of resources"))
         rec = ConfigRecord(key=key, config=values, median_ms=best_ms, candidates=len(configs),
                            device_name=device.name, tuned_by=whoami(), source="inline")
-        store = _store()
-        if store is not None:
-            try:
-                kept, won = store.put_config(rec, trials)
-            except _store_errors() as e:
-                log.warning("tunecache: cannot store the tuning of %s: %s", self.kernel_name, e)
-                kept, won = rec, True
-            if not won:
-                # the store keeps a winner within its margin of ours (another process tuned the
-                # same key): run that one, so that every process of the host agrees
-                live = self.live_config(kept, key, configs, "stored")
-                if live is not None:
-                    self.cache[tuning_key] = live
-                return
-        _fleet_call("publish", rec, trials, tune_seconds=getattr(self, "bench_time", None))
+        from .config_cache import CACHE
+
+        kept, won = CACHE.keep(rec, trials, tune_seconds=getattr(self, "bench_time", None))
+        if not won:
+            # the store keeps a winner within its margin of ours (another process tuned the
+            # same key): run that one, so that every process of the host agrees
+            live = self.live_config(kept, key, configs, "stored")
+            if live is not None:
+                self.cache[tuning_key] = live
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -305,35 +295,3 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
-
-
-def _store_errors() -> tuple[type[BaseException], ...]:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from .store import StoreError
-
-    return (StoreError, SQLAlchemyError, OSError)
-
-
-def _store():
-    """The default store, or None (with a warning) if it cannot be opened: tuning goes on."""
-    from .store import default_store
-
-    try:
-        return default_store()
-    except _store_errors() as e:
-        log.warning("tunecache: tuning results will not be kept: %s", e)
-        return None
-
-
-def _fleet_call(method: str, *args: Any, **kwargs: Any) -> Any:
-    """`fleet.lookup(key)` / `fleet.publish(rec)` if a fleet is configured; failures only warn,
-    since a kernel launch must not fail because the fleet is away."""
-    from .launcher import _fleet
-
-    try:
-        fleet = _fleet()
-        return None if fleet is None else getattr(fleet, method)(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the fleet is optional; the local path goes on
-        log.warning("tunecache: fleet %s failed: %s", method, e)
-        return None

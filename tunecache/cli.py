@@ -479,6 +479,56 @@ def compile_(op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or c
         sys.stdout.write(line + "\n")
 
 
+@app.command()
+def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (default: every op)"),
+             backend: Optional[str] = typer.Option(None, "--backend",
+                                                   help="only this backend (default: each one that runs here)"),
+             gpu: int = typer.Option(0, help="CUDA device index"),
+             force: bool = typer.Option(True, "--force/--stored",
+                                        help="run the checks now (default), or show the stored verdicts")) -> None:
+    """Check each backend on this device: its default config over a small grid of problems per op,
+    in an isolated process, against PyTorch. The ops run this once per device class and kernel
+    version on their own (a backend that fails is skipped for the next one); this runs it on
+    demand and stores the verdicts. Exits 1 if any backend failed."""
+    from . import registry, selfcheck
+    from .key import cuda_device, interpreter_device
+
+    import torch
+
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    device = cuda_device(gpu) if on_gpu else interpreter_device()
+    ops_ = [op] if op else list(registry.OPS)
+    for name in ops_:
+        if name not in registry.OPS:
+            _fail(f"unknown op {name!r}; expected one of {sorted(registry.OPS)}")
+    table = Table("op", "backend", "version", "verdict", "cases", "seconds", "detail",
+                  title=f"backend self-checks on {device} ({device.name})")
+    table.columns[-1].overflow = "fold"
+    failed, elsewhere = 0, []
+    for name in ops_:
+        for b in registry.OPS[name]:
+            if backend and b != backend:
+                continue
+            try:
+                mod = registry.backend_module(name, b)
+            except KeyError:
+                continue
+            probe = selfcheck.grid(name, device)[0]
+            if not mod.supports(probe, device):
+                elsewhere.append(mod.KERNEL)
+                continue
+            v = selfcheck.verdict(mod, device, force=force, torch_device=f"cuda:{gpu}" if on_gpu else "cpu")
+            failed += not v.ok
+            table.add_row(name, b, v.version[:8], "[green]ok[/green]" if v.ok else "[red]FAILED[/red]",
+                          str(v.cases) if not v.stored else "-", f"{v.seconds:.1f}" if not v.stored else "stored",
+                          v.detail)
+    console.print(table)
+    if elsewhere:
+        console.print(f"[dim]not for this device: {', '.join(elsewhere)}[/dim]")
+    if failed:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

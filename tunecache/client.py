@@ -1,21 +1,40 @@
-"""The library's side of the fleet: an HTTP client that never fails the user's call.
+"""The library's side of the fleet: an HTTP client that never fails, stalls or bloats the
+user's call.
 
-Every call has a short timeout and goes through a circuit breaker: after `failures`
-consecutive failures (connection refused, timeout, 5xx, a body that is not what the API
-promises) the breaker opens for `open_s` seconds, and calls return None at once, paying no
-timeout. Then one call is let through; success closes the breaker, failure re-opens it.
-The launcher treats None as "the fleet had nothing": local store, then the miss policy.
+Every request has one deadline for the whole exchange (connect, TLS handshake, sending, the
+answer's headers and body): TUNECACHE_SERVER_TIMEOUT_S, 2 s. httpx's timeouts are per socket
+operation, so a service dribbling a byte a second would never trip them; here every socket
+operation's timeout is cut to what is left of the deadline (`_DeadlineBackend`, an httpcore
+network backend under httpx). An answer larger than TUNECACHE_SERVER_MAX_BYTES (4 MiB) is
+refused on its Content-Length, or as soon as its body passes the cap.
+
+Every call goes through a circuit breaker: after `failures` consecutive failures (connection
+refused, the deadline passed, 5xx, an answer too large or not what the API promises) the
+breaker opens for `open_s` seconds, and calls return None at once, paying no timeout. Then one
+call is let through; success closes the breaker, failure re-opens it. The launcher treats None
+as "the fleet had nothing": local store, then the miss policy.
+
+https:// trusts TUNECACHE_CA_BUNDLE, else SSL_CERT_FILE / SSL_CERT_DIR, else certifi; proxies
+from the environment are ignored. A token sent over plain http:// to a host that is not
+loopback is warned about once per client. Settings come from `settings`; a bad value warns and
+gives its default.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import json as jsonlib
 import logging
 import os
+import ssl
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
+import httpcore
 import httpx
 
 from . import settings
@@ -25,12 +44,18 @@ from .store import ConfigRecord, TrialRecord
 log = logging.getLogger("tunecache.client")
 
 API = "/v1"
+GENERATION_HEADER = "x-tunecache-generation"  # tunecache.server.configs sets it on every lookup
+
+T = TypeVar("T")
 
 
-def _env_float(name: str, default: float) -> float:
+def _setting(read: Callable[[], T], default: T) -> T:
+    """A setting of the client. A bad value warns and gives the default: a typo in the
+    environment must not fail the user's kernel call."""
     try:
-        return float(os.environ.get(name, default))
-    except ValueError:
+        return read()
+    except ValueError as e:
+        log.warning("tunecache: %s; using %s", e, default)
         return default
 
 
@@ -73,6 +98,149 @@ class CircuitBreaker:
                 self._open_until = time.monotonic() + self.open_s
 
 
+# ---- transport: one deadline per request, over httpcore -----------------------------------
+
+# When the request running in this thread must be done (time.monotonic()); None outside one.
+_DEADLINE: ContextVar[float | None] = ContextVar("tunecache_fleet_deadline", default=None)
+
+
+def _left(timeout: float | None, expired: type[Exception]) -> float | None:
+    """One socket operation's timeout: httpx's per-phase one, cut to what is left of the
+    request's deadline; `expired` once nothing is left."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise expired("the request's deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """httpcore's socket stream, each read, write and TLS handshake held to the deadline: a
+    service dribbling headers or body a byte at a time is cut off when the deadline passes."""
+
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname,
+                                                      _left(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's sync backend, its connections held to the deadline. (Name resolution is the
+    one step no timeout reaches: getaddrinfo blocks as long as the system resolver does.)"""
+
+    def __init__(self) -> None:
+        self._backend = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._backend.connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout),
+                                                         local_address, socket_options))
+
+
+@contextlib.contextmanager
+def _httpx_errors(request: httpx.Request) -> Iterator[None]:
+    """httpcore's exceptions as httpx's, as httpx's own transport raises them."""
+    try:
+        yield
+    except httpcore.TimeoutException as e:
+        raise httpx.TimeoutException(str(e) or type(e).__name__, request=request) from e
+    except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol, httpcore.ProxyError) as e:
+        raise httpx.TransportError(f"{type(e).__name__}: {e}", request=request) from e
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, stream: Any, request: httpx.Request) -> None:
+        self._stream, self._request = stream, request
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _httpx_errors(self._request):
+            yield from self._stream
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _Transport(httpx.BaseTransport):
+    """httpx's HTTPTransport less its options: an httpcore connection pool (keep-alive as
+    httpx's defaults) over `_DeadlineBackend`. HTTPTransport itself takes no network backend."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None) -> None:
+        self._pool = httpcore.ConnectionPool(ssl_context=ssl_context, network_backend=_DeadlineBackend(),
+                                             max_connections=100, max_keepalive_connections=20,
+                                             keepalive_expiry=5.0)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        req = httpcore.Request(request.method, httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
+                                                            target=url.raw_path),
+                               headers=request.headers.raw, content=request.stream, extensions=request.extensions)
+        with _httpx_errors(request):
+            resp = self._pool.handle_request(req)
+        return httpx.Response(resp.status, headers=resp.headers, stream=_Body(resp.stream, request),
+                              extensions=resp.extensions)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _tls_context() -> ssl.SSLContext:
+    """Whom https:// trusts (`settings.server_ca`): a private CA's bundle, else certifi, as
+    httpx does. A bad bundle warns, naming its variable, and certifi is trusted instead: the
+    fleet then fails to connect, and the user's call goes on without it."""
+    import certifi  # httpx's own dependency
+
+    try:
+        source = settings.server_ca()
+    except ValueError as e:
+        log.warning("tunecache: %s; the fleet client trusts the default CA bundle (certifi) instead", e)
+        source = None
+    if source is not None:
+        name, path = source
+        try:
+            if os.path.isdir(path):
+                return ssl.create_default_context(capath=path)
+            return ssl.create_default_context(cafile=path)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            log.warning("tunecache: %s=%r is not a usable CA bundle (%s); the fleet client trusts the default "
+                        "CA bundle (certifi) instead", name, path, e)
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+def is_loopback(host: str) -> bool:
+    """localhost, 127.0.0.0/8 or ::1: traffic that never leaves this machine."""
+    if host.rstrip(".").lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def sends_token_in_clear(url: str, token: str | None) -> bool:
+    """Whether a client for `url` would send its token, unencrypted, off this machine."""
+    u = httpx.URL(url)
+    return bool(token) and u.scheme == "http" and not is_loopback(u.host)
+
+
 @dataclass
 class ClaimedJob:
     """A job leased from the service."""
@@ -92,20 +260,35 @@ class FleetClient:
 
     def __init__(self, url: str, token: str | None = None, *, timeout_s: float | None = None,
                  connect_timeout_s: float | None = None, failures: int | None = None,
-                 open_s: float | None = None) -> None:
+                 open_s: float | None = None, max_bytes: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
-        read = timeout_s if timeout_s is not None else _env_float("TUNECACHE_SERVER_TIMEOUT_S", 2.0)
-        connect = connect_timeout_s if connect_timeout_s is not None else min(read, 1.0)
+        self.timeout_s = timeout_s if timeout_s is not None else _setting(settings.server_timeout_s,
+                                                                          settings.SERVER_TIMEOUT_S)
+        self.max_bytes = max_bytes if max_bytes is not None else _setting(settings.server_max_bytes,
+                                                                          settings.SERVER_MAX_BYTES)
+        connect = connect_timeout_s if connect_timeout_s is not None else min(self.timeout_s, 1.0)
         self.breaker = CircuitBreaker(
-            failures if failures is not None else int(_env_float("TUNECACHE_BREAKER_FAILURES", 3)),
-            open_s if open_s is not None else _env_float("TUNECACHE_BREAKER_OPEN_S", 30.0))
-        headers = {"User-Agent": "tunecache-client"}
+            failures if failures is not None else _setting(settings.breaker_failures, settings.BREAKER_FAILURES),
+            open_s if open_s is not None else _setting(settings.breaker_open_s, settings.BREAKER_OPEN_S))
+        # identity: the service does not compress, and a compressed answer could inflate far
+        # past the size cap in one chunk
+        headers = {"User-Agent": "tunecache-client", "Accept-Encoding": "identity"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(base_url=self.url, headers=headers, trust_env=False,
-                                  timeout=httpx.Timeout(read, connect=connect, pool=connect))
+            if sends_token_in_clear(self.url, token):
+                log.warning("tunecache: the fleet token is sent unencrypted to %s (plain http://, not loopback): "
+                            "anyone on the path can read and reuse it; use https://", httpx.URL(self.url).host)
+        tls = _tls_context() if httpx.URL(self.url).scheme == "https" else None
+        # trust_env=False: HTTP(S)_PROXY / ALL_PROXY are set on hosts for downloads from the
+        # internet; the fleet is on the cluster's own network, and a proxy in between would add
+        # a hop that can stall the user's call and would see the token. (CA bundles from the
+        # environment are honoured: _tls_context reads them.)
+        self._http = httpx.Client(base_url=self.url, headers=headers, trust_env=False, transport=_Transport(tls),
+                                  timeout=httpx.Timeout(self.timeout_s, connect=connect))
         self._warned: set[tuple[int, str]] = set()
+        # the fleet's generation as its last answer said (see tunecache.config_cache)
+        self.generation: int | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -117,27 +300,59 @@ class FleetClient:
         """(200, parse(body)) or (a 4xx status, None); None when the service is unavailable.
 
         Only an answer that parses counts as a success of the breaker: a service that replies
-        quickly with garbage opens it just like one that is down."""
+        quickly with garbage opens it just like one that is down, slow or too talkative."""
         if not self.breaker.allow():
             return None
         try:
-            r = self._http.request(method, path, json=json, params=params)
-            if r.status_code >= 500 or r.status_code < 200 or 200 < r.status_code < 400:
-                raise Unavailable(f"answered {r.status_code} {r.text[:200]!r}")
-            if r.status_code == 200:
-                value = parse(r.json())  # garbage -> ValueError, KeyError, TypeError -> unavailable
+            status, body = self._exchange(method, path, json, params)
+            if status >= 500 or status < 200 or 200 < status < 400:
+                raise Unavailable(f"answered {status} {body[:200].decode('utf-8', 'replace')!r}")
+            if status == 200:
+                # garbage -> ValueError, KeyError, TypeError, RecursionError -> unavailable
+                value = parse(jsonlib.loads(body))
             else:
                 value = None
-                self._warn_once(r.status_code, method, path, r)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, Unavailable) as e:
-            self.breaker.failure()
-            log.warning("tunecache: fleet %s %s%s failed (%s: %s)%s", method, self.url, path, type(e).__name__,
-                        str(e)[:300], "; circuit open" if self.breaker.is_open else "")
+                self._warn_once(status, method, path, body)
+        except httpx.TimeoutException:
+            self._failed(method, path, f"no whole answer within the deadline of {self.timeout_s:g} s "
+                                       "(TUNECACHE_SERVER_TIMEOUT_S)")
+            return None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RecursionError, Unavailable) as e:
+            self._failed(method, path, f"{type(e).__name__}: {str(e)[:300]}")
             return None
         self.breaker.success()
-        return r.status_code, value
+        return status, value
 
-    def _warn_once(self, status: int, method: str, path: str, r: httpx.Response) -> None:
+    def _exchange(self, method: str, path: str, json: Any, params: dict | None) -> tuple[int, bytes]:
+        """One request and its whole answer, (status, body), within the deadline (else
+        httpx.TimeoutException) and the size cap (else Unavailable)."""
+        scope = _DEADLINE.set(time.monotonic() + self.timeout_s)
+        try:
+            with self._http.stream(method, path, json=json, params=params) as r:
+                generation = r.headers.get(GENERATION_HEADER, "")
+                if generation.isdigit():
+                    self.generation = int(generation)
+                length = r.headers.get("content-length", "")
+                if length.isdigit() and int(length) > self.max_bytes:
+                    raise Unavailable(f"the answer is {int(length)} bytes long (Content-Length), over the cap of "
+                                      f"{self.max_bytes} (TUNECACHE_SERVER_MAX_BYTES); not read")
+                chunks, size = [], 0
+                for chunk in r.iter_raw():
+                    size += len(chunk)
+                    if size > self.max_bytes:  # closing the response drops the connection
+                        raise Unavailable(f"the answer passed the cap of {self.max_bytes} bytes "
+                                          f"(TUNECACHE_SERVER_MAX_BYTES); stopped reading at {size}")
+                    chunks.append(chunk)
+                return r.status_code, b"".join(chunks)
+        finally:
+            _DEADLINE.reset(scope)
+
+    def _failed(self, method: str, path: str, why: str) -> None:
+        self.breaker.failure()
+        log.warning("tunecache: fleet %s %s%s failed (%s)%s", method, self.url, path, why,
+                    "; circuit open" if self.breaker.is_open else "")
+
+    def _warn_once(self, status: int, method: str, path: str, body: bytes) -> None:
         if status in (404, 409):
             return  # expected answers: a miss, a lost lease
         route = path.split("/")[2] if path.count("/") >= 2 else path
@@ -145,15 +360,20 @@ class FleetClient:
             return
         self._warned.add((status, route))
         try:
-            detail = r.json().get("detail")
-        except (ValueError, AttributeError):
-            detail = r.text[:200]
+            detail = jsonlib.loads(body).get("detail")
+        except (ValueError, AttributeError, RecursionError):
+            detail = body[:200].decode("utf-8", "replace")
         log.warning("tunecache: fleet %s %s answered %d: %s", method, path, status, detail)
 
     # ---- the launcher's calls -----------------------------------------------------------
 
     def lookup(self, key: TuneKey) -> ConfigRecord | None:
         """The fleet's winner for this key, or None (a miss, or the fleet is unavailable)."""
+        return self.fetch(key)[1]
+
+    def fetch(self, key: TuneKey) -> tuple[str, ConfigRecord | None]:
+        """("hit", the fleet's winner), ("miss", None) when the fleet has none, or
+        ("unavailable", None) when it could not say."""
 
         def parse(body: Any) -> ConfigRecord:
             rec = ConfigRecord.from_json(body)
@@ -162,7 +382,26 @@ class FleetClient:
             return rec
 
         res = self._call("GET", f"{API}/configs/{key.digest}", parse)
-        return None if res is None else res[1]
+        if res is None:
+            return "unavailable", None
+        if res[0] == 404:
+            return "miss", None
+        return ("hit", res[1]) if res[0] == 200 else ("unavailable", None)
+
+    def current_generation(self) -> int | None:
+        """The fleet's generation now (it moves whenever a winner is removed or replaced)."""
+        res = self._call("GET", f"{API}/generation", lambda b: int(_expect("generation")(b)["generation"]))
+        if res is not None and res[0] == 200:
+            self.generation = res[1]
+            return res[1]
+        return None
+
+    def report(self, key: TuneKey, config: dict, error: str) -> bool | None:
+        """Tell the fleet that its config for this key cannot run here (kept as a failed trial;
+        a worker re-times the key). True if recorded, None if the fleet could not be reached."""
+        res = self._call("POST", f"{API}/configs/{key.digest}/reports", _expect("recorded"),
+                         json={"config": config, "error": (error or "unknown")[:4000]})
+        return None if res is None else res[0] == 200
 
     def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (),
                 tune_seconds: float | None = None) -> dict | bool | None:

@@ -11,7 +11,7 @@ thread and the stack frame that holds spilled registers (ptxas' resource usage, 
 the cubin with cuobjdump: the `n_regs` Triton reports needs a GPU to load the binary),
 compile seconds, and the error.
 
-Specs are compiled in a pool of spawned processes, one per CPU core, and identical specs are
+Specs are compiled in warm worker processes (`tunecache.isolated`), one per CPU core, and identical specs are
 compiled once: configs that differ only in runtime arguments of the kernel (GROUP_M,
 SPLIT_K) share their kernel, and the reduction kernel of split-K is shared by every split.
 
@@ -28,11 +28,11 @@ import subprocess
 import tempfile
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Iterable
 
+from . import settings
 from .key import DeviceClass
 
 # Explicit targets, named as `--arch` takes them. The Gluon backends use the arch-specific
@@ -268,25 +268,6 @@ def _short(text: str) -> str:
 # ---- the process pool --------------------------------------------------------------------------
 
 
-def _worker_init(env: dict) -> None:
-    # Gluon kernels must be real JIT functions here even when the parent runs tests under
-    # the interpreter (TRITON_INTERPRET=1 turns @triton.jit helpers into Python functions).
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ.update(env)
-    import warnings
-
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
-    # libtriton's nanobind reports "leaked instances" at interpreter exit: noise per worker
-    import atexit
-
-    def _quiet_exit():
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, 2)
-        os.close(fd)
-
-    atexit.register(_quiet_exit)
-
-
 def _worker_compile(module_name: str, problem: dict, config: dict, index: int, arch: str,
                     device: tuple[str, int]) -> KernelReport:
     import importlib
@@ -309,20 +290,23 @@ def _worker_asm(module_name: str, problem: dict, config: dict, index: int, arch:
 
 def compile_in_fresh_processes(jobs: list[tuple[ModuleType, dict, dict, int]], device: DeviceClass,
                                arch: str) -> list[dict]:
-    """Compile (module, problem, config, spec index) jobs in spawned processes; for each, the
+    """Compile (module, problem, config, spec index) jobs in the compile workers; for each, the
     text assembly (`asm`: ttir, ttgir, llir, ptx) and the shared memory it uses (`shared`).
 
-    A process that has run Triton's CPU interpreter may not compile Gluon correctly any more:
-    an interpreted call of a @jit helper (tl.cdiv, say) patches triton.language and never
-    restores it (triton/runtime/interpreter.py, InterpretedFunction.__call__)."""
-    import multiprocessing as mp
+    The workers never run Triton's CPU interpreter, which may leave a process unable to
+    compile Gluon correctly: an interpreted call of a @jit helper (tl.cdiv, say) patches
+    triton.language and never restores it (triton/runtime/interpreter.py)."""
+    from .isolated import WorkerFailed, compile_pool
 
-    workers = max(1, min(default_workers(), len(jobs)))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                             initargs=({},)) as pool:
-        futures = [pool.submit(_worker_asm, mod.__name__, p, c, i, arch_of(arch), (device.arch, device.sm_count))
-                   for mod, p, c, i in jobs]
-        return [f.result() for f in futures]
+    pool = compile_pool(max(1, min(default_workers(), len(jobs))))
+    msgs = [{"cmd": "asm", "task": [mod.__name__, p, c, i, arch_of(arch), [device.arch, device.sm_count]]}
+            for mod, p, c, i in jobs]
+    out = []
+    for answer in pool.run(msgs, settings.compile_timeout_s()):
+        if isinstance(answer, WorkerFailed):
+            raise RuntimeError(f"compiling failed: {answer.reason}")
+        out.append(answer)
+    return out
 
 
 def default_workers() -> int:
@@ -336,49 +320,22 @@ def default_workers() -> int:
 
 
 def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> list[KernelReport]:
+    """Compile each task in the warm compile workers (`tunecache.isolated`): processes with
+    their own entry point, so any `__main__` can compile. A task that kills its worker (ptxas
+    or LLVM crashing, the OOM killer) or runs past TUNECACHE_COMPILE_TIMEOUT_S fails alone."""
     if not tasks:
         return []
-    if workers <= 1 and not os.environ.get("TRITON_INTERPRET"):
-        return [_worker_compile(*t) for t in tasks]
-    results: list[KernelReport | None] = [None] * len(tasks)
-    pending = list(range(len(tasks)))
-    # A worker that dies (ptxas or LLVM crashing the process, the OOM killer) breaks the whole
-    # pool: rerun what was left in a fresh pool, and after a second break give every spec its
-    # own process so that only the culprit fails.
-    for attempt in range(3):
-        width = 1 if attempt == 2 else workers
-        groups = [[i] for i in pending] if attempt == 2 else [pending]
-        still = []
-        for group in groups:
-            still += _run_pool([tasks[i] for i in group], group, width, env, results)
-        pending = still
-        if not pending:
-            break
-    for i in pending:
-        results[i] = KernelReport(f"spec {tasks[i][3]}", False,
-                                  error="the compile worker process died (a crash in the compiler or ptxas)")
-    return results  # type: ignore[return-value]
+    from .isolated import WorkerFailed, compile_pool
 
-
-def _run_pool(tasks: list[tuple], indices: list[int], workers: int, env: dict,
-              results: list[KernelReport | None]) -> list[int]:
-    """Run tasks in one spawned pool, filling `results`; returns the indices a broken pool lost."""
-    import multiprocessing as mp
-    from concurrent.futures.process import BrokenProcessPool
-
-    lost = []
-    # spawn, not fork: the parent may hold CUDA state or threads that do not survive a fork
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(tasks))), mp_context=mp.get_context("spawn"),
-                             initializer=_worker_init, initargs=(env,)) as pool:
-        futures = [pool.submit(_worker_compile, *t) for t in tasks]
-        for fut, i in zip(futures, indices):
-            try:
-                results[i] = fut.result()
-            except BrokenProcessPool:
-                lost.append(i)
-            except Exception as e:
-                results[i] = KernelReport(f"spec {tasks[0][3]}", False, error=_short(f"compile worker failed: {e!r}"))
-    return lost
+    pool = compile_pool(max(1, min(workers, len(tasks))), env)
+    msgs = [{"cmd": "compile", "task": list(t)} for t in tasks]
+    results = []
+    for t, answer in zip(tasks, pool.run(msgs, settings.compile_timeout_s())):
+        if isinstance(answer, WorkerFailed):
+            results.append(KernelReport(f"spec {t[3]}", False, error=_short(f"compile worker: {answer.reason}")))
+        else:
+            results.append(KernelReport(**answer))
+    return results
 
 
 # ---- configs -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""From a call to a launch: memo -> local store -> fleet -> miss policy.
+"""From a call to a launch: memo -> config cache (local store -> fleet) -> miss policy.
 
 The hot path is `Op.memo.get(raw)` in `ops`: a dict lookup on the raw shapes, strides,
 dtypes and arguments, then the cached launch. Everything below runs once per raw shape.
@@ -10,13 +10,14 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
-from . import registry, settings
+from . import registry, selfcheck, settings
+from .config_cache import CACHE
 from .key import DeviceClass, TuneKey, device_of
-from .store import ConfigRecord, Store, default_store
+from .store import ConfigRecord, Store
 from .tuner import make_key, tune
 
 log = logging.getLogger("tunecache")
@@ -33,9 +34,15 @@ class Entry:
     run: Callable[..., Any]
     config: dict
     kernel: str
-    provisional: bool = False  # a default; ask the store again after `recheck_at`
+    provisional: bool = False  # a default config, run until a winner is known
+    watch: bool = False  # a default or a fleet copy: the hot path asks again after `recheck_at`
     recheck_at: float = math.inf
     key: TuneKey | None = None
+    mod: ModuleType | None = None
+    problem: dict = field(default_factory=dict)
+    device: DeviceClass | None = None
+    from_cache: bool = False  # tuned or read from the store or the fleet (dropped if it fails)
+    fallbacks: tuple = ()  # the next backends, in order, should this one fail at launch
 
 
 class Op:
@@ -50,48 +57,125 @@ class Op:
     def resolve(self, raw: tuple, args: tuple, device_tensor: Any) -> Entry:
         """The slow path: check arguments, pick a backend, look up or tune, memoize."""
         entry = self.memo.get(raw)
-        if entry is not None and entry.provisional:
+        if entry is not None and entry.watch:
             entry = self._recheck(raw, entry)
             if entry is not None:
                 return entry
         problem = self.problem_fn(*args)  # raises errors naming the bad argument
         device = device_of(device_tensor)
-        mod = registry.backend_for(self.name, device, problem, settings.backend_override())
+        forced = settings.backend_override()
         with self._lock:  # one tune per shape per process, even under threads
             entry = self.memo.get(raw)
-            if entry is None or entry.provisional:
-                entry = _decide(mod, problem, device)
+            if entry is None or entry.watch:
+                every = registry.backends_for(self.name, device, problem, forced)
+                mods = every if forced else selfcheck.trusted(every, device)
+                entry = _decide(self, raw, mods, problem, device) if mods else \
+                    _reference_entry(every[0], problem, device)
                 self.memo[raw] = entry
         return entry
 
     def _recheck(self, raw: tuple, entry: Entry) -> Entry | None:
+        """A watched entry after its time: the same, a new winner, or None (decide again: the
+        fleet removed the winner this process was running)."""
         if time.monotonic() < entry.recheck_at:
             return entry
-        mod = registry.module_for_kernel(entry.kernel)
-        rec = _lookup(mod, entry.key)
-        if rec is None:
-            entry.recheck_at = time.monotonic() + settings.recheck_seconds()
+        rec = CACHE.get(entry.key, launchable(entry.mod, entry.problem, entry.device))
+        if rec is None and not entry.provisional:
+            self.memo.pop(raw, None)
+            return None
+        if rec is None or rec.config == entry.config:
+            entry.recheck_at = time.monotonic() + _recheck_after(rec)
             return entry
-        new = Entry(_bind(mod, rec.config), rec.config, mod.KERNEL, key=entry.key)
+        new = _entry(self, raw, entry.mod, entry.problem, entry.device, rec.config, entry.key, rec=rec,
+                     fallbacks=entry.fallbacks)
         self.memo[raw] = new
         return new
+
+    def fall_back(self, raw: tuple, entry: Entry, error: BaseException, args: tuple) -> Any:
+        """A launch raised: drop its config, then run the default config, the next backend, and
+        at last the PyTorch reference, so that the user's call returns the right answer."""
+        reason = f"launching it raised {type(error).__name__}: {str(error)[:300]}"
+        if entry.key is not None and entry.from_cache:
+            CACHE.drop(entry.key, entry.config, reason, where="tuned")
+        else:
+            log.warning("tunecache: %s %s failed: %s", entry.mod.KERNEL, entry.config, reason)
+        chain = [(entry.mod, entry.mod.default_config(entry.problem, entry.device))]
+        chain += [(m, m.default_config(entry.problem, entry.device)) for m in entry.fallbacks]
+        for mod, config in chain:
+            if mod is entry.mod and config == entry.config:
+                continue
+            if launchable(mod, entry.problem, entry.device)(config) is not None:
+                continue
+            try:
+                out = mod.launch(config, *args)
+            except Exception as e:  # noqa: BLE001 - try the next one
+                log.warning("tunecache: fallback %s %s failed too: %s: %s", mod.KERNEL, config, type(e).__name__,
+                            str(e)[:300])
+                continue
+            log.warning("tunecache: %s now runs %s %s for this shape", self.name, mod.KERNEL, config)
+            self.memo[raw] = Entry(_bind(self, raw, mod, config), config, mod.KERNEL, mod=mod,
+                                   problem=entry.problem, device=entry.device)
+            return out
+        log.warning("tunecache: %s falls back to PyTorch for this shape", self.name)
+        self.memo[raw] = _reference_entry(entry.mod, entry.problem, entry.device)
+        return entry.mod.reference(*args)
 
     def clear(self) -> None:
         self.memo.clear()
 
 
-def _bind(mod: ModuleType, config: dict) -> Callable[..., Any]:
+def _reference_entry(mod: ModuleType, problem: dict, device: DeviceClass) -> Entry:
+    """PyTorch's own op: what runs when no backend can be trusted with this shape."""
+    reference = mod.reference
+    return Entry(lambda *a: reference(*a), {}, "torch", mod=mod, problem=problem, device=device)
+
+
+def _recheck_after(rec: ConfigRecord | None) -> float:
+    return settings.recheck_seconds() if rec is None else settings.fleet_ttl_s()
+
+
+def _bind(op: Op, raw: tuple, mod: ModuleType, config: dict) -> Callable[..., Any]:
     launch = mod.launch
 
     def run(*args):
-        return launch(config, *args)
+        try:
+            return launch(config, *args)
+        except Exception as e:  # noqa: BLE001 - a bad config never fails the user's call
+            return op.fall_back(raw, op.memo[raw], e, args)
 
     return run
 
 
+def _entry(op: Op, raw: tuple, mod: ModuleType, problem: dict, device: DeviceClass, config: dict, key: TuneKey,
+           *, rec: ConfigRecord | None = None, fallbacks: tuple = (), provisional: bool = False) -> Entry:
+    # a fleet copy is rechecked now and then, so that a running process follows the fleet
+    watch = provisional or (rec is not None and rec.source == "fleet")
+    return Entry(_bind(op, raw, mod, config), config, mod.KERNEL, provisional=provisional, watch=watch,
+                 recheck_at=time.monotonic() + (settings.recheck_seconds() if provisional else settings.fleet_ttl_s())
+                 if watch else math.inf,
+                 key=key, mod=mod, problem=problem, device=device, from_cache=not provisional, fallbacks=fallbacks)
+
+
+def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[[dict], str | None]:
+    """The check every config passes before it is launched: it lies in the kernel's space and
+    the backend's own pruning keeps it for this problem and device."""
+    from tunecache_kernels.spaces import space_for
+
+    def check(config: dict) -> str | None:
+        try:
+            space_for(mod.KERNEL).check(config)
+        except (KeyError, ValueError) as e:
+            return str(e).strip("'\"")
+        if not mod.prune([config], problem, device):
+            return f"the backend's pruning refuses it for this problem on {device} (resources or shape)"
+        return None
+
+    return check
+
+
 def valid_record(kernel: str, rec: ConfigRecord | None, key: TuneKey, where: str) -> ConfigRecord | None:
     """A record is launched only if it is this key's and its config lies in the kernel's space
-    (the ops and `@tunecache.autotune` both check what they read through here)."""
+    (`@tunecache.autotune` checks what it reads through here)."""
     if rec is None:
         return None
     from tunecache_kernels.spaces import space_for
@@ -107,70 +191,49 @@ def valid_record(kernel: str, rec: ConfigRecord | None, key: TuneKey, where: str
     return rec
 
 
-def _fleet():
-    url = settings.server_url()
-    if not url:
-        return None
-    from .client import fleet_client
-
-    return fleet_client(url)
-
-
-def _lookup(mod: ModuleType, key: TuneKey, store: Store | None = None) -> ConfigRecord | None:
-    store = store or default_store()
-    rec = valid_record(mod.KERNEL, store.get_config(key.digest), key, "stored")
-    if rec is not None:
-        return rec
-    fleet = _fleet()
-    if fleet is None:
-        return None
-    rec = valid_record(mod.KERNEL, fleet.lookup(key), key, "fleet")
-    if rec is not None:
-        rec.source = "fleet"
-        store.put_config(rec)  # write-through: the next process on this host needs no network
-    return rec
-
-
-def _decide(mod: ModuleType, problem: dict, device: DeviceClass) -> Entry:
+def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass) -> Entry:
+    mod, fallbacks = mods[0], tuple(mods[1:])
     key = make_key(mod, problem, device)
-    store = default_store()
-    rec = _lookup(mod, key, store)
+    check = launchable(mod, problem, device)
+    rec = CACHE.get(key, check)
     if rec is not None:
-        return Entry(_bind(mod, rec.config), rec.config, mod.KERNEL, key=key)
+        return _entry(op, raw, mod, problem, device, rec.config, key, rec=rec, fallbacks=fallbacks)
     policy = settings.miss_policy()
     if policy == "strict":
         raise MissingConfig(
             f"no tuned config for {mod.KERNEL} {problem} on {device} (digest {key.digest[:12]}) and "
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest")
     if policy == "tune":
-        result = tune(mod, problem, device, store)
-        fleet = _fleet()
-        if fleet is not None and result.stored is not None:
-            fleet.publish(result.stored, result.trials)
-        config = result.stored.config if result.stored is not None else result.config
-        return Entry(_bind(mod, config), config, mod.KERNEL, key=key)
+        result = tune(mod, problem, device)
+        kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id,
+                             tune_seconds=result.seconds)
+        return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
-    config = nearest_neighbour(mod, problem, device, store) or mod.default_config(problem, device)
-    store.enqueue(key)
-    fleet = _fleet()
-    if fleet is not None:
-        fleet.enqueue(key)
-    return Entry(_bind(mod, config), config, mod.KERNEL, provisional=True,
-                 recheck_at=time.monotonic() + settings.recheck_seconds(), key=key)
+    config = nearest_neighbour(mod, problem, device, CACHE.store()) or mod.default_config(problem, device)
+    CACHE.enqueue(key)
+    return _entry(op, raw, mod, problem, device, config, key, fallbacks=fallbacks, provisional=True)
 
 
 _SIZE_FIELDS = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
 
 
-def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store: Store) -> dict | None:
+def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | None) -> dict | None:
     """The config of the closest tuned problem of this kernel version and device class.
 
     Distance is in log space over the GEMM sizes; categorical fields (dtype, layouts, filter,
-    stride) must match, and the config must survive this problem's pruning.
+    stride) must match, and the config must pass this problem's launch check.
     """
+    if store is None:
+        return None
     key = make_key(mod, problem, device)
+    try:
+        records = store.list_configs(kernel=mod.KERNEL, arch=device.arch)
+    except Exception as e:  # noqa: BLE001 - a store fault means no neighbour, not a failed call
+        log.warning("tunecache: cannot read the store for a neighbour's config: %s", e)
+        return None
+    check = launchable(mod, problem, device)
     best, best_d = None, math.inf
-    for rec in store.list_configs(kernel=mod.KERNEL, arch=device.arch):
+    for rec in records:
         k = rec.key
         if (k.kernel_version, k.triton_version, k.sm_count) != (key.kernel_version, key.triton_version,
                                                                key.sm_count):
@@ -181,6 +244,6 @@ def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store
             continue
         d = sum(abs(math.log(max(1, problem[f])) - math.log(max(1, other.get(f, 1))))
                 for f in _SIZE_FIELDS if f in problem)
-        if d < best_d and valid_record(mod.KERNEL, rec, k, "stored") and mod.prune([rec.config], problem, device):
+        if d < best_d and check(rec.config) is None:
             best, best_d = rec.config, d
     return best

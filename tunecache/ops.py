@@ -24,7 +24,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """c = a @ b for 2-D fp16/bf16/fp32 tensors, row- or column-major."""
     raw = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
     entry = _matmul.memo.get(raw)
-    if entry is None or entry.provisional:
+    if entry is None or entry.watch:
         entry = _matmul.resolve(raw, (a, b), a)
     return entry.run(a, b)
 
@@ -35,7 +35,7 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
         stride, padding = _hashable(stride), _hashable(padding)
     raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
     entry = _fprop.memo.get(raw)
-    if entry is None or entry.provisional:
+    if entry is None or entry.watch:
         entry = _fprop.resolve(raw, (x, w, stride, padding), x)
     return entry.run(x, w, stride, padding)
 
@@ -47,7 +47,7 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
     raw = (x.shape, x.stride(), x.dtype, x.device, grad_out.shape, grad_out.stride(), grad_out.dtype,
            grad_out.device, R, S, stride, padding)
     entry = _wgrad.memo.get(raw)
-    if entry is None or entry.provisional:
+    if entry is None or entry.watch:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
     return entry.run(x, grad_out, R, S, stride, padding)
 

@@ -72,6 +72,18 @@ def available_backends(op: str) -> list[str]:
     return [b for b in OPS[op] if _load(op, b) is not None]
 
 
+def backends_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: str | None = None
+                 ) -> list[ModuleType]:
+    """Every backend that supports this problem on this device, preferred first (the later ones
+    are the fallbacks of the first); only the forced one if a backend is forced."""
+    if forced:
+        return [backend_for(op, device, problem, forced)]
+    mods = [m for name in OPS[op] if (m := _load(op, name)) is not None and m.supports(problem, device)]
+    if not mods:
+        raise ValueError(f"no backend of {op} supports {problem} on {device}")
+    return mods
+
+
 def backend_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: str | None = None) -> ModuleType:
     """The preferred backend that supports this problem on this device class."""
     if forced:

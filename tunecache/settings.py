@@ -44,6 +44,45 @@ def backend_override() -> str | None:
     return os.environ.get("TUNECACHE_BACKEND") or None
 
 
+def _seconds(name: str, default: float) -> float:
+    v = os.environ.get(name, "")
+    if not v.strip():
+        return default
+    try:
+        s = float(v)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {v!r}") from None
+    if not s > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {v!r}")
+    return s
+
+
+def candidate_timeout_s() -> float:
+    """TUNECACHE_CANDIDATE_TIMEOUT_S: how long one candidate may take to launch, be checked and
+    be timed in the isolated trial runner before it is killed as hung (a failed trial)."""
+    return _seconds("TUNECACHE_CANDIDATE_TIMEOUT_S", 60.0)
+
+
+def fleet_ttl_s() -> float:
+    """TUNECACHE_FLEET_TTL_S: after how long a host rechecks its copy of a fleet winner (sooner
+    when the fleet's generation moves: a winner was removed or replaced)."""
+    return _seconds("TUNECACHE_FLEET_TTL_S", 3600.0)
+
+
+def selfcheck_mode() -> str:
+    """TUNECACHE_SELFCHECK: `gpu` (a backend's first contact with a GPU device class runs its
+    self-check; the default), `always` (the CPU interpreter too), `never`."""
+    v = os.environ.get("TUNECACHE_SELFCHECK", "gpu").strip().lower() or "gpu"
+    if v not in ("gpu", "always", "never"):
+        raise ValueError(f"TUNECACHE_SELFCHECK must be one of gpu, always, never; got {v!r}")
+    return v
+
+
+def compile_timeout_s() -> float:
+    """TUNECACHE_COMPILE_TIMEOUT_S: how long one kernel may take to compile in a compile worker."""
+    return _seconds("TUNECACHE_COMPILE_TIMEOUT_S", 600.0)
+
+
 def max_candidates() -> int | None:
     """TUNECACHE_MAX_CANDIDATES caps how many configs one tuning run benchmarks (backends
     order their pruned candidates likeliest-first), bounding a tune at about a minute;
@@ -56,3 +95,82 @@ def max_candidates() -> int | None:
     if n < 0:
         raise ValueError(f"TUNECACHE_MAX_CANDIDATES must be >= 0, got {v!r}")
     return n or None
+
+
+# ---- the fleet client -------------------------------------------------------------------
+# Read when a FleetClient is built. A bad value raises ValueError naming the variable; the
+# client warns and uses the default below, so a typo never fails the user's kernel call.
+
+SERVER_TIMEOUT_S = 2.0
+SERVER_MAX_BYTES = 4 << 20  # the largest legitimate answer (a config record, a job) is a few KiB
+BREAKER_FAILURES = 3
+BREAKER_OPEN_S = 30.0
+
+
+def _env_number(name: str, default: float, kind: type, minimum: float, strict: bool) -> float:
+    """The variable as `kind` (int or float): finite and >= minimum (> minimum when strict)."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return kind(default)
+    what = "an integer" if kind is int else "a number"
+    bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    try:
+        x = kind(v)
+    except ValueError:
+        raise ValueError(f"{name} must be {what} {bound}, got {v!r}") from None
+    if not minimum <= x < float("inf") or (strict and x == minimum):  # NaN fails the comparison too
+        raise ValueError(f"{name} must be {what} {bound}, got {v!r}")
+    return x
+
+
+def server_timeout_s() -> float:
+    """TUNECACHE_SERVER_TIMEOUT_S: the whole of one fleet request (connect, send, answer)."""
+    return _env_number("TUNECACHE_SERVER_TIMEOUT_S", SERVER_TIMEOUT_S, float, 0, strict=True)
+
+
+def server_max_bytes() -> int:
+    """TUNECACHE_SERVER_MAX_BYTES: the largest fleet answer the client reads."""
+    return _env_number("TUNECACHE_SERVER_MAX_BYTES", SERVER_MAX_BYTES, int, 0, strict=True)
+
+
+def breaker_failures() -> int:
+    """TUNECACHE_BREAKER_FAILURES: failures in a row that open the client's circuit breaker."""
+    return _env_number("TUNECACHE_BREAKER_FAILURES", BREAKER_FAILURES, int, 1, strict=False)
+
+
+def breaker_open_s() -> float:
+    """TUNECACHE_BREAKER_OPEN_S: how long an open breaker skips the fleet."""
+    return _env_number("TUNECACHE_BREAKER_OPEN_S", BREAKER_OPEN_S, float, 0, strict=False)
+
+
+def server_ca() -> tuple[str, str] | None:
+    """Whom the fleet client trusts for https://, as (variable, path): TUNECACHE_CA_BUNDLE (a
+    PEM file, or a directory hashed as by `openssl rehash`), else SSL_CERT_FILE, else
+    SSL_CERT_DIR; None for the default bundle (certifi). A path that does not exist raises."""
+    for name in ("TUNECACHE_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"):
+        path = os.environ.get(name, "").strip()
+        if path:
+            if not os.path.exists(path):
+                raise ValueError(f"{name}={path!r}: no such file or directory")
+            return name, path
+    return None
+
+
+# ---- the local store ----------------------------------------------------------------------
+
+DB_BUSY_TIMEOUT_S = 60.0
+
+
+def db_busy_timeout_s() -> float:
+    """TUNECACHE_DB_BUSY_TIMEOUT_S: how long a SQLite store waits for another process's write
+    lock before the call fails with "database is locked" (read when a store is opened)."""
+    v = os.environ.get("TUNECACHE_DB_BUSY_TIMEOUT_S", "").strip()
+    if not v:
+        return DB_BUSY_TIMEOUT_S
+    try:
+        s = float(v)
+    except ValueError:
+        s = float("nan")
+    if not 0 < s < float("inf"):  # NaN fails the comparison too
+        raise ValueError(f"TUNECACHE_DB_BUSY_TIMEOUT_S must be a number of seconds > 0, got {v!r}")
+    return s

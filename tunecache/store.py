@@ -7,23 +7,26 @@ revisions in `tunecache_migrations`; a local SQLite file is migrated on first op
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import secrets
 import socket
+import sqlite3
 import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
+from urllib.parse import quote, unquote
 
 from sqlalchemy import (JSON, Boolean, DateTime, Float, Integer, String, Text, and_, create_engine, event,
                         false, func, or_, select, update)
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DatabaseError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .key import TuneKey
@@ -39,6 +42,25 @@ MAX_BACKOFF_S = 24 * 3600.0
 
 class StoreError(RuntimeError):
     """The store could not be opened or used; the message names the URL."""
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write to a store opened read-only (by tunecache.local_store, which has already warned
+    once saying why). put_config and add_trials skip instead of raising this."""
+
+
+class NewerSchemaError(StoreError):
+    """The store was migrated by a newer tunecache: this one must neither migrate nor write it."""
+
+    def __init__(self, message: str, revision: str, head: str) -> None:
+        super().__init__(message)
+        self.revision, self.head = revision, head
+
+
+# What a store call raises when the database itself fails: a full disk, a read-only, corrupt
+# or locked file, a newer schema, an unreachable server. Callers that must not fail catch
+# these and word them with describe_fault(); anything else is a bug and stays loud.
+STORE_ERRORS: tuple[type[BaseException], ...] = (StoreError, SQLAlchemyError, sqlite3.Error, OSError)
 
 
 def utcnow() -> datetime:
@@ -67,6 +89,36 @@ class TunedConfigRow(Base):
     tuned_by: Mapped[str] = mapped_column(String(128), default="")
     tuned_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     source: Mapped[str] = mapped_column(String(16), default="inline")
+    # a copy of a fleet winner (source "fleet"): when this host last checked it with the fleet,
+    # and the fleet's generation then (a host rechecks its copies after TUNECACHE_FLEET_TTL_S
+    # or when the generation moves, which it does whenever the fleet removes or replaces one)
+    fleet_checked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    fleet_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class FleetMetaRow(Base):
+    """Named counters of the fleet's store; `generation` moves on every removed or replaced winner."""
+
+    __tablename__ = "fleet_meta"
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[int] = mapped_column(Integer)
+
+
+class SelfCheckRow(Base):
+    """A backend's first-contact verdict on a device class (see tunecache.selfcheck)."""
+
+    __tablename__ = "selfchecks"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kernel: Mapped[str] = mapped_column(String(128))
+    kernel_version: Mapped[str] = mapped_column(String(64))
+    triton_version: Mapped[str] = mapped_column(String(32))
+    arch: Mapped[str] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    device_name: Mapped[str] = mapped_column(String(128), default="")
+    checked_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
 class TuningJobRow(Base):
@@ -118,6 +170,9 @@ class ConfigRecord:
     tuned_by: str = ""
     tuned_at: datetime | None = None
     source: str = "inline"
+    # local bookkeeping of fleet copies (never sent or received)
+    fleet_checked_at: datetime | None = None
+    fleet_generation: int | None = None
 
     @property
     def digest(self) -> str:
@@ -203,7 +258,8 @@ def _config_record(row: TunedConfigRow) -> ConfigRecord:
         raise ValueError(f"config is a {type(config).__name__}, not an object")
     return ConfigRecord(key=_key_of(row), config=config, median_ms=row.median_ms, tflops=row.tflops,
                         candidates=row.candidates, device_name=row.device_name, tuned_by=row.tuned_by,
-                        tuned_at=row.tuned_at, source=row.source)
+                        tuned_at=row.tuned_at, source=row.source, fleet_checked_at=row.fleet_checked_at,
+                        fleet_generation=row.fleet_generation)
 
 
 def _job_record(row: TuningJobRow) -> JobRecord:
@@ -216,31 +272,180 @@ def whoami() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+# ---- faults of the database, in words --------------------------------------------------
+
+# SQLite's primary result codes (the low byte of an extended code) that say what is wrong
+_SQLITE_FAULTS = {5: "locked", 6: "locked", 8: "read-only", 10: "io", 11: "corrupt", 13: "full",
+                  14: "cantopen", 26: "corrupt"}
+# the same, from an error's text (a driver without codes, or a message passed on as text)
+_TEXT_FAULTS = (("database or disk is full", "full"), ("disk i/o error", "io"),
+                ("readonly database", "read-only"), ("file is not a database", "corrupt"),
+                ("disk image is malformed", "corrupt"), ("is locked", "locked"),
+                ("unable to open database file", "cantopen"), ("can't locate revision", "newer"))
+_OS_FAULTS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only", errno.EACCES: "denied",
+              errno.EPERM: "denied", errno.EIO: "io"}
+# below this much free space, a disk I/O error is taken for a full disk (SQLite's shared
+# memory file, the first thing a reader writes, needs 32 KiB)
+_NEARLY_FULL_BYTES = 64 << 10
+
+
+def _error_chain(exc: BaseException) -> list[BaseException]:
+    """`exc`, the driver error a SQLAlchemy error wraps, and what it was raised from or during
+    (a StoreError raised `from None` still keeps its context)."""
+    out: list[BaseException] = []
+    todo = [exc]
+    while todo and len(out) < 16:
+        e = todo.pop(0)
+        if any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [x for x in (getattr(e, "orig", None), e.__cause__, e.__context__) if isinstance(x, BaseException)]
+    return out
+
+
+def fault_kind(exc: BaseException) -> str | None:
+    """What a store error says of the database: "full", "io", "read-only", "denied",
+    "corrupt", "locked", "cantopen" or "newer" (schema); None if none of these."""
+    chain = _error_chain(exc)
+    # the first error with a code decides: an error raised while handling another one keeps
+    # that one as its context, and must not be taken for it
+    for e in chain:
+        if isinstance(e, NewerSchemaError):
+            return "newer"
+        if isinstance(e, ReadOnlyStoreError):
+            return "read-only"
+        code = getattr(e, "sqlite_errorcode", None)
+        if isinstance(e, sqlite3.Error) and isinstance(code, int):
+            return _SQLITE_FAULTS.get(code & 0xFF)
+        if isinstance(e, OSError) and e.errno is not None:
+            return _OS_FAULTS.get(e.errno)
+    for e in chain:
+        text = str(e).lower()
+        kind = next((kind for needle, kind in _TEXT_FAULTS if needle in text), None)
+        if kind is not None:
+            return kind
+    return None
+
+
+def _existing_dir(path: Path) -> Path:
+    """The nearest directory at or above path's parent that exists."""
+    d = path.absolute().parent
+    while not d.is_dir() and d != d.parent:
+        d = d.parent
+    return d
+
+
+def _on_read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(_existing_dir(path)).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _nearly_full(path: Path) -> bool:
+    try:
+        st = os.statvfs(_existing_dir(path))
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _NEARLY_FULL_BYTES
+
+
+def describe_fault(exc: BaseException, path: str | os.PathLike | None = None) -> str | None:
+    """The cause of a store error in words a user understands ("the disk holding
+    /x/y.sqlite is full"), or None if it is not a fault of the database (a bug, a bad
+    argument). `path` is the store's file (`Store.path`), checked to tell a read-only file
+    system or a full disk from other causes of the same SQLite error."""
+    kind = fault_kind(exc)
+    if kind is None:
+        return None
+    if kind == "newer":
+        newer = next((e for e in _error_chain(exc) if isinstance(e, NewerSchemaError)), None)
+        if newer is not None:
+            return str(newer)
+    p = Path(path) if path is not None else None
+    name = f"the store file {p}" if p is not None else "the store"
+    if p is not None and kind in ("read-only", "denied", "cantopen") and _on_read_only_fs(p):
+        return f"{name} is on a read-only file system"
+    if p is not None and kind == "io" and _nearly_full(p):
+        kind = "full"
+    if kind == "corrupt":
+        damaged = any((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF == 11 or "malformed" in str(e).lower()
+                      for e in _error_chain(exc))
+        return f"{name} is damaged (corrupt)" if damaged else f"{name} is not a SQLite database (corrupt)"
+    if kind == "locked":
+        from . import settings
+
+        return (f"{name} is locked by another process (it held a write lock past the busy timeout of "
+                f"{settings.db_busy_timeout_s():g} s)")
+    return {
+        "full": f"the disk holding {p if p is not None else 'the store'} is full",
+        "io": f"reading or writing {name} failed with a disk I/O error (the disk may be failing)",
+        "read-only": f"{name} is read-only",
+        "denied": f"{name} cannot be written (permission denied)",
+        "cantopen": f"{name} cannot be opened or created",
+        "newer": f"{name} was written by a newer tunecache (its schema revision is unknown to this one)",
+    }[kind]
+
+
 # ---- engine ------------------------------------------------------------------------------
 
 
-def _make_engine(url: str) -> Engine:
+def sqlite_path(url: str) -> Path | None:
+    """The file a SQLite URL opens (as SQLite sees it: relative to the working directory if
+    relative), or None: in memory, not SQLite, or not a valid URL."""
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        return None
+    db = u.database
+    if u.get_backend_name() != "sqlite" or not db or u.query.get("mode") == "memory":
+        return None
+    if str(u.query.get("uri", "")).lower() in ("true", "1") and db.startswith("file:"):
+        db = unquote(db[len("file:"):])
+        if db.startswith("//"):  # file://localhost/abs or file:///abs
+            db = "/" + db[2:].partition("/")[2]
+    return None if db == ":memory:" else Path(db)
+
+
+def sqlite_url(path: str | os.PathLike, **params: str) -> str:
+    """A SQLAlchemy URL that opens `path` with SQLite URI parameters (mode="ro", immutable="1").
+    The path is quoted twice: SQLAlchemy's URL parsing undoes one, SQLite's URI parsing the other."""
+    query = "&".join(f"{k}={v}" for k, v in {**params, "uri": "true"}.items())
+    return f"sqlite:///file:{quote(quote(os.path.abspath(path)))}?{query}"
+
+
+def _make_engine(url: str, *, writable: bool = True) -> Engine:
     try:
         u = make_url(url)
     except ArgumentError as e:
         raise StoreError(f"store URL {url!r} (TUNECACHE_DB_URL) is not a valid SQLAlchemy URL: {e}") from None
     if u.get_backend_name() == "sqlite":
-        if u.database and u.database != ":memory:":
-            path = Path(u.database).expanduser()
+        from . import settings
+
+        file = sqlite_path(url)
+        if file is not None and writable:
+            path = file.expanduser()
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise StoreError(f"cannot create the store directory {path.parent} for {url!r}: {e}") from None
-        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False},
-                               json_deserializer=_safe_json_loads)
+        busy_s = settings.db_busy_timeout_s()
+        kwargs = {}
+        if u.query.get("mode") == "memory":
+            from sqlalchemy.pool import QueuePool
+
+            kwargs["poolclass"] = QueuePool  # a shared in-memory database: see Store.in_memory
+        engine = create_engine(url, connect_args={"timeout": busy_s, "check_same_thread": False},
+                               json_deserializer=_safe_json_loads, **kwargs)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
             # let SQLAlchemy, not pysqlite, decide when transactions begin (see _on_begin)
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=60000")
+            if writable:  # setting the journal mode writes the file's header
+                cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
@@ -265,8 +470,8 @@ def _make_engine(url: str) -> Engine:
         raise StoreError(f"cannot open store URL {url!r} (TUNECACHE_DB_URL): {e}") from None
 
 
-def _insert_ignore(session: Session, table, values: dict) -> bool:
-    """INSERT ... ON CONFLICT DO NOTHING; True if the row was inserted."""
+def _dialect_insert(session: Session):
+    """The dialect's `insert`, which has ON CONFLICT."""
     name = session.get_bind().dialect.name
     if name == "sqlite":
         from sqlalchemy.dialects.sqlite import insert
@@ -274,35 +479,79 @@ def _insert_ignore(session: Session, table, values: dict) -> bool:
         from sqlalchemy.dialects.postgresql import insert
     else:
         raise StoreError(f"unsupported database dialect {name!r}; use SQLite or PostgreSQL")
-    stmt = insert(table).values(**values).on_conflict_do_nothing().returning(table.c.id)
+    return insert
+
+
+def _insert_ignore(session: Session, table, values: dict) -> bool:
+    """INSERT ... ON CONFLICT DO NOTHING; True if the row was inserted."""
+    stmt = _dialect_insert(session)(table).values(**values).on_conflict_do_nothing().returning(table.c.id)
     return session.execute(stmt).first() is not None
 
 
 class Store:
-    """One database, local or fleet. Thread-safe; safe for many processes on one SQLite file."""
+    """One database, local or fleet. Thread-safe; safe for many processes on one SQLite file.
 
-    def __init__(self, url: str | None = None, *, migrate: bool = True) -> None:
+    A store opened with `writable=False` (tunecache.local_store does, for a file it may only
+    read) skips put_config and add_trials, and raises ReadOnlyStoreError on any other write.
+    """
+
+    def __init__(self, url: str | None = None, *, migrate: bool = True, writable: bool = True) -> None:
         from . import settings
 
         self.url = url or settings.db_url()
-        self.engine = _make_engine(self.url)
+        self.writable = writable
+        self.path = sqlite_path(self.url)  # the SQLite file; None in memory or on Postgres
+        self._keepalive: Any = None
+        self.engine = _make_engine(self.url, writable=writable)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write_maker = sessionmaker(self.engine.execution_options(tunecache_write=True),
                                          expire_on_commit=False)
         try:
             if migrate:
-                from .migrate import ensure_schema
-
-                ensure_schema(self.engine)
+                self._migrate()
             else:
                 with self.engine.connect() as conn:
                     conn.exec_driver_sql("SELECT 1")
-        except OperationalError as e:
-            raise StoreError(f"cannot open the store at {self.safe_url} (TUNECACHE_DB_URL): {e.orig}") from None
+        except DatabaseError as e:
+            raise StoreError(f"cannot open the store at {self.safe_url} (TUNECACHE_DB_URL): "
+                             f"{describe_fault(e, self.path) or e.orig}") from None
+
+    def _migrate(self) -> None:
+        """Upgrade to head unless already there (the common case costs one small query and no
+        Alembic import); a store migrated by a newer tunecache is refused, never downgraded."""
+        from .migrate import current_revision, head_revision
+
+        head = head_revision()
+        current = current_revision(self.engine)
+        if current == head:
+            return
+        if current is not None and not (current.isdigit() and int(current) < int(head)):
+            what = (f"was written by a newer tunecache (schema revision {current}, this one knows up to {head})"
+                    if current.isdigit() else
+                    f"has schema revision {current!r}, unknown to this tunecache (it knows up to {head})")
+            raise NewerSchemaError(f"{self._where()} {what}", current, head)
+        from .migrate import upgrade
+
+        upgrade(self.engine)
+
+    @classmethod
+    def in_memory(cls) -> "Store":
+        """A store in this process's memory, schema created: what this process tunes is kept
+        for its lifetime only (the last resort of tunecache.local_store)."""
+        # a named shared-cache database, so that every pooled connection (one per thread at
+        # a time) sees the same one; it lives while a connection to it is open
+        store = cls(f"sqlite:///file:tunecache-{uuid.uuid4().hex}?mode=memory&cache=shared&uri=true",
+                    migrate=False)
+        store._keepalive = store.engine.raw_connection()
+        Base.metadata.create_all(store.engine)
+        return store
 
     @property
     def safe_url(self) -> str:
         return make_url(self.url).render_as_string(hide_password=True)
+
+    def _where(self) -> str:
+        return f"the store file {self.path}" if self.path is not None else f"the store at {self.safe_url}"
 
     @property
     def dialect(self) -> str:
@@ -310,10 +559,16 @@ class Store:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        if not self.writable:
+            raise ReadOnlyStoreError(f"{self._where()} is open read-only: nothing can be written to it (the "
+                                     f"warning given when it was opened says why)")
         with self._write_maker.begin() as s:
             yield s
 
     def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
         self.engine.dispose()
 
     # ---- configs ------------------------------------------------------------------------
@@ -336,7 +591,13 @@ class Store:
 
     def put_config(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None
                    ) -> tuple[ConfigRecord, bool]:
-        """Store a result unless a faster one is kept; returns (the kept record, whether `rec` won)."""
+        """Store a result unless a faster one is kept; returns (the kept record, whether `rec` won).
+
+        On a read-only store nothing is written and `rec` is returned as kept: this process
+        goes on with its own result (and still publishes it to a fleet)."""
+        if not self.writable:
+            log.debug("tunecache: not keeping %s in the read-only store %s", rec.digest[:12], self.safe_url)
+            return rec, True
         values = dict(digest=rec.digest, **{k: v for k, v in rec.key.fields().items()},
                       device_name=rec.device_name, config=rec.config, median_ms=rec.median_ms,
                       tflops=rec.tflops, candidates=rec.candidates, tuned_by=rec.tuned_by or whoami(),
@@ -354,11 +615,81 @@ class Store:
             old = _config_record(row)
         except (ValueError, TypeError, KeyError):
             old = None  # a corrupt row loses to any valid result
-        if old is not None and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN):
+        # a fleet copy's claimed time is the fleet's word, not a measurement of this host:
+        # it never keeps a result of this host out
+        fleet_copy = old is not None and old.source == "fleet" and rec.source != "fleet"
+        if old is not None and not fleet_copy and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN):
             return old, False
         for k, v in values.items():
             setattr(row, k, v)
+        row.fleet_checked_at = row.fleet_generation = None
+        self._bump_generation(s)
         return rec, True
+
+    # ---- fleet copies and the fleet's generation ------------------------------------------
+
+    def _bump_generation(self, s: Session) -> None:
+        table = FleetMetaRow.__table__
+        stmt = _dialect_insert(s)(table).values(name="generation", value=1)
+        s.execute(stmt.on_conflict_do_update(index_elements=[table.c.name], set_={"value": table.c.value + 1}))
+
+    def generation(self) -> int:
+        """The fleet's generation: moves whenever a winner is removed or replaced."""
+        with self._read() as s:
+            v = s.execute(select(FleetMetaRow.value).where(FleetMetaRow.name == "generation")).scalar()
+            return int(v or 0)
+
+    def put_fleet_copy(self, rec: ConfigRecord, generation: int | None) -> bool:
+        """Keep (or refresh) this host's copy of the fleet's winner. A result of this host's own
+        for the key is never overwritten; returns whether the copy was written."""
+        values = dict(digest=rec.digest, **rec.key.fields(), device_name=rec.device_name, config=rec.config,
+                      median_ms=rec.median_ms, tflops=rec.tflops, candidates=rec.candidates,
+                      tuned_by=rec.tuned_by or "", tuned_at=rec.tuned_at or utcnow(), source="fleet",
+                      fleet_checked_at=utcnow(), fleet_generation=generation)
+        with self._write() as s:
+            if _insert_ignore(s, TunedConfigRow.__table__, values):
+                return True
+            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
+                            .with_for_update()).scalar_one()
+            if row.source != "fleet":
+                return False
+            for k, v in values.items():
+                setattr(row, k, v)
+            return True
+
+    def mark_fleet_checked(self, digest: str, generation: int | None) -> None:
+        with self._write() as s:
+            s.execute(update(TunedConfigRow).where(TunedConfigRow.digest == digest, TunedConfigRow.source == "fleet")
+                      .values(fleet_checked_at=utcnow(), fleet_generation=generation))
+
+    def delete_fleet_copy(self, digest: str) -> bool:
+        """Remove this host's copy of a winner the fleet no longer has (never a result of its own)."""
+        with self._write() as s:
+            res = s.execute(TunedConfigRow.__table__.delete().where(TunedConfigRow.digest == digest,
+                                                                   TunedConfigRow.source == "fleet"))
+            return res.rowcount == 1
+
+    # ---- backend self-checks ----------------------------------------------------------------
+
+    def get_selfcheck(self, kernel: str, kernel_version: str, triton_version: str, arch: str,
+                      sm_count: int) -> tuple[bool, str | None] | None:
+        """(ok, detail) of the stored verdict, or None if this backend never met this device class."""
+        with self._read() as s:
+            row = s.execute(select(SelfCheckRow).where(
+                SelfCheckRow.kernel == kernel, SelfCheckRow.kernel_version == kernel_version,
+                SelfCheckRow.triton_version == triton_version, SelfCheckRow.arch == arch,
+                SelfCheckRow.sm_count == sm_count)).scalar_one_or_none()
+            return None if row is None else (bool(row.ok), row.detail)
+
+    def put_selfcheck(self, kernel: str, kernel_version: str, triton_version: str, arch: str, sm_count: int,
+                      ok: bool, detail: str | None, seconds: float | None, device_name: str = "") -> None:
+        values = dict(kernel=kernel, kernel_version=kernel_version, triton_version=triton_version, arch=arch,
+                      sm_count=sm_count)
+        with self._write() as s:
+            s.execute(SelfCheckRow.__table__.delete().where(*(getattr(SelfCheckRow, k) == v
+                                                              for k, v in values.items())))
+            s.add(SelfCheckRow(**values, ok=ok, detail=(detail or None) and detail[:8000], seconds=seconds,
+                               device_name=device_name[:128], checked_at=utcnow()))
 
     def _add_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
         run_id = run_id or uuid.uuid4().hex
@@ -367,6 +698,8 @@ class Store:
         s.add_all(rows)
 
     def add_trials(self, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None = None) -> None:
+        if not self.writable:
+            return  # as put_config: a read-only store keeps nothing, and says so once when opened
         with self._write() as s:
             self._add_trials(s, key, trials, run_id)
 
@@ -409,6 +742,7 @@ class Store:
             if row is None:
                 return False
             s.delete(row)
+            self._bump_generation(s)
             return True
 
     def counts(self) -> dict[str, int]:
@@ -632,7 +966,11 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_store() -> Store:
-    """The process-wide store for the current TUNECACHE_DB_URL (opened once)."""
+    """The process-wide store for the current TUNECACHE_DB_URL (opened once).
+
+    A local SQLite store that cannot be used as it is still gives a store, read-only, fresh or
+    in memory, with one warning (tunecache.local_store); a Postgres URL is the fleet's
+    database, whose faults stay loud."""
     from . import settings
 
     url = settings.db_url()
@@ -641,7 +979,9 @@ def default_store() -> Store:
         with _DEFAULT_LOCK:
             store = _DEFAULT.get(url)
             if store is None:
-                store = _DEFAULT[url] = Store(url)
+                from .local_store import open_local_store
+
+                store = _DEFAULT[url] = open_local_store(url).store
     return store
 
 

@@ -8,13 +8,13 @@ trial and can never win.
 from __future__ import annotations
 
 import logging
-import traceback
+import time
 import uuid
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
-from . import bench, settings
+from . import settings
 from .key import DeviceClass, TuneKey, triton_version
 from .registry import kernel_version
 from .store import ConfigRecord, Store, TrialRecord, whoami
@@ -25,6 +25,8 @@ log = logging.getLogger("tunecache.tuner")
 TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 2e-2}
 # after a quick first timing, candidates slower than this multiple of the best are dropped
 LOSER_FACTOR = 1.5
+# the quick first round's timing (do_bench milliseconds); the second round uses do_bench's own
+QUICK_TIMING = {"warmup_ms": 5, "rep_ms": 20}
 
 
 class TuneError(RuntimeError):
@@ -40,6 +42,15 @@ class TuneResult:
     candidates: int
     trials: list[TrialRecord] = field(default_factory=list)
     stored: ConfigRecord | None = None
+    seconds: float = 0.0
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    source: str = "inline"
+
+    def record(self, device: DeviceClass) -> ConfigRecord:
+        """The winner as the store and the fleet keep it."""
+        return ConfigRecord(key=self.key, config=self.config, median_ms=self.median_ms, tflops=self.tflops,
+                            candidates=self.candidates, device_name=device.name, tuned_by=whoami(),
+                            source=self.source)
 
 
 def make_key(mod: ModuleType, problem: dict, device: DeviceClass) -> TuneKey:
@@ -57,12 +68,13 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
          torch_device: str | None = None, source: str = "inline",
          progress: Callable[[int, int, dict], None] | None = None,
          configs: list[dict] | None = None) -> TuneResult:
-    """Tune `mod` (a backend module) for `problem` on this device and store the winner.
+    """Tune `mod` (a backend module) for `problem` on this device; return the winner and every trial.
 
-    `store=None` tunes without storing (benchmarks). `configs` overrides the candidate list.
+    Nothing is written unless `store` is given (then the winner and the trials are stored there;
+    the ops keep results through `tunecache.config_cache` instead). `configs` overrides the
+    candidate list (benchmarks).
     """
-    import torch
-
+    t0 = time.perf_counter()
     on_gpu = device.arch != "cpu"
     torch_device = torch_device or ("cuda" if on_gpu else "cpu")
     key = make_key(mod, problem, device)
@@ -80,34 +92,17 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
     trials: list[TrialRecord] = []
     candidates = _precompile(mod, problem, device, candidates, trials)
-
-    # tuning inside a user's call must not move the user's random number generators
-    devices = [torch.device(torch_device).index or 0] if on_gpu else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        args = mod.inputs(problem, torch_device)
-    ref = mod.reference(*args)
-    tol = TOLERANCE[problem.get("dtype", "float32")]
+    runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
 
     timed: list[tuple[float, dict]] = []
     for i, cfg in enumerate(candidates):
         if progress:
             progress(i, len(candidates), cfg)
-        try:
-            out = mod.launch(cfg, *args)
-            if on_gpu:
-                torch.cuda.synchronize()
-            err = relative_error(out, ref)
-        except Exception as e:  # a config that does not compile or crashes never wins
-            if on_gpu and _cuda_broken():
-                raise
-            trials.append(TrialRecord(cfg, "failed", error=_short_error(e)))
+        res = runner.run(cfg, QUICK_TIMING if on_gpu else {"cpu_reps": 1})
+        if res["status"] != "ok":
+            trials.append(TrialRecord(cfg, res["status"], error=res.get("error")))
             continue
-        if not err <= tol:  # NaN fails too
-            trials.append(TrialRecord(cfg, "wrong", error=f"relative error {err:.3g} > {tol}"))
-            continue
-        ms = bench.time_ms(lambda: mod.launch(cfg, *args), on_gpu, warmup_ms=5, rep_ms=20, cpu_reps=1)
-        timed.append((ms, cfg))
+        timed.append((res["median_ms"], cfg))
     if progress:
         progress(len(candidates), len(candidates), {})
     if not timed:
@@ -121,18 +116,21 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
         if quick_ms > LOSER_FACTOR * best_quick:
             trials.append(TrialRecord(cfg, "ok", median_ms=quick_ms))
             continue
-        ms = bench.time_ms(lambda: mod.launch(cfg, *args), on_gpu)
-        trials.append(TrialRecord(cfg, "ok", median_ms=ms))
+        res = runner.run(cfg, {} if on_gpu else {"cpu_reps": 3}, check=False)
+        if res["status"] != "ok":  # it passed the quick round: a crash now is still a failed trial
+            trials.append(TrialRecord(cfg, res["status"], error=res.get("error")))
+            continue
+        trials.append(TrialRecord(cfg, "ok", median_ms=res["median_ms"]))
     ok = [t for t in trials if t.status == "ok"]
+    if not ok:
+        raise TuneError(f"{mod.KERNEL}: every config that passed the first round failed the second for {problem}")
     best = min(ok, key=lambda t: t.median_ms)
     flops = mod.flops(problem)
     tflops = flops / (best.median_ms * 1e-3) / 1e12 if best.median_ms > 0 else None
-    result = TuneResult(key, best.config, best.median_ms, tflops, len(candidates), trials)
+    result = TuneResult(key, best.config, best.median_ms, tflops, len(candidates), trials,
+                        seconds=time.perf_counter() - t0, source=source)
     if store is not None:
-        rec = ConfigRecord(key=key, config=best.config, median_ms=best.median_ms, tflops=tflops,
-                           candidates=len(candidates), device_name=device.name, tuned_by=whoami(),
-                           source=source)
-        result.stored, _ = store.put_config(rec, trials, run_id=uuid.uuid4().hex)
+        result.stored, _ = store.put_config(result.record(device), trials, run_id=result.run_id)
     log.info("tunecache: tuned %s %s in %d candidates: %s (%.4f ms)", mod.KERNEL, problem, len(candidates),
              best.config, best.median_ms)
     return result
@@ -159,17 +157,45 @@ def _store_trials(store: Store | None, key: TuneKey, trials: list[TrialRecord]) 
         store.add_trials(key, trials)
 
 
-def _short_error(e: BaseException) -> str:
-    text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return text[-2000:]
+class Trials:
+    """A problem's candidates, run one at a time in the device's isolated trial runner.
 
+    The runner makes the inputs itself (seeded, so every candidate sees the same data) and
+    checks each output against the reference before timing it. A candidate that kills the
+    runner or runs past TUNECACHE_CANDIDATE_TIMEOUT_S is a failed trial with the reason; the
+    runner is replaced and the problem set up again for the next one.
+    """
 
-def _cuda_broken() -> bool:
-    """After an illegal memory access the context is gone: stop instead of mis-recording."""
-    import torch
+    def __init__(self, mod: ModuleType, problem: dict, key: TuneKey, torch_device: str, tolerance: float) -> None:
+        from .isolated import runner_for
 
-    try:
-        torch.cuda.synchronize()
-        return False
-    except RuntimeError:
-        return True
+        self.worker = runner_for(torch_device)
+        self.setup = {"cmd": "setup", "module": mod.__name__, "problem": problem, "torch_device": torch_device,
+                      "tolerance": tolerance, "digest": key.digest}
+        self._ready_pid: int | None = None
+
+    def _ensure_setup(self) -> None:
+        from .isolated import WorkerFailed
+
+        if self._ready_pid is not None and self._ready_pid == self.worker.pid:
+            return
+        try:
+            self.worker.call(self.setup, settings.candidate_timeout_s() * 5)
+        except WorkerFailed as e:
+            raise TuneError(f"{self.setup['module']}: could not make the inputs of {self.setup['problem']} "
+                            f"in the isolated trial runner: {e.reason}") from None
+        self._ready_pid = self.worker.pid
+
+    def run(self, config: dict, timing: dict, *, check: bool = True, time_it: bool = True) -> dict:
+        """{"status": "ok", "median_ms": ...} or {"status": "failed" | "wrong", "error": ...}."""
+        from .isolated import WorkerFailed
+
+        self._ensure_setup()
+        try:
+            return self.worker.call({"cmd": "trial", "digest": self.setup["digest"], "config": config,
+                                     "timing": timing, "check": check, "time": time_it},
+                                    settings.candidate_timeout_s())
+        except WorkerFailed as e:
+            log.warning("tunecache: candidate %s of %s failed in isolation: %s", config, self.setup["module"],
+                        e.reason)
+            return {"status": "failed", "error": e.reason}

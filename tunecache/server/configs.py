@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query, Response
 from pydantic import ValidationError
 
 from ..key import TuneKey
 from ..store import ConfigRecord, TrialRecord
 from ..transfer import FORMAT
 from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep
-from .schemas import (Arch, ConfigIn, ConfigOut, DeleteOut, ErrorOut, ExportOut, ImportIn, ImportOut,
-                      KeyIn, Kernel, PublishOut, SubmissionOut)
+from .schemas import (Arch, ConfigIn, ConfigOut, DeleteOut, ErrorOut, ExportOut, GenerationOut, ImportIn,
+                      ImportOut, KeyIn, Kernel, PublishOut, ReportIn, ReportOut, SubmissionOut)
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
 NOT_FOUND = {404: {"model": ErrorOut, "description": "no tuned config for this key"}}
+# every lookup answer (a miss too) says the fleet's generation, so that a host learns for free
+# when the winners it copied may have been removed or replaced
+GENERATION_HEADER = "X-Tunecache-Generation"
 DigestPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the key's sha256 digest")]
 
 
@@ -54,23 +57,50 @@ def out(rec: ConfigRecord) -> ConfigOut:
 
 
 @router.get("/configs/{digest}", response_model=ConfigOut, responses=NOT_FOUND, summary="Look up by digest")
-def get_config(digest: DigestPath, _: ReadToken, store: StoreDep, metrics: MetricsDep) -> ConfigOut:
+def get_config(digest: DigestPath, _: ReadToken, store: StoreDep, metrics: MetricsDep,
+               response: Response) -> ConfigOut:
+    generation = {GENERATION_HEADER: str(store.generation())}
     rec = store.get_config(digest)
     metrics.lookup(rec is not None)
     if rec is None:
-        raise HTTPException(404, f"no tuned config with digest {digest}")
+        raise HTTPException(404, f"no tuned config with digest {digest}", headers=generation)
+    response.headers.update(generation)
     return out(rec)
 
 
 @router.post("/lookup", response_model=ConfigOut, responses=NOT_FOUND, summary="Look up by key fields")
-def lookup(body: KeyIn, _: ReadToken, store: StoreDep, metrics: MetricsDep) -> ConfigOut:
+def lookup(body: KeyIn, _: ReadToken, store: StoreDep, metrics: MetricsDep, response: Response) -> ConfigOut:
+    generation = {GENERATION_HEADER: str(store.generation())}
     key = key_of(body)
     rec = store.get_config(key.digest)
     metrics.lookup(rec is not None)
     if rec is None:
         raise HTTPException(404, f"no tuned config for {body.kernel} {dict(body.problem)} on "
-                                 f"{body.arch}:{body.sm_count} (digest {key.digest})")
+                                 f"{body.arch}:{body.sm_count} (digest {key.digest})", headers=generation)
+    response.headers.update(generation)
     return out(rec)
+
+
+@router.get("/generation", response_model=GenerationOut, summary="The fleet's generation",
+            description="Moves whenever a winner is removed or replaced. Hosts compare it with the one "
+                        "under which they copied a winner and recheck the copy when it moved.")
+def generation(_: ReadToken, store: StoreDep) -> GenerationOut:
+    return GenerationOut(generation=store.generation())
+
+
+@router.post("/configs/{digest}/reports", response_model=ReportOut, responses=NOT_FOUND,
+             summary="Report a config that a host could not launch",
+             description="Kept as a failed trial of the key, and a job to re-tune the key is queued if the "
+                         "reported config is the current winner. A report never removes a winner by itself: "
+                         "a worker re-times the key, and an admin may delete it.")
+def report(digest: DigestPath, body: ReportIn, token: PublishToken, store: StoreDep) -> ReportOut:
+    rec = store.get_config(digest)
+    if rec is None:
+        raise HTTPException(404, f"no tuned config with digest {digest}")
+    store.add_trials(rec.key, [TrialRecord(config=dict(body.config), status="failed",
+                                           error=f"reported by {token.name}: {body.error}")])
+    job = store.enqueue(rec.key).status if body.config == rec.config else None
+    return ReportOut(recorded=True, job=job)
 
 
 @router.get("/configs", response_model=list[ConfigOut], summary="List tuned configs")

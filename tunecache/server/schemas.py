@@ -186,6 +186,24 @@ class DeleteOut(BaseModel):
     deleted: bool
 
 
+class GenerationOut(BaseModel):
+    generation: int = Field(description="moves whenever a winner is removed or replaced; hosts recheck "
+                                        "their copies when it does")
+
+
+class ReportIn(Model):
+    """A host could not launch the fleet's config for this key (it raised, or its own pruning
+    for the device refused it)."""
+
+    config: JsonObject
+    error: _text(4000, 1)
+
+
+class ReportOut(BaseModel):
+    recorded: bool = Field(description="the report was kept as a failed trial of the key")
+    job: Optional[str] = Field(None, description="the status of the re-tuning job it queued, if any")
+
+
 class ExportOut(BaseModel):
     format: str
     configs: list[ConfigOut]

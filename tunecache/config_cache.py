@@ -1,0 +1,218 @@
+"""The one place configs are looked up and kept: local store -> fleet -> validate.
+
+`ConfigCache.get` is what the ops, `@tunecache.autotune` and the worker read through, and
+`keep` is how their results are stored and published. Both never fail the caller's call:
+
+- a fault of the local store (read-only, full disk, corrupt, newer schema, a lock held past
+  the busy timeout) is one warning naming the cause, and the lookup goes on with the fleet
+  and the miss policy (`tunecache.local_store` opens the best store that still works);
+- a config is returned only if the caller's `check` accepts it for this problem and device
+  (the kernel's space and the backend's own pruning): one that fails is dropped from the
+  local store and reported to the fleet;
+- a copy of a fleet winner is marked as one (source "fleet"), rechecked after
+  TUNECACHE_FLEET_TTL_S or when the fleet's generation moved (a winner was removed or
+  replaced), removed when the fleet no longer has it, and never keeps a result of this host
+  out (see `Store._keep_faster`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+from . import settings
+from .key import TuneKey
+from .store import ConfigRecord, Store, TrialRecord, utcnow
+
+log = logging.getLogger("tunecache")
+
+# How often a process asks the fleet for its generation (only when it reads a fleet copy).
+GENERATION_POLL_S = 60.0
+
+Check = Callable[[dict], "str | None"]  # a config -> why it cannot run here, or None
+
+
+class ConfigCache:
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._generation: int | None = None
+        self._generation_at = -float("inf")
+
+    # ---- where configs live ---------------------------------------------------------------
+
+    def store(self) -> Store | None:
+        """The local store, or None (one warning) when none can be had at all."""
+        from .store import default_store
+
+        try:
+            return default_store()
+        except Exception as e:  # noqa: BLE001 - no store is a warning, never the caller's failure
+            self._warn_fault("open", e)
+            return None
+
+    def fleet(self) -> Any:
+        url = settings.server_url()
+        if not url:
+            return None
+        from .client import fleet_client
+
+        return fleet_client(url)
+
+    def _store_call(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
+        from .store import STORE_ERRORS, ReadOnlyStoreError
+
+        try:
+            return fn()
+        except ReadOnlyStoreError:  # the warning given when it was opened said why
+            log.debug("tunecache: the local store is read-only: cannot %s", what)
+            return default
+        except STORE_ERRORS as e:
+            self._warn_fault(what, e)
+            return default
+
+    def _warn_fault(self, what: str, e: BaseException) -> None:
+        from .store import describe_fault, sqlite_path
+
+        try:
+            path = sqlite_path(settings.db_url())
+        except Exception:  # noqa: BLE001 - the words are then less precise, nothing more
+            path = None
+        cause = describe_fault(e, path) or f"{type(e).__name__}: {str(e)[:300]}"
+        if cause in self._warned:
+            return
+        self._warned.add(cause)
+        log.warning("tunecache: the local store failed to %s (%s); going on without it for this", what, cause)
+
+    def warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            log.warning("%s", text)
+
+    # ---- get ----------------------------------------------------------------------------
+
+    def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
+        """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
+        store = self.store()
+        rec = None if store is None else self._store_call("read", lambda: store.get_config(key.digest))
+        if rec is not None and rec.source == "fleet" and self._stale(rec):
+            rec = self._recheck(store, key, rec)
+        if rec is not None:
+            why = _why_not(rec, key, check)
+            if why is None:
+                return rec
+            self.drop(key, rec.config, why, where="stored")
+        fleet = self.fleet()
+        if fleet is None:
+            return None
+        status, frec = fleet.fetch(key)
+        if frec is None:
+            return None
+        why = _why_not(frec, key, check)
+        if why is not None:
+            log.warning("tunecache: ignoring the fleet's config of %s %s: %s", key.kernel, key.digest[:12], why)
+            fleet.report(key, frec.config, why)
+            return None
+        frec.source = "fleet"
+        if store is not None:  # write-through: the next process on this host needs no network
+            self._store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        return frec
+
+    def _stale(self, rec: ConfigRecord) -> bool:
+        checked = rec.fleet_checked_at
+        if checked is None or utcnow() - checked > timedelta(seconds=settings.fleet_ttl_s()):
+            return True
+        generation = self._fleet_generation()
+        return generation is not None and generation != rec.fleet_generation
+
+    def _fleet_generation(self) -> int | None:
+        """The fleet's generation, asked at most once per GENERATION_POLL_S (None: unknown)."""
+        fleet = self.fleet()
+        if fleet is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            if now - self._generation_at < GENERATION_POLL_S:
+                return self._generation if fleet.generation is None else fleet.generation
+            self._generation_at = now
+        self._generation = fleet.current_generation()
+        return self._generation
+
+    def _recheck(self, store: Store | None, key: TuneKey, rec: ConfigRecord) -> ConfigRecord | None:
+        """Ask the fleet about a copy of its winner: still there, replaced, or removed."""
+        fleet = self.fleet()
+        if fleet is None:
+            return rec  # the fleet is no longer configured: the copy is what this host has
+        status, frec = fleet.fetch(key)
+        if status == "unavailable":
+            return rec
+        if status == "miss":
+            log.info("tunecache: the fleet no longer has %s %s: removing this host's copy", key.kernel,
+                     key.digest[:12])
+            if store is not None:
+                self._store_call("remove a fleet copy", lambda: store.delete_fleet_copy(key.digest))
+            return None
+        frec.source = "fleet"
+        if store is not None:
+            if frec.config == rec.config:
+                self._store_call("mark a fleet copy", lambda: store.mark_fleet_checked(key.digest, fleet.generation))
+            else:
+                self._store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        return frec
+
+    # ---- keep, drop, enqueue ----------------------------------------------------------------
+
+    def keep(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), *, run_id: str | None = None,
+             tune_seconds: float | None = None, publish: bool = True) -> tuple[ConfigRecord, bool]:
+        """Store a result (unless a faster one is kept) and publish it; returns (the record to
+        run, whether `rec` won). A store that cannot write keeps nothing and `rec` runs."""
+        trials = list(trials)
+        store = self.store()
+        kept, won = rec, True
+        if store is not None:
+            kept, won = self._store_call("keep a tuning result", lambda: store.put_config(rec, trials, run_id),
+                                         (rec, True))
+        if won and publish:
+            fleet = self.fleet()
+            if fleet is not None:
+                fleet.publish(rec, trials, tune_seconds=tune_seconds)
+        return kept, won
+
+    def drop(self, key: TuneKey, config: dict, reason: str, *, where: str = "stored") -> None:
+        """A config that cannot run here: forget the local row that holds it, tell the fleet."""
+        log.warning("tunecache: dropping the %s config of %s %s %s: %s", where, key.kernel, key.digest[:12],
+                    config, reason)
+        store = self.store()
+        if store is not None:
+            def delete() -> None:
+                rec = store.get_config(key.digest)
+                if rec is not None and rec.config == config:
+                    store.delete_config(key.digest)
+
+            self._store_call("drop a bad config", delete)
+        fleet = self.fleet()
+        if fleet is not None:
+            fleet.report(key, config, reason)
+
+    def enqueue(self, key: TuneKey) -> None:
+        store = self.store()
+        if store is not None:
+            self._store_call("queue a tuning job", lambda: store.enqueue(key))
+        fleet = self.fleet()
+        if fleet is not None:
+            fleet.enqueue(key)
+
+
+def _why_not(rec: ConfigRecord, key: TuneKey, check: Check) -> str | None:
+    if rec.key.digest != key.digest:
+        return f"it is the entry of another key ({rec.key.kernel} {rec.key.digest[:12]})"
+    try:
+        return check(rec.config)
+    except Exception as e:  # noqa: BLE001 - a check that cannot decide refuses
+        return f"checking it failed: {type(e).__name__}: {e}"
+
+
+CACHE = ConfigCache()

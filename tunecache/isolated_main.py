@@ -1,0 +1,159 @@
+"""The child side of `tunecache.isolated`: `python -m tunecache.isolated_main ROLE`.
+
+Reads one JSON request per line on stdin and answers one JSON line on the pipe that was its
+stdout (stdout itself is pointed at stderr, so a kernel's or a library's prints cannot
+corrupt an answer). Ends on EOF, and with the parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+_STATE: dict[str, Any] = {}
+_ERROR_CHARS = 2000
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _short(e: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS // 2] + " ... " + text[-_ERROR_CHARS // 2:]
+
+
+def hello(msg: dict) -> dict:
+    # the caller's import path, so that its own backend modules (and tests') import here too
+    for p in reversed(msg.get("sys_path", [])):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    if "TRITON_INTERPRET" not in os.environ:
+        import warnings
+
+        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    return {"pid": os.getpid()}
+
+
+def compile_spec(msg: dict) -> dict:
+    from dataclasses import asdict
+
+    from tunecache.compile import _worker_compile
+
+    return asdict(_worker_compile(*msg["task"]))
+
+
+def compile_asm(msg: dict) -> dict:
+    from tunecache.compile import _worker_asm
+
+    return _worker_asm(*msg["task"])
+
+
+# ---- trials: one problem's inputs, then candidates one at a time ---------------------------
+
+
+def setup(msg: dict) -> dict:
+    """Make the problem's inputs (seeded) and the reference output."""
+    import importlib
+
+    import torch
+
+    _STATE.clear()
+    mod = importlib.import_module(msg["module"])
+    dev = msg["torch_device"]
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(torch.device(dev))
+    torch.manual_seed(0)
+    args = mod.inputs(msg["problem"], dev)
+    ref = mod.reference(*args)
+    _STATE.update(mod=mod, args=args, ref=ref, on_gpu=dev.startswith("cuda"), tol=msg["tolerance"],
+                  digest=msg["digest"])
+    return {"ready": msg["digest"]}
+
+
+def _cuda_broken() -> bool:
+    """After an illegal memory access the context is gone: this process must be replaced."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return False
+    except RuntimeError:
+        return True
+
+
+def trial(msg: dict) -> dict:
+    """Launch one config, check it against the reference, time it (quick or full)."""
+    from tunecache import bench
+    from tunecache.tuner import relative_error
+
+    if _STATE.get("digest") != msg["digest"]:
+        return {"status": "failed", "error": "the trial runner lost the problem's inputs", "resetup": True}
+    mod, args, on_gpu = _STATE["mod"], _STATE["args"], _STATE["on_gpu"]
+    cfg = msg["config"]
+    if msg.get("check", True):
+        try:
+            out = mod.launch(cfg, *args)
+            if on_gpu:
+                import torch
+
+                torch.cuda.synchronize()
+            err = relative_error(out, _STATE["ref"])
+        except Exception as e:  # a config that does not compile or crashes never wins
+            answer = {"status": "failed", "error": _short(e)}
+            if on_gpu and _cuda_broken():
+                answer["restart"] = True
+            return answer
+        tol = _STATE["tol"]
+        if not err <= tol:  # NaN fails too
+            return {"status": "wrong", "error": f"relative error {err:.3g} > {tol}"}
+    if not msg.get("time", True):
+        return {"status": "ok"}
+    timing = msg.get("timing") or {}
+    try:
+        ms = bench.time_ms(lambda: mod.launch(cfg, *args), on_gpu, **timing)
+    except Exception as e:
+        answer = {"status": "failed", "error": _short(e)}
+        if on_gpu and _cuda_broken():
+            answer["restart"] = True
+        return answer
+    return {"status": "ok", "median_ms": ms}
+
+
+HANDLERS: dict[str, Callable[[dict], dict]] = {
+    "hello": hello, "compile": compile_spec, "asm": compile_asm, "setup": setup, "trial": trial,
+}
+
+
+def main() -> None:
+    _die_with_parent()
+    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # stray prints go to stderr, not into the answers
+    sys.stdout = sys.stderr
+    if len(sys.argv) > 1 and sys.argv[1] == "compile":
+        os.environ.pop("TRITON_INTERPRET", None)
+    for line in sys.stdin.buffer:
+        msg = json.loads(line)
+        handler = HANDLERS.get(msg.get("cmd"))
+        try:
+            answer = handler(msg) if handler else {"fatal": f"unknown request {msg.get('cmd')!r}"}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+            answer = {"fatal": f"{msg.get('cmd')} failed in the isolated process: {_short(e)}"}
+        answers.write(json.dumps(answer).encode() + b"\n")
+        if answer.get("restart"):
+            break
+    # libtriton's nanobind reports "leaked instances" at interpreter exit: noise
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""First contact: a backend proves itself on a device class before its configs are trusted.
+
+Before the ops use a backend on a device class (compute capability and SM count) at a kernel
+version, its default config runs a small grid of problems per op in the isolated trial runner
+(`tunecache.isolated`) and each output is checked against PyTorch. The verdict is kept in the
+store, so it runs once per host. A backend that fails, crashes or hangs is skipped for the next
+one (blackwell -> hopper -> portable, then PyTorch itself) with one warning that names it. This
+is how kernels never run on a device class (the Blackwell ones, before a B200 is at hand) meet it:
+in a process of their own, not inside somebody's training step.
+
+`tunecache selftest` runs it on demand and prints a table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+from . import settings
+from .key import DeviceClass, triton_version
+
+log = logging.getLogger("tunecache")
+
+# Small problems that take each kernel's distinct paths: ragged tiles, both layouts, strides,
+# paddings, 1x1 and 3x3 filters, odd channel counts (canonicalised by compile.canonical_problem).
+GRID: dict[str, list[dict]] = {
+    "matmul": [
+        {"M": 256, "N": 256, "K": 256, "dtype": "bfloat16"},
+        {"M": 200, "N": 136, "K": 72, "dtype": "float16"},
+        {"M": 128, "N": 192, "K": 64, "dtype": "bfloat16", "a_layout": "col", "b_layout": "col"},
+    ],
+    "conv2d_fprop": [
+        {"N": 2, "H": 14, "W": 14, "Ci": 64, "Co": 64, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
+        {"N": 3, "H": 15, "W": 13, "Ci": 40, "Co": 24, "R": 3, "S": 3, "stride": 2, "padding": 0, "dtype": "bfloat16"},
+        {"N": 2, "H": 8, "W": 8, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+    ],
+    "conv2d_wgrad": [
+        {"N": 2, "H": 14, "W": 14, "Ci": 64, "Co": 64, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
+        {"N": 3, "H": 15, "W": 13, "Ci": 40, "Co": 24, "R": 3, "S": 3, "stride": 2, "padding": 0, "dtype": "bfloat16"},
+        {"N": 2, "H": 8, "W": 8, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+    ],
+}
+# the interpreter is slow: its grid is the same problems, smaller
+_CPU_SCALE = {"M": 64, "N": 48, "K": 40, "H": 7, "W": 6, "Ci": 5, "Co": 7}
+
+
+@dataclass
+class Verdict:
+    kernel: str
+    device: DeviceClass
+    version: str
+    ok: bool
+    detail: str = ""
+    seconds: float = 0.0
+    cases: int = 0
+    stored: bool = False  # read from the store rather than run now
+
+
+def grid(op: str, device: DeviceClass) -> list[dict]:
+    """The op's self-check problems, as canonical problem dicts."""
+    from .compile import canonical_problem
+
+    out = []
+    for given in GRID[op]:
+        if device.arch == "cpu":
+            given = {**given, **{k: min(v, _CPU_SCALE[k]) for k, v in given.items() if k in _CPU_SCALE},
+                     "dtype": "float32"}
+        p = canonical_problem(op, given)
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = None) -> Verdict:
+    """Run the backend's default config over the grid in the isolated trial runner."""
+    from .registry import kernel_version
+    from .tuner import TOLERANCE, Trials, make_key
+
+    torch_device = torch_device or ("cpu" if device.arch == "cpu" else "cuda")
+    t0 = time.perf_counter()
+    failures, cases = [], 0
+    for problem in grid(mod.OP, device):
+        if not mod.supports(problem, device):
+            continue
+        cases += 1
+        config = mod.default_config(problem, device)
+        key = make_key(mod, problem, device)
+        try:
+            runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
+            res = runner.run(config, {}, time_it=False)
+        except Exception as e:  # noqa: BLE001 - the inputs could not even be made: a failure
+            res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        if res["status"] != "ok":  # one failure is the verdict: no need to crash it again
+            failures.append(f"{_brief(problem)}: {res['status']}: {(res.get('error') or '')[:300]}")
+            break
+    ok = cases > 0 and not failures
+    detail = "; ".join(failures) if failures else ("no problem of the grid is supported" if not cases else "")
+    return Verdict(mod.KERNEL, device, kernel_version(mod), ok, detail, time.perf_counter() - t0, cases)
+
+
+def _brief(p: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in p.items() if not k.startswith("gemm_"))
+
+
+_VERDICTS: dict[tuple, Verdict] = {}
+_LOCK = threading.Lock()
+
+
+def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_device: str | None = None) -> Verdict:
+    """The stored verdict of this backend on this device class, running the check first if
+    there is none (or `force`)."""
+    from .config_cache import CACHE
+    from .registry import kernel_version
+
+    k = (mod.KERNEL, kernel_version(mod), triton_version(), device.arch, device.sm_count)
+    with _LOCK:
+        if not force and k in _VERDICTS:
+            return _VERDICTS[k]
+        store = CACHE.store()
+        found = None if force or store is None else CACHE._store_call("read a self-check",
+                                                                     lambda: store.get_selfcheck(*k))
+        if found is not None:
+            v = Verdict(mod.KERNEL, device, k[1], found[0], found[1] or "", stored=True)
+        else:
+            log.info("tunecache: first contact of %s with %s: running its self-check", mod.KERNEL, device)
+            v = run_check(mod, device, torch_device)
+            if store is not None:
+                CACHE._store_call("keep a self-check", lambda: store.put_selfcheck(
+                    *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name))
+        _VERDICTS[k] = v
+        return v
+
+
+def trusted(mods: list[ModuleType], device: DeviceClass) -> list[ModuleType]:
+    """`mods` (preferred first) less those whose self-check on this device class failed; the
+    first one that passes is where the checking stops (the rest are its fallbacks)."""
+    from .config_cache import CACHE
+
+    mode = settings.selfcheck_mode()
+    if mode == "never" or (mode == "gpu" and device.arch == "cpu"):
+        return mods
+    for i, mod in enumerate(mods):
+        v = verdict(mod, device)
+        if v.ok:
+            return mods[i:]
+        nxt = mods[i + 1].KERNEL if i + 1 < len(mods) else "PyTorch"
+        CACHE.warn_once(f"tunecache: the {mod.KERNEL} backend failed its self-check on {device} "
+                        f"({v.detail[:500]}); using {nxt} instead. `tunecache selftest --force` checks it again.")
+    return []
+
+
+def forget() -> None:
+    """Drop the in-process verdicts (tests; `tunecache selftest --force`)."""
+    with _LOCK:
+        _VERDICTS.clear()
