@@ -70,7 +70,7 @@ def setup(msg: dict) -> dict:
     _STATE.clear()
     mod = importlib.import_module(msg["module"])
     dev = msg["torch_device"]
-    if dev.startswith("cuda"):
+    if dev.startswith("cuda:"):
         torch.cuda.set_device(torch.device(dev))
     torch.manual_seed(0)
     args = mod.inputs(msg["problem"], dev)

@@ -67,9 +67,10 @@ class Op:
         with self._lock:  # one tune per shape per process, even under threads
             entry = self.memo.get(raw)
             if entry is None or entry.watch:
+                where = _torch_device(device_tensor, device)
                 every = registry.backends_for(self.name, device, problem, forced)
-                mods = every if forced else selfcheck.trusted(every, device)
-                entry = _decide(self, raw, mods, problem, device) if mods else \
+                mods = every if forced else selfcheck.trusted(every, device, where)
+                entry = _decide(self, raw, mods, problem, device, where) if mods else \
                     _reference_entry(every[0], problem, device)
                 self.memo[raw] = entry
         return entry
@@ -191,7 +192,15 @@ def valid_record(kernel: str, rec: ConfigRecord | None, key: TuneKey, where: str
     return rec
 
 
-def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass) -> Entry:
+def _torch_device(tensor: Any, device: DeviceClass) -> str:
+    """Where candidates run: the GPU of the user's tensor ("cuda:1"), or the CPU interpreter."""
+    if device.arch == "cpu" or tensor.device.type != "cuda":
+        return "cpu"
+    return f"cuda:{tensor.device.index if tensor.device.index is not None else 0}"
+
+
+def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass,
+            torch_device: str) -> Entry:
     mod, fallbacks = mods[0], tuple(mods[1:])
     key = make_key(mod, problem, device)
     check = launchable(mod, problem, device)
@@ -204,7 +213,7 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
             f"no tuned config for {mod.KERNEL} {problem} on {device} (digest {key.digest[:12]}) and "
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest")
     if policy == "tune":
-        result = tune(mod, problem, device)
+        result = tune(mod, problem, device, torch_device=torch_device)
         kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id,
                              tune_seconds=result.seconds)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)

@@ -57,6 +57,9 @@ class Verdict:
     seconds: float = 0.0
     cases: int = 0
     stored: bool = False  # read from the store rather than run now
+    # the check itself could not run (the trial runner could not start or make inputs): not
+    # the backend's fault, so not kept; the backend is still passed over in this process
+    inconclusive: bool = False
 
 
 def grid(op: str, device: DeviceClass) -> list[dict]:
@@ -79,9 +82,9 @@ def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = N
     from .registry import kernel_version
     from .tuner import TOLERANCE, Trials, make_key
 
-    torch_device = torch_device or ("cpu" if device.arch == "cpu" else "cuda")
+    torch_device = torch_device or ("cpu" if device.arch == "cpu" else "cuda:0")
     t0 = time.perf_counter()
-    failures, cases = [], 0
+    failures, cases, inconclusive = [], 0, False
     for problem in grid(mod.OP, device):
         if not mod.supports(problem, device):
             continue
@@ -91,14 +94,16 @@ def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = N
         try:
             runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
             res = runner.run(config, {}, time_it=False)
-        except Exception as e:  # noqa: BLE001 - the inputs could not even be made: a failure
+        except Exception as e:  # noqa: BLE001 - the inputs could not even be made
             res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+            inconclusive = True
         if res["status"] != "ok":  # one failure is the verdict: no need to crash it again
             failures.append(f"{_brief(problem)}: {res['status']}: {(res.get('error') or '')[:300]}")
             break
     ok = cases > 0 and not failures
     detail = "; ".join(failures) if failures else ("no problem of the grid is supported" if not cases else "")
-    return Verdict(mod.KERNEL, device, kernel_version(mod), ok, detail, time.perf_counter() - t0, cases)
+    return Verdict(mod.KERNEL, device, kernel_version(mod), ok, detail, time.perf_counter() - t0, cases,
+                   inconclusive=inconclusive)
 
 
 def _brief(p: dict) -> str:
@@ -127,14 +132,14 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
         else:
             log.info("tunecache: first contact of %s with %s: running its self-check", mod.KERNEL, device)
             v = run_check(mod, device, torch_device)
-            if store is not None:
+            if store is not None and not v.inconclusive:
                 CACHE._store_call("keep a self-check", lambda: store.put_selfcheck(
                     *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name))
         _VERDICTS[k] = v
         return v
 
 
-def trusted(mods: list[ModuleType], device: DeviceClass) -> list[ModuleType]:
+def trusted(mods: list[ModuleType], device: DeviceClass, torch_device: str | None = None) -> list[ModuleType]:
     """`mods` (preferred first) less those whose self-check on this device class failed; the
     first one that passes is where the checking stops (the rest are its fallbacks)."""
     from .config_cache import CACHE
@@ -143,11 +148,12 @@ def trusted(mods: list[ModuleType], device: DeviceClass) -> list[ModuleType]:
     if mode == "never" or (mode == "gpu" and device.arch == "cpu"):
         return mods
     for i, mod in enumerate(mods):
-        v = verdict(mod, device)
+        v = verdict(mod, device, torch_device=torch_device)
         if v.ok:
             return mods[i:]
         nxt = mods[i + 1].KERNEL if i + 1 < len(mods) else "PyTorch"
-        CACHE.warn_once(f"tunecache: the {mod.KERNEL} backend failed its self-check on {device} "
+        what = "could not run its self-check" if v.inconclusive else "failed its self-check"
+        CACHE.warn_once(f"tunecache: the {mod.KERNEL} backend {what} on {device} "
                         f"({v.detail[:500]}); using {nxt} instead. `tunecache selftest --force` checks it again.")
     return []
 

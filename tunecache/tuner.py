@@ -76,7 +76,7 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
     """
     t0 = time.perf_counter()
     on_gpu = device.arch != "cpu"
-    torch_device = torch_device or ("cuda" if on_gpu else "cpu")
+    torch_device = torch_device or ("cuda:0" if on_gpu else "cpu")
     key = make_key(mod, problem, device)
     space = mod.config_space(problem, device) if configs is None else configs
     candidates = mod.prune(space, problem, device) if configs is None else list(configs)
