@@ -172,7 +172,7 @@ def main(argv=None) -> int:
             cands = None if args.full else quick_candidates(op, hop, p, device)
             if cands is not None and dflt not in cands:
                 cands.append(dflt)
-            tr = tune(hop, p, device, store=None, configs=cands)
+            tr = tune(hop, p, device, configs=cands)
             fns = {"torch": torch_fn(op, args_), "gluon_default": lambda: hop.launch(dflt, *args_),
                    "gluon_tuned": lambda: hop.launch(tr.config, *args_)}
             row["gluon_default"] = {"config": dflt}
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             if not args.no_portable:
                 try:
                     pc = portable_candidates(por, p, device, args.portable_candidates)
-                    pr = tune(por, p, device, store=None, configs=pc)
+                    pr = tune(por, p, device, configs=pc)
                     fns["portable_tuned"] = lambda: por.launch(pr.config, *args_)
                     row["portable_tuned"] = {"config": pr.config, "candidates": pr.candidates}
                 except Exception as e:  # the portable kernel is a reference point, not the subject

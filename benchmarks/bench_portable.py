@@ -50,7 +50,8 @@ def main() -> None:
         p = problem_from_shape(op, given)
         mod = registry.backend_module(op, "portable")
         t0 = time.perf_counter()
-        res = tune(mod, p, dev, default_store(), source="bench")
+        res = tune(mod, p, dev, source="bench")
+        default_store().put_config(res.record(dev), res.trials, run_id=res.run_id)
         tune_s = time.perf_counter() - t0
         torch.manual_seed(1)
         inputs = mod.inputs(p, "cuda")

@@ -11,8 +11,6 @@ import textwrap
 
 import torch
 
-from conftest import ROOT
-
 HERE = os.path.dirname(__file__)
 
 
@@ -86,7 +84,7 @@ def test_a_crashing_or_hanging_candidate_is_a_failed_trial_and_tuning_goes_on(db
     mod.register(monkeypatch)
     problem = mod.problem(torch.randn(24, 16), torch.randn(16, 20))
     state = torch.random.get_rng_state()
-    result = tune(mod, problem, interpreter_device(), None)
+    result = tune(mod, problem, interpreter_device())
     assert result.config["behaviour"] == "ok"
     by = {t.config["behaviour"]: t for t in result.trials}
     assert by["segfault"].status == "failed" and "SIGSEGV" in by["segfault"].error

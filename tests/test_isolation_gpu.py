@@ -31,7 +31,7 @@ def test_a_candidate_that_faults_or_spins_on_the_gpu_leaves_the_caller_untouched
     a, b = torch.randn(256, 128, device="cuda", dtype=torch.float16), torch.randn(128, 192, device="cuda",
                                                                                 dtype=torch.float16)
     t0 = time.perf_counter()
-    result = tune(bad, bad.problem(a, b), cuda_device(0), None, torch_device="cuda:0")
+    result = tune(bad, bad.problem(a, b), cuda_device(0), torch_device="cuda:0")
     seconds = time.perf_counter() - t0
     by = {t.config["behaviour"]: t for t in result.trials}
     print(f"tuned past a faulting and a spinning candidate in {seconds:.1f} s: "

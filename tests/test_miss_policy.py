@@ -39,7 +39,8 @@ def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
     assert entry.provisional
     # a worker tunes the queued key...
     mod = registry.module_for_kernel(job.key.kernel)
-    result = tune(mod, dict(job.key.problem), interpreter_device(), store, source="worker")
+    result = tune(mod, dict(job.key.problem), interpreter_device(), source="worker")
+    store.put_config(result.record(interpreter_device()), result.trials)
     # ...and the running process switches to the winner on its next call
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
     (entry,) = ops.OPS["matmul"].memo.values()
@@ -57,8 +58,10 @@ def test_default_prefers_the_nearest_tuned_neighbour(db_url, monkeypatch):
     near = problems.matmul_problem(torch.randn(64, 64), torch.randn(64, 64))
     far = problems.matmul_problem(torch.randn(16, 16), torch.randn(16, 16))
     store = default_store()
-    tuned_near = tune(mod, near, dev, store)
-    tune(mod, far, dev, store)
+    tuned_near = tune(mod, near, dev)
+    far_result = tune(mod, far, dev)
+    for r in (tuned_near, far_result):
+        store.put_config(r.record(dev), r.trials)
     query = problems.matmul_problem(torch.randn(60, 64), torch.randn(64, 60))
     assert nearest_neighbour(mod, query, dev, store) == tuned_near.config
     other_dtype = problems.matmul_problem(torch.randn(60, 64).half(), torch.randn(64, 60).half())

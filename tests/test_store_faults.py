@@ -398,3 +398,77 @@ def test_describe_fault_words_sqlite_errors(text, words):
 def test_describe_fault_leaves_other_errors_alone():
     assert describe_fault(ValueError("M must be positive")) is None
     assert describe_fault(OSError(errno.ENOSPC, "No space left on device")) == "the disk holding the store is full"
+
+
+# ---- the call goes on: a training script's first call under each fault ----------------------
+
+CALL = """
+import torch
+from tunecache import ops
+torch.manual_seed(0)
+a, b = torch.randn(40, 24), torch.randn(24, 36)
+for _ in range(2):
+    torch.testing.assert_close(ops.matmul(a, b), a @ b)
+print("CALLS OK")
+"""
+
+
+def _call(url: str, **env: str) -> list[str]:
+    """Run the script against this store; return the tunecache warnings it printed."""
+    import os
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CALL], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TUNECACHE_DB_URL": url, **env})
+    assert proc.returncode == 0 and "CALLS OK" in proc.stdout, proc.stderr[-3000:]
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("tunecache:")]
+
+
+def _one_warning(lines: list[str], *words: str) -> None:
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_a_call_goes_on_over_a_read_only_store(tmpfs, db_url):
+    d = tmpfs()
+    url = f"sqlite:///{d / 'store.sqlite'}"
+    assert _call(url) == []  # tunes and keeps the winner
+    remount_read_only(d)
+    _one_warning(_call(url), "read-only file system", "using it read-only")
+
+
+def test_a_call_goes_on_when_the_disk_is_full(tmpfs, db_url):
+    d = tmpfs("256k")
+    url = f"sqlite:///{d / 'store.sqlite'}"
+    Store(url).close()  # an empty store, then no room to keep anything
+    fill(d)
+    _one_warning(_call(url), "is full")
+
+
+def test_a_call_goes_on_over_a_corrupt_store(tmp_path, db_url):
+    path = tmp_path / "store.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    _one_warning(_call(f"sqlite:///{path}"), "not a SQLite database", "moved aside")
+    assert list(tmp_path.glob("store.sqlite.corrupt-*"))
+
+
+def test_a_call_goes_on_over_a_store_of_a_newer_tunecache(tmp_path, db_url):
+    path = tmp_path / "store.sqlite"
+    Store(f"sqlite:///{path}").close()
+    con = sqlite3.connect(path)
+    con.execute("UPDATE alembic_version SET version_num = '9999'")
+    con.commit()
+    con.close()
+    _one_warning(_call(f"sqlite:///{path}"), "newer tunecache", "9999", "read-only")
+
+
+def test_a_call_goes_on_while_another_process_holds_the_lock(tmp_path, db_url):
+    path = tmp_path / "store.sqlite"
+    Store(f"sqlite:///{path}").close()
+    holder = hold_write_lock(path)
+    try:
+        _one_warning(_call(f"sqlite:///{path}", TUNECACHE_DB_BUSY_TIMEOUT_S="0.3"), "locked")
+    finally:
+        holder.rollback()
+        holder.close()

@@ -145,10 +145,11 @@ def tune(
             bar.update(task, completed=i, total=n)
 
         try:
-            result = run_tune(mod, p, device, store, torch_device=f"cuda:{gpu}" if on_gpu else "cpu",
+            result = run_tune(mod, p, device, torch_device=f"cuda:{gpu}" if on_gpu else "cpu",
                               source="cli", progress=progress)
         except TuneError as e:
             _fail(str(e))
+    store.put_config(result.record(device), result.trials, run_id=result.run_id)
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
     console.print(f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
                   f"{result.candidates} candidates (digest {key.digest[:12]})")

@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 # environment variables that change what a worker computes: a worker started under other
 # values is replaced rather than reused
@@ -208,6 +207,9 @@ def compile_pool(workers: int, extra_env: dict[str, str] | None = None) -> Compi
     with _LOCK:
         pool = _POOLS.get(k)
         if pool is None:
+            for old in _POOLS.values():  # one warm pool at a time: each worker holds a Triton
+                old.close()
+            _POOLS.clear()
             pool = _POOLS[k] = CompilePool(workers, env)
         return pool
 
@@ -218,6 +220,8 @@ def runner_for(torch_device: str) -> Worker:
     with _LOCK:
         w = _RUNNERS.get(k)
         if w is None:
+            for old_key in [o for o in _RUNNERS if o[0] == torch_device]:  # started under other settings
+                _RUNNERS.pop(old_key).close()
             w = _RUNNERS[k] = Worker(f"trial runner for {torch_device}")
         return w
 

@@ -80,14 +80,16 @@ class Op:
         fleet removed the winner this process was running)."""
         if time.monotonic() < entry.recheck_at:
             return entry
-        rec = CACHE.get(entry.key, launchable(entry.mod, entry.problem, entry.device))
+        # the key's own backend: a provisional entry may be running another one's default
+        mod = registry.module_for_kernel(entry.key.kernel)
+        rec = CACHE.get(entry.key, launchable(mod, entry.problem, entry.device))
         if rec is None and not entry.provisional:
             self.memo.pop(raw, None)
             return None
-        if rec is None or rec.config == entry.config:
+        if rec is None or (rec.config == entry.config and mod is entry.mod):
             entry.recheck_at = time.monotonic() + _recheck_after(rec)
             return entry
-        new = _entry(self, raw, entry.mod, entry.problem, entry.device, rec.config, entry.key, rec=rec,
+        new = _entry(self, raw, mod, entry.problem, entry.device, rec.config, entry.key, rec=rec,
                      fallbacks=entry.fallbacks)
         self.memo[raw] = new
         return new
@@ -218,9 +220,17 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
                              tune_seconds=result.seconds)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
-    config = nearest_neighbour(mod, problem, device, CACHE.store()) or mod.default_config(problem, device)
     CACHE.enqueue(key)
-    return _entry(op, raw, mod, problem, device, config, key, fallbacks=fallbacks, provisional=True)
+    config = nearest_neighbour(mod, problem, device, CACHE.store()) or mod.default_config(problem, device)
+    if check(config) is None:
+        return _entry(op, raw, mod, problem, device, config, key, fallbacks=fallbacks, provisional=True)
+    log.warning("tunecache: the default config of %s cannot run %s on %s (%s)", mod.KERNEL, problem, device,
+                check(config))
+    for other in fallbacks:  # the next backend's default, until the winner is known
+        config = other.default_config(problem, device)
+        if launchable(other, problem, device)(config) is None:
+            return _entry(op, raw, other, problem, device, config, key, provisional=True)
+    return _reference_entry(mod, problem, device)
 
 
 _SIZE_FIELDS = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")

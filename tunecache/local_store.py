@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import quote
 
+from .migrate import store_file_lock
 from .store import STORE_ERRORS, Store, describe_fault, fault_kind, sqlite_path, sqlite_url
 
 log = logging.getLogger("tunecache.store")
@@ -116,7 +115,7 @@ def _in_memory(cause: str) -> LocalStoreHandle:
 def _replace_corrupt(url: str, path: Path, cause: str) -> LocalStoreHandle:
     """Move the corrupt file (and its -wal and -shm) aside and start a fresh store in its place."""
     try:
-        with _recovery_lock(path):
+        with store_file_lock(path):
             # another process may have moved it and started a fresh one since we looked
             moved = _move_aside(path) if _still_corrupt(path) else None
     except OSError as e:
@@ -130,18 +129,6 @@ def _replace_corrupt(url: str, path: Path, cause: str) -> LocalStoreHandle:
     if moved is None:  # another process moved it aside first
         return LocalStoreHandle(store, "ok", f"{cause} when first opened; another process has replaced it since")
     return LocalStoreHandle(store, "fresh", f"{cause}: moved aside to {moved} and started a fresh store", moved)
-
-
-@contextlib.contextmanager
-def _recovery_lock(path: Path) -> Iterator[None]:
-    """The lock first-open migrations take (tunecache.migrate): one process at a time checks and
-    moves a corrupt file, and never while another migrates the fresh one."""
-    with open(f"{path}.migrate-lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _still_corrupt(path: Path) -> bool:

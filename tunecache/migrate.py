@@ -45,10 +45,10 @@ def current_revision(engine: Engine) -> str | None:
 
 
 @contextlib.contextmanager
-def _sqlite_file_lock(engine: Engine):
-    """Serialise first-open migrations of one SQLite file across processes."""
-    db = engine.url.database
-    if not db or db == ":memory:":
+def store_file_lock(db: str | Path | None):
+    """Serialise first-open work on one SQLite file across processes: migrations, and the
+    recovery of a corrupt file (tunecache.local_store), never at the same time."""
+    if not db or str(db) == ":memory:":
         yield
         return
     with open(f"{db}.migrate-lock", "a") as f:
@@ -63,17 +63,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     from alembic import command
 
     cfg = alembic_config()
-    lock = _sqlite_file_lock(engine) if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+    lock = store_file_lock(engine.url.database) if engine.dialect.name == "sqlite" else contextlib.nullcontext()
     with lock, engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             # one migrator at a time across the fleet
             conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7462531)")
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
-
-
-def ensure_schema(engine: Engine) -> None:
-    """Upgrade to head unless already there (the common case costs one small query)."""
-    head = head_revision()
-    if current_revision(engine) != head:
-        upgrade(engine)

@@ -1,4 +1,4 @@
-"""Tuning one problem: space -> prune -> compile -> check -> benchmark -> store.
+"""Tuning one problem: space -> prune -> compile -> check -> benchmark; the caller keeps the winner.
 
 Every candidate's output is checked against the PyTorch reference before it is timed, so a
 config that fails to compile, crashes or computes a wrong answer is recorded as a failed
@@ -17,7 +17,7 @@ from typing import Any, Callable
 from . import settings
 from .key import DeviceClass, TuneKey, triton_version
 from .registry import kernel_version
-from .store import ConfigRecord, Store, TrialRecord, whoami
+from .store import ConfigRecord, TrialRecord, whoami
 
 log = logging.getLogger("tunecache.tuner")
 
@@ -41,7 +41,6 @@ class TuneResult:
     tflops: float | None
     candidates: int
     trials: list[TrialRecord] = field(default_factory=list)
-    stored: ConfigRecord | None = None
     seconds: float = 0.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     source: str = "inline"
@@ -64,15 +63,14 @@ def relative_error(out: Any, ref: Any) -> float:
     return err / denom if denom > 0 else err
 
 
-def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | None = None, *,
+def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
          torch_device: str | None = None, source: str = "inline",
          progress: Callable[[int, int, dict], None] | None = None,
          configs: list[dict] | None = None) -> TuneResult:
     """Tune `mod` (a backend module) for `problem` on this device; return the winner and every trial.
 
-    Nothing is written unless `store` is given (then the winner and the trials are stored there;
-    the ops keep results through `tunecache.config_cache` instead). `configs` overrides the
-    candidate list (benchmarks).
+    Nothing is written: callers keep the result (`ConfigCache.keep`, or a store's `put_config`
+    with `result.record(device)`). `configs` overrides the candidate list (benchmarks).
     """
     t0 = time.perf_counter()
     on_gpu = device.arch != "cpu"
@@ -86,7 +84,7 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
             candidates = candidates[:cap]
         # the untuned default always competes, so a tuned entry is never slower than no tuning
         default = mod.default_config(problem, device)
-        if default not in candidates:
+        if default not in candidates and mod.prune([default], problem, device):
             candidates.append(default)
     if not candidates:
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
@@ -106,7 +104,6 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
     if progress:
         progress(len(candidates), len(candidates), {})
     if not timed:
-        _store_trials(store, key, trials)
         errors = "; ".join(f"{t.config}: {t.error}" for t in trials[:5])
         raise TuneError(f"{mod.KERNEL}: no config of {len(candidates)} ran correctly for {problem}: {errors}")
 
@@ -129,8 +126,6 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | Non
     tflops = flops / (best.median_ms * 1e-3) / 1e12 if best.median_ms > 0 else None
     result = TuneResult(key, best.config, best.median_ms, tflops, len(candidates), trials,
                         seconds=time.perf_counter() - t0, source=source)
-    if store is not None:
-        result.stored, _ = store.put_config(result.record(device), trials, run_id=result.run_id)
     log.info("tunecache: tuned %s %s in %d candidates: %s (%.4f ms)", mod.KERNEL, problem, len(candidates),
              best.config, best.median_ms)
     return result
@@ -150,11 +145,6 @@ def _precompile(mod: ModuleType, problem: dict, device: DeviceClass, candidates:
         else:
             trials.append(TrialRecord(cfg, "failed", error=f"compile: {report.error}"))
     return kept
-
-
-def _store_trials(store: Store | None, key: TuneKey, trials: list[TrialRecord]) -> None:
-    if store is not None and trials:
-        store.add_trials(key, trials)
 
 
 class Trials:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 from . import settings
 from .key import DeviceClass, TuneKey, interpreter_device
-from .store import ConfigRecord, Store, TrialRecord, default_store
+from .store import STORE_ERRORS, ConfigRecord, Store, TrialRecord, default_store
 
 log = logging.getLogger("tunecache.worker")
 
@@ -277,16 +277,18 @@ class Worker:
         t0 = time.perf_counter()
         with Lease(self.queue, job.id, self.owner, self.lease_s) as lease:
             try:
-                result = tune(mod, dict(key.problem), self.device, self.store, torch_device=self.torch_device,
+                result = tune(mod, dict(key.problem), self.device, torch_device=self.torch_device,
                               source=self.source)
             except Exception as e:
                 return self._fail(job, _short(e))
             seconds = time.perf_counter() - t0
             if lease.lost:
                 return Outcome(job.id, key.kernel, "lost", seconds, "lease lost while tuning; not published")
-            rec = result.stored or ConfigRecord(key=key, config=result.config, median_ms=result.median_ms,
-                                                tflops=result.tflops, candidates=result.candidates,
-                                                device_name=self.device.name, source=self.source)
+            rec = result.record(self.device)
+            try:  # this host's copy first: the service may be away right now
+                self.store.put_config(rec, result.trials, run_id=result.run_id)
+            except STORE_ERRORS as e:
+                log.warning("tunecache: job %d: cannot keep the result in the local store: %s", job.id, e)
             sent = self._publish(rec, result.trials, seconds)
             if sent is False:
                 return self._fail(job, "the service rejected the result (see its log)")
