@@ -35,6 +35,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
+        if "pg_url" in getattr(item, "fixturenames", ()):  # directly or through the fleet fixtures
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture
@@ -64,7 +66,11 @@ def pg_url() -> str:
     try:
         conn = psycopg.connect(**admin, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as e:
-        pytest.fail(f"Postgres at {PG_URL} is not reachable: {e}")
+        why = (f"Postgres at {PG_URL} is not reachable ({str(e).strip()[:200]}); start one (README: "
+               f"'Running the tests') or set TUNECACHE_TEST_PG_URL")
+        if os.environ.get("TUNECACHE_TEST_REQUIRE_PG") == "1":  # CI: a missing database is a failure
+            pytest.fail(why)
+        pytest.skip(why)
     conn.execute(f'CREATE DATABASE "{name}"')
     yield base.set(database=name).render_as_string(hide_password=False)
     conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')

@@ -12,7 +12,7 @@ from tunecache.transfer import export_configs, import_configs
 CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store(request, tmp_path):
     if request.param == "sqlite":
         s = Store(f"sqlite:///{tmp_path / 's.sqlite'}")

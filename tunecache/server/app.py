@@ -12,7 +12,7 @@ import os
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import settings
 from ..store import Store
 from . import configs, jobs, system
-from .deps import TokenCache
+from .deps import TokenCache, known_query_only
 from .metrics import Metrics
 from .schemas import ErrorOut
 
@@ -59,6 +59,7 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
         app.state.store.close()
 
     app = FastAPI(title="tunecache", version=version("tunecache"), lifespan=lifespan,
+                  dependencies=[Depends(known_query_only)],
                   description="A fleet-shared autotune cache for Triton/Gluon kernels: look up the best "
                               "config for a kernel, device class and shape; publish results; run the "
                               "queue of tuning jobs.")

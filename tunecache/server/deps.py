@@ -87,3 +87,26 @@ ReadToken = Annotated[TokenRecord, Depends(require("read"))]
 PublishToken = Annotated[TokenRecord, Depends(require("publish"))]
 WorkerToken = Annotated[TokenRecord, Depends(require("worker"))]
 AdminToken = Annotated[TokenRecord, Depends(require("admin"))]
+
+
+def known_query_only(request: Request) -> None:
+    """422 for a query parameter the route does not take: a misspelt filter must not quietly
+    answer as if there were none (`?kernal=matmul.hopper` listing every kernel)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known = _query_names(dependant)
+    unknown = sorted({k for k in request.query_params if k not in known})
+    if unknown:
+        shown = ", ".join(repr(k[:40]) for k in unknown[:5])
+        raise HTTPException(422, f"unknown query parameter(s) {shown}; this route takes "
+                                 f"{', '.join(sorted(known)) or 'none'}")
+
+
+def _query_names(dependant) -> set[str]:
+    """The query parameters a route takes, its dependencies' included."""
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
