@@ -37,7 +37,7 @@ def main() -> None:
     import torch
 
     from tunecache import bench, registry
-    from tunecache.cli import problem_from_shape
+    from tunecache.shapes import canonical_problem
     from tunecache.key import cuda_device
     from tunecache.store import default_store
     from tunecache.tuner import relative_error, tune
@@ -47,7 +47,7 @@ def main() -> None:
     rows = []
     print(f"{'op':14} {'problem':58} {'default':>9} {'tuned':>9} {'torch':>9} {'tuned/def':>9} {'tune s':>7}")
     for op, given in SHAPES:
-        p = problem_from_shape(op, given)
+        p = canonical_problem(op, given)
         mod = registry.backend_module(op, "portable")
         t0 = time.perf_counter()
         res = tune(mod, p, dev, source="bench")

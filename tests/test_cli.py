@@ -34,7 +34,7 @@ def test_tune_then_ls_show_export_import(db_url, tmp_path):
 
 
 def test_bad_arguments_are_named():
-    bad = cli("tune", "matmul", "-p", "M=4,N=4", check=False)
+    bad = cli("tune", "matmul", "-p", "M=4,N=4,dtype=float32", check=False)
     assert bad.returncode == 2 and "missing K" in bad.stderr
     bad = cli("tune", "conv9", "-p", "M=4", check=False)
     assert bad.returncode == 2 and "unknown op" in bad.stderr

@@ -42,3 +42,52 @@ def test_an_unknown_query_parameter_is_refused_by_name(clean_fleet):
         r = api.get("/v1/configs", params={"kernal": "matmul.hopper"})
         assert r.status_code == 422 and "'kernal'" in r.json()["detail"] and "kernel" in r.json()["detail"]
         assert api.get("/v1/configs", params={"kernel": "matmul.hopper"}).status_code == 200
+
+
+def _cli(*args: str, columns: int = 80) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tunecache.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": str(columns)})
+
+
+def test_a_shape_typed_wrong_is_named_never_guessed(db_url):
+    for shape, words in [("M=64,N=64,K=64", "needs a dtype"),
+                         ("M=64,N=64,K=64,dtype=float32,a_layout=colum", "a_layout must be row or col"),
+                         ("M=-4,N=64,K=64,dtype=float32", "M must be an integer >= 1, got -4"),
+                         ("M=64,N=64,K=64,dtype=float32,BLOCK=3", "unknown key(s) BLOCK")]:
+        proc = _cli("tune", "matmul", "-p", shape)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_key_prints_the_digest_a_library_call_uses(db_url):
+    import json
+
+    import torch
+
+    from tunecache import ops
+    from tunecache.store import default_store
+
+    ops.matmul(torch.randn(40, 24), torch.randn(24, 36))
+    (rec,) = default_store().list_configs()
+    proc = _cli("key", "matmul", "-p", "M=40,N=36,K=24,dtype=float32")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["digest"] == rec.digest
+
+
+def test_ls_fits_80_columns_and_json_has_everything(db_url):
+    import json
+
+    _cli("tune", "conv2d_fprop", "-p", "N=2,H=8,W=8,Ci=4,Co=8,R=3,S=3,padding=1,dtype=float32")
+    listing = _cli("ls").stdout
+    assert "conv2d_fprop.portable" in listing and "N2 8x8 4>8 3x3/s1p1 f32" in listing
+    assert all(len(line) <= 80 for line in listing.splitlines()), listing
+    (row,) = [json.loads(line) for line in _cli("ls", "--json").stdout.splitlines()]
+    assert row["kernel"] == "conv2d_fprop.portable" and row["config"]
+
+
+def test_version_and_a_tuning_call_says_what_it_does(db_url):
+    assert _cli("--version").stdout.startswith("tunecache ")
+    code = ("import torch; from tunecache import ops; "
+            "ops.matmul(torch.randn(40, 24), torch.randn(24, 36)); ops.matmul(torch.randn(40, 24), torch.randn(24, 36))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tunecache: tuning matmul.portable")]
+    assert proc.returncode == 0 and len(lines) == 1 and "candidates, roughly" in lines[0], proc.stderr

@@ -37,7 +37,7 @@ def test_bad_manifest_names_the_problem(tmp_path):
     from tunecache.pretune import ManifestError, load_manifest
 
     bad = tmp_path / "bad.toml"
-    bad.write_text('[[shape]]\nname = "x"\nop = "matmul"\nM = 8\nN = 8\n')
+    bad.write_text('[[shape]]\nname = "x"\nop = "matmul"\ndtype = "float16"\nM = 8\nN = 8\n')
     with pytest.raises(ManifestError, match=r"bad.toml: shape x \(matmul\): .*missing K"):
         load_manifest(bad)
     bad.write_text('[[shape]]\nop = "fft"\n')

@@ -421,7 +421,8 @@ def _call(url: str, **env: str) -> list[str]:
     proc = subprocess.run([sys.executable, "-c", CALL], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TUNECACHE_DB_URL": url, **env})
     assert proc.returncode == 0 and "CALLS OK" in proc.stdout, proc.stderr[-3000:]
-    return [ln for ln in proc.stderr.splitlines() if ln.startswith("tunecache:")]
+    return [ln for ln in proc.stderr.splitlines()
+            if ln.startswith("tunecache:") and not ln.startswith("tunecache: tuning ")]
 
 
 def _one_warning(lines: list[str], *words: str) -> None:

@@ -12,10 +12,26 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .shapes import canonical_problem
+
 app = typer.Typer(help="A persistent, fleet-shared autotune cache for Triton/Gluon kernels.",
                   no_args_is_help=True, add_completion=False)
 db_app = typer.Typer(help="The store's schema (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"tunecache {version('tunecache')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """A persistent, fleet-shared autotune cache for Triton/Gluon kernels."""
 console = Console()
 err = Console(stderr=True)
 
@@ -55,54 +71,6 @@ def parse_problem(text: str) -> dict:
     return out
 
 
-def problem_from_shape(op: str, given: dict) -> dict:
-    """Complete a partial problem (e.g. M, N, K, dtype) into the canonical one via the op's
-    own argument checks, so the key is exactly what a library call would compute."""
-    import torch
-
-    from tunecache_kernels import problems
-
-    from .registry import OPS
-
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
-    dt = problems.DTYPES.get(given.get("dtype", "bfloat16"))
-    if dt is None:
-        raise ValueError(f"dtype must be one of {sorted(problems.DTYPES)}, got {given.get('dtype')!r}")
-
-    def t(*shape):
-        return torch.empty(shape, dtype=dt, device="meta")
-
-    def need(*names):
-        missing = [n for n in names if n not in given]
-        if missing:
-            raise ValueError(f"--problem for {op} is missing {', '.join(missing)}")
-        return [int(given[n]) for n in names]
-
-    if op == "matmul":
-        M, N, K = need("M", "N", "K")
-        a = t(M, K) if given.get("a_layout", "row") == "row" else t(K, M).t()
-        b = t(K, N) if given.get("b_layout", "row") == "row" else t(N, K).t()
-        return _meta_problem(problems.matmul_problem, a, b)
-    N, H, W, Ci, Co, R, S = need("N", "H", "W", "Ci", "Co", "R", "S")
-    stride = (int(given.get("stride_h", given.get("stride", 1))), int(given.get("stride_w", given.get("stride", 1))))
-    padding = (int(given.get("pad_h", given.get("padding", 0))), int(given.get("pad_w", given.get("padding", 0))))
-    x = t(N, H, W, Ci)
-    if op == "conv2d_fprop":
-        return _meta_problem(problems.conv2d_fprop_problem, x, t(Co, R, S, Ci), stride, padding)
-    if op == "conv2d_wgrad":
-        P = problems.out_size(H, R, stride[0], padding[0])
-        Q = problems.out_size(W, S, stride[1], padding[1])
-        if P <= 0 or Q <= 0:
-            raise ValueError(f"empty output geometry {P}x{Q}")
-        return _meta_problem(problems.conv2d_wgrad_problem, x, t(N, P, Q, Co), R, S, stride, padding)
-    raise AssertionError(op)
-
-
-def _meta_problem(fn, *args) -> dict:
-    return fn(*args)  # meta tensors: the op's own checks, no memory
-
-
 @app.command()
 def tune(
     op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
@@ -122,7 +90,7 @@ def tune(
     from .tuner import tune as run_tune
 
     try:
-        p = problem_from_shape(op, parse_problem(problem))
+        p = canonical_problem(op, parse_problem(problem))
     except (ValueError, TypeError) as e:
         _fail(str(e))
     import torch
@@ -138,11 +106,17 @@ def tune(
     if not force and (rec := store.get_config(key.digest)) is not None:
         console.print(f"already tuned: {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); --force to redo")
         return
-    with Progress(console=err, transient=True) as bar:
-        task = bar.add_task(f"tuning {mod.KERNEL} on {device}", total=None)
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-        def progress(i, n, cfg):
-            bar.update(task, completed=i, total=n)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[best]}"))
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(f"{mod.KERNEL} on {device}", total=None, best="")
+
+        def progress(stage, i, n, best_ms):
+            what = "compiling" if stage == "compile" else "timing"
+            bar.update(task, description=f"{what} {mod.KERNEL} on {device}", completed=i, total=n,
+                       best="" if best_ms is None else f"best so far {best_ms:.4f} ms")
 
         try:
             result = run_tune(mod, p, device, torch_device=f"cuda:{gpu}" if on_gpu else "cpu",
@@ -155,22 +129,51 @@ def tune(
                   f"{result.candidates} candidates (digest {key.digest[:12]})")
 
 
+_DT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def shape_text(p: dict) -> str:
+    """A problem in a few characters: '4096x4096x4096 bf16', 'N32 56x56 256>256 3x3/s1p1 bf16'."""
+    dt = _DT.get(str(p.get("dtype")), str(p.get("dtype", "")))
+    if "M" in p and "R" not in p:
+        lay = "" if (p.get("a_layout"), p.get("b_layout")) == ("row", "row") else \
+            f" {str(p.get('a_layout', ''))[:1]}{str(p.get('b_layout', ''))[:1]}"
+        return f"{p.get('M')}x{p.get('N')}x{p.get('K')} {dt}{lay}"
+    if "R" in p:
+        st = p.get("stride_h", p.get("stride", 1))
+        pd = p.get("pad_h", p.get("padding", 0))
+        return f"N{p.get('N')} {p.get('H')}x{p.get('W')} {p.get('Ci')}>{p.get('Co')} {p.get('R')}x{p.get('S')}/s{st}p{pd} {dt}"
+    return ",".join(f"{k}={v}" for k, v in p.items())
+
+
 @app.command("ls")
 def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. matmul.hopper"),
        arch: Optional[str] = typer.Option(None, help="only this arch, e.g. sm_90"),
-       limit: int = typer.Option(200, help="at most this many rows")) -> None:
-    """List tuned configs in the store."""
+       limit: int = typer.Option(200, help="at most this many rows"),
+       wide: bool = typer.Option(False, "--wide", help="every column (the config, TFLOP/s), however wide"),
+       as_json: bool = typer.Option(False, "--json", help="one JSON object per config, nothing else")) -> None:
+    """List tuned configs in the store (fits 80 columns; --wide or --json for everything)."""
     rows = _store().list_configs(kernel=kernel, arch=arch, limit=limit)
-    table = Table("digest", "kernel", "device", "problem", "config", "ms", "TFLOP/s", "source")
-    for col in table.columns:
-        col.overflow = "fold"
-    table.columns[0].min_width = 12
+    if as_json:
+        for r in rows:
+            sys.stdout.write(json.dumps(r.to_json()) + "\n")
+        return
+    table = Table("digest", "kernel", "device", "shape", "ms", box=None, pad_edge=False)
+    if wide:
+        for name in ("TFLOP/s", "source", "config"):
+            table.add_column(name)
+    for col, width in zip(table.columns, (12, 21, 9, 12, 8)):
+        col.overflow = "fold" if wide else "ellipsis"
+        col.no_wrap = not wide
+        col.min_width = width
     for r in rows:
-        prob = ",".join(f"{k}={v}" for k, v in r.key.problem.items() if not k.startswith("gemm_"))
-        table.add_row(r.digest[:12], r.key.kernel, f"{r.key.arch}:{r.key.sm_count}", prob,
-                      json.dumps(r.config, separators=(",", ":")), f"{r.median_ms:.4f}",
-                      f"{r.tflops:.1f}" if r.tflops else "-", r.source)
-    console.print(table)
+        shape = shape_text(r.key.problem)
+        cells = [r.digest[:12], r.key.kernel, f"{r.key.arch}:{r.key.sm_count}", shape, f"{r.median_ms:.4f}"]
+        if wide:
+            cells += [f"{r.tflops:.1f}" if r.tflops else "-", r.source, json.dumps(r.config, separators=(",", ":"))]
+        table.add_row(*cells)
+    (Console(width=max(console.width, 240)) if wide else console).print(table, width=None if wide else
+                                                                        min(console.width, 80))
     console.print(f"{len(rows)} config(s) in {_store().safe_url}")
 
 
@@ -472,12 +475,41 @@ def compile_(op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or c
     from .compile import compile_space, report_lines
 
     try:
-        p = problem_from_shape(op, parse_problem(problem)) if problem else None
+        p = canonical_problem(op, parse_problem(problem)) if problem else None
         reports = compile_space(op, backend, arch, p, all_configs=all_configs, workers=workers)
     except (ValueError, TypeError, KeyError) as e:
         _fail(str(e).strip("'\""))
     for line in report_lines(reports, kernel=f"{op}.{backend}"):
         sys.stdout.write(line + "\n")
+
+
+@app.command()
+def key(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+        problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`, or JSON"),
+        device: Optional[str] = typer.Option(None, help="the device class ARCH:SMS, e.g. sm_90:132 "
+                                                        "(default: this machine's GPU, or the CPU interpreter)"),
+        backend: Optional[str] = typer.Option(None, help="a backend (default: the device's preferred one)")) -> None:
+    """Print the store's key for a shape: kernel, kernel version, Triton version, device class,
+    the canonical problem and its digest, as JSON (what `tunecache show`, the fleet's
+    `GET /v1/configs/{digest}` and `POST /v1/lookup` take)."""
+    from . import registry
+    from .key import DeviceClass, cuda_device, interpreter_device
+    from .tuner import make_key
+
+    try:
+        p = canonical_problem(op, parse_problem(problem))
+        if device:
+            dev = DeviceClass.parse(device)
+        else:
+            import torch
+
+            dev = cuda_device(0) if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
+                else interpreter_device()
+        mod = registry.backend_for(op, dev, p, backend)
+        k = make_key(mod, p, dev)
+    except (ValueError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+    console.print_json(json.dumps({**k.fields(), "digest": k.digest}))
 
 
 @app.command()

@@ -138,47 +138,10 @@ REPRESENTATIVE = {
 
 
 def canonical_problem(op: str, given: dict | None = None) -> dict:
-    """A partial problem (shape and dtype, as a user would type it; the op's representative
-    one if None) -> the op's canonical problem dict, through the ops' own argument checks on
-    meta tensors (no memory). A dict that is already canonical is returned as is."""
-    given = dict(REPRESENTATIVE[op] if given is None else given)
-    canonical_field = {"matmul": "a_layout", "conv2d_fprop": "gemm_M", "conv2d_wgrad": "gemm_M"}
-    if op not in canonical_field:
-        raise ValueError(f"unknown op {op!r}; expected one of {sorted(canonical_field)}")
-    if canonical_field[op] in given and "dtype" in given:
-        return given
-    import torch
+    """A shape as typed (the op's representative one if None) -> its canonical problem."""
+    from .shapes import canonical_problem as canonical
 
-    from tunecache_kernels import problems
-
-    dt = problems.DTYPES.get(given.get("dtype", "bfloat16"))
-    if dt is None:
-        raise ValueError(f"dtype must be one of {sorted(problems.DTYPES)}, got {given.get('dtype')!r}")
-
-    def need(*names):
-        missing = [n for n in names if n not in given]
-        if missing:
-            raise ValueError(f"the {op} problem is missing {', '.join(missing)}")
-        return [int(given[n]) for n in names]
-
-    def t(*shape):
-        return torch.empty(shape, dtype=dt, device="meta")
-
-    if op == "matmul":
-        M, N, K = need("M", "N", "K")
-        a = t(M, K) if given.get("a_layout", "row") == "row" else t(K, M).t()
-        b = t(K, N) if given.get("b_layout", "row") == "row" else t(N, K).t()
-        return problems.matmul_problem(a, b)
-    N, H, W, Ci, Co, R, S = need("N", "H", "W", "Ci", "Co", "R", "S")
-    st = (int(given.get("stride_h", given.get("stride", 1))), int(given.get("stride_w", given.get("stride", 1))))
-    pd = (int(given.get("pad_h", given.get("padding", 0))), int(given.get("pad_w", given.get("padding", 0))))
-    if op == "conv2d_fprop":
-        return problems.conv2d_fprop_problem(t(N, H, W, Ci), t(Co, R, S, Ci), st, pd)
-    P = problems.out_size(H, R, st[0], pd[0])
-    Q = problems.out_size(W, S, st[1], pd[1])
-    if P <= 0 or Q <= 0:
-        raise ValueError(f"empty output: a {R}x{S} filter with stride {st} and padding {pd} over {H}x{W}")
-    return problems.conv2d_wgrad_problem(t(N, H, W, Ci), t(N, P, Q, Co), R, S, st, pd)
+    return canonical(op, REPRESENTATIVE[op] if given is None else given)
 
 
 # ---- compiling one spec ------------------------------------------------------------------------

@@ -194,6 +194,28 @@ def valid_record(kernel: str, rec: ConfigRecord | None, key: TuneKey, where: str
     return rec
 
 
+def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[..., None]:
+    """Tuning blocks the caller's call: say so once, with what and roughly how long."""
+    said = []
+
+    def progress(stage: str, done: int, total: int, best_ms: float | None) -> None:
+        if said:
+            return
+        said.append(stage)
+        if device.arch == "cpu":
+            guess = total * 0.1  # the interpreter, on small shapes
+        else:
+            from .compile import default_workers
+
+            guess = -(-total // default_workers()) * 3.0 + total * 0.15  # compiles, then timings
+        shape = ",".join(f"{k}={v}" for k, v in problem.items() if not k.startswith("gemm_"))
+        log.warning("tunecache: tuning %s for %s on %s: %d candidates, roughly %.0f s; later calls and "
+                    "processes reuse the winner (TUNECACHE_MISS_POLICY=default never blocks)",
+                    mod.KERNEL, shape, device, total, max(1.0, guess))
+
+    return progress
+
+
 def _torch_device(tensor: Any, device: DeviceClass) -> str:
     """Where candidates run: the GPU of the user's tensor ("cuda:1"), or the CPU interpreter."""
     if device.arch == "cpu" or tensor.device.type != "cuda":
@@ -215,7 +237,7 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
             f"no tuned config for {mod.KERNEL} {problem} on {device} (digest {key.digest[:12]}) and "
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest")
     if policy == "tune":
-        result = tune(mod, problem, device, torch_device=torch_device)
+        result = tune(mod, problem, device, torch_device=torch_device, progress=_announce(mod, problem, device))
         kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id,
                              tune_seconds=result.seconds)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)

@@ -89,7 +89,7 @@ def _toml_load(path: Path) -> dict:
 
 def load_manifest(name_or_path: str | os.PathLike) -> Manifest:
     """Parse a manifest and compute each shape's canonical problem (the op's own checks)."""
-    from .cli import problem_from_shape
+    from .shapes import canonical_problem
 
     path = manifest_path(name_or_path)
     data = _toml_load(path)
@@ -113,7 +113,7 @@ def load_manifest(name_or_path: str | os.PathLike) -> Manifest:
             if op not in OPS:
                 raise ManifestError(f"{path}: shape {name}: unknown op {op!r}; known: {', '.join(OPS)}")
             try:
-                problem = problem_from_shape(op, given)
+                problem = canonical_problem(op, given)
             except (ValueError, TypeError) as e:
                 raise ManifestError(f"{path}: shape {name} ({op}): {e}") from None
             ident = f"{op}:{sorted(problem.items())}"

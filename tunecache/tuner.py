@@ -65,7 +65,7 @@ def relative_error(out: Any, ref: Any) -> float:
 
 def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
          torch_device: str | None = None, source: str = "inline",
-         progress: Callable[[int, int, dict], None] | None = None,
+         progress: Callable[[str, int, int, float | None], None] | None = None,
          configs: list[dict] | None = None) -> TuneResult:
     """Tune `mod` (a backend module) for `problem` on this device; return the winner and every trial.
 
@@ -89,20 +89,22 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
     if not candidates:
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
     trials: list[TrialRecord] = []
+    if progress:
+        progress("compile", 0, len(candidates), None)
     candidates = _precompile(mod, problem, device, candidates, trials)
     runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
 
     timed: list[tuple[float, dict]] = []
     for i, cfg in enumerate(candidates):
         if progress:
-            progress(i, len(candidates), cfg)
+            progress("time", i, len(candidates), min(timed)[0] if timed else None)
         res = runner.run(cfg, QUICK_TIMING if on_gpu else {"cpu_reps": 1})
         if res["status"] != "ok":
             trials.append(TrialRecord(cfg, res["status"], error=res.get("error")))
             continue
         timed.append((res["median_ms"], cfg))
     if progress:
-        progress(len(candidates), len(candidates), {})
+        progress("time", len(candidates), len(candidates), min(ms for ms, _ in timed) if timed else None)
     if not timed:
         errors = "; ".join(f"{t.config}: {t.error}" for t in trials[:5])
         raise TuneError(f"{mod.KERNEL}: no config of {len(candidates)} ran correctly for {problem}: {errors}")
