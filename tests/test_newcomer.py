@@ -91,3 +91,21 @@ def test_version_and_a_tuning_call_says_what_it_does(db_url):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tunecache: tuning matmul.portable")]
     assert proc.returncode == 0 and len(lines) == 1 and "candidates, roughly" in lines[0], proc.stderr
+
+
+def test_cli_tune_asks_the_fleet_first_and_publishes(clean_fleet, tmp_path, db_url):
+    env = {"TUNECACHE_SERVER_URL": clean_fleet.url, "TUNECACHE_TOKEN": clean_fleet.tokens["worker"]}
+    shape = "M=40,N=36,K=24,dtype=float32"
+
+    def tune(url):
+        return subprocess.run([sys.executable, "-m", "tunecache.cli", "tune", "matmul", "-p", shape],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env, "TUNECACHE_DB_URL": url, "COLUMNS": "200"})
+
+    first = tune(f"sqlite:///{tmp_path / 'a.sqlite'}")
+    assert first.returncode == 0 and "candidates" in first.stdout, first.stderr
+    headers = {"Authorization": f"Bearer {clean_fleet.tokens['read']}"}
+    with httpx.Client(base_url=clean_fleet.url, headers=headers, timeout=10) as api:
+        assert len(api.get("/v1/configs").json()) == 1, "the tuned result was published"
+    second = tune(f"sqlite:///{tmp_path / 'b.sqlite'}")  # another host: the fleet has it
+    assert second.returncode == 0 and "already tuned (in the fleet)" in second.stdout, second.stdout

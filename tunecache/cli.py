@@ -81,7 +81,9 @@ def tune(
     gpu: int = typer.Option(0, help="CUDA device index"),
     force: bool = typer.Option(False, help="tune even if the store has a config"),
 ) -> None:
-    """Tune one shape on this machine's device and store the winner."""
+    """Tune one shape on this machine's device and keep the winner. With TUNECACHE_SERVER_URL set
+    the fleet is asked first (a winner there is copied here, nothing is tuned) and what is tuned
+    is published to it, as a library call does."""
     from rich.progress import Progress
 
     from . import registry, settings
@@ -101,10 +103,15 @@ def tune(
         mod = registry.backend_for(op, device, p, backend or settings.backend_override())
     except (KeyError, ValueError) as e:
         _fail(str(e).strip("'\""))
-    store = _store()
+    from .config_cache import CACHE
+    from .launcher import launchable
+
+    _store()  # a store that cannot be opened at all is an error here, not a warning
     key = make_key(mod, p, device)
-    if not force and (rec := store.get_config(key.digest)) is not None:
-        console.print(f"already tuned: {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); --force to redo")
+    if not force and (rec := CACHE.get(key, launchable(mod, p, device))) is not None:
+        where = "in the fleet" if rec.source == "fleet" else "here"
+        console.print(f"already tuned ({where}): {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); "
+                      f"--force to redo")
         return
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
@@ -123,7 +130,9 @@ def tune(
                               source="cli", progress=progress)
         except TuneError as e:
             _fail(str(e))
-    store.put_config(result.record(device), result.trials, run_id=result.run_id)
+    kept, won = CACHE.keep(result.record(device), result.trials, run_id=result.run_id, tune_seconds=result.seconds)
+    if not won:
+        console.print(f"[dim]the store keeps a faster result: {json.dumps(kept.config)} ({kept.median_ms:.4f} ms)[/dim]")
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
     console.print(f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
                   f"{result.candidates} candidates (digest {key.digest[:12]})")
