@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from . import geometry
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -87,11 +89,8 @@ def matmul_problem(a: torch.Tensor, b: torch.Tensor) -> dict:
     _same_device_dtype({"a": a, "b": b})
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
-    return {
-        "M": int(a.shape[0]), "N": int(b.shape[1]), "K": int(a.shape[1]),
-        "dtype": dtype_name(a.dtype),
-        "a_layout": matrix_layout(a, "a"), "b_layout": matrix_layout(b, "b"),
-    }
+    return geometry.matmul(int(a.shape[0]), int(b.shape[1]), int(a.shape[1]), dtype_name(a.dtype),
+                           matrix_layout(a, "a"), matrix_layout(b, "b"))
 
 
 def matmul_inputs(p: dict, device: str) -> tuple:
@@ -118,24 +117,11 @@ def matmul_flops(p: dict) -> float:
 # ---- conv2d: shared geometry ---------------------------------------------------------------
 
 
-def out_size(size: int, k: int, stride: int, pad: int) -> int:
-    return (size + 2 * pad - k) // stride + 1
+out_size = geometry.out_size
 
 
 def _conv_geometry(N, H, W, Ci, Co, R, S, stride, padding, dtype) -> dict:
-    (sh, sw), (ph, pw) = stride, padding
-    P, Q = out_size(H, R, sh, ph), out_size(W, S, sw, pw)
-    if P <= 0 or Q <= 0:
-        raise ValueError(
-            f"empty output: a {R}x{S} filter with stride {stride} and padding {padding} over a "
-            f"{H}x{W} input gives {P}x{Q}")
-    return {
-        "N": N, "H": H, "W": W, "Ci": Ci, "Co": Co, "R": R, "S": S,
-        "stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw, "P": P, "Q": Q,
-        "dtype": dtype_name(dtype),
-        # the implicit GEMM the kernels tile
-        "gemm_M": N * P * Q, "gemm_N": Co, "gemm_K": R * S * Ci,
-    }
+    return geometry.conv(N, H, W, Ci, Co, R, S, stride, padding, dtype_name(dtype))
 
 
 def conv2d_fprop_problem(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> dict:
@@ -199,9 +185,7 @@ def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         raise ValueError(
             f"grad_out is {P}x{Q} (grad_out.shape[1:3]) but x {H}x{W} with a {R}x{S} filter, stride "
             f"{st} and padding {pd} gives {p['P']}x{p['Q']}")
-    # wgrad's GEMM: [Co, R*S*Ci] = grad_out^T [Co, NPQ] @ im2col(x) [NPQ, R*S*Ci]
-    p.update(gemm_M=Co, gemm_N=R * S * Ci, gemm_K=N * P * Q)
-    return p
+    return geometry.wgrad(p)
 
 
 def conv2d_wgrad_inputs(p: dict, device: str) -> tuple:

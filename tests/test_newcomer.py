@@ -109,3 +109,45 @@ def test_cli_tune_asks_the_fleet_first_and_publishes(clean_fleet, tmp_path, db_u
         assert len(api.get("/v1/configs").json()) == 1, "the tuned result was published"
     second = tune(f"sqlite:///{tmp_path / 'b.sqlite'}")  # another host: the fleet has it
     assert second.returncode == 0 and "already tuned (in the fleet)" in second.stdout, second.stdout
+
+
+def test_rest_by_shape_as_the_readme_shows_it(clean_fleet, db_url):
+    """The README's curl example, run: the best config for a shape typed by hand."""
+    import shlex
+
+    from tunecache.key import DeviceClass
+    from tunecache.store import ConfigRecord
+    from tunecache.tuner import make_key
+    from tunecache_kernels import matmul_hopper as hop
+    from tunecache.shapes import canonical_problem
+
+    dev = DeviceClass("sm_90", 132)
+    problem = canonical_problem("matmul", {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"})
+    config = hop.default_config(problem, dev)
+    rec = ConfigRecord(key=make_key(hop, problem, dev), config=config, median_ms=0.2, source="worker")
+    admin = {"Authorization": f"Bearer {clean_fleet.tokens['admin']}"}
+    with httpx.Client(base_url=clean_fleet.url, headers=admin, timeout=10) as api:
+        assert api.post("/v1/import", json={"format": "tunecache-configs/1", "configs": [rec.to_json()]}
+                        ).json()["stored"] == 1
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.strip().startswith("curl") and "/v1/best/" in ln)
+    cmd = line.strip().replace("$TOKEN", clean_fleet.tokens["read"]).replace("$URL", clean_fleet.url)
+    proc = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    got = json.loads(proc.stdout)
+    assert got["kernel"] == "matmul.hopper" and got["config"] == config and got["digest"] == rec.digest
+    read = {"Authorization": f"Bearer {clean_fleet.tokens['read']}"}
+    with httpx.Client(base_url=clean_fleet.url, headers=read, timeout=10) as api:
+        miss = api.get("/v1/best/matmul", params={"device": "sm_90:132", "M": 4000, "N": 4096, "K": 4096,
+                                                  "dtype": "bfloat16"})
+        assert miss.status_code == 404
+        assert "M=4000" in miss.json()["detail"] and f"digest {rec.digest[:12]}" in miss.json()["detail"]
+        bad = api.get("/v1/best/matmul", params={"device": "sm_90:132", "M": 4, "N": 4, "K": 4})
+        assert bad.status_code == 422 and "needs a dtype" in bad.json()["detail"]
+    env = {**os.environ, "TUNECACHE_SERVER_URL": clean_fleet.url, "TUNECACHE_TOKEN": clean_fleet.tokens["read"]}
+    q = subprocess.run([sys.executable, "-m", "tunecache.cli", "query", "matmul", "-p",
+                        "M=4096,N=4096,K=4096,dtype=bfloat16", "--device", "sm_90:132"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert q.returncode == 0 and json.loads(q.stdout)["digest"] == rec.digest, q.stderr

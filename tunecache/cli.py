@@ -522,6 +522,43 @@ def key(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad
 
 
 @app.command()
+def query(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+          problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`"),
+          device: Optional[str] = typer.Option(None, help="the device class ARCH:SMS, e.g. sm_90:132 "
+                                                          "(default: this machine's GPU)"),
+          backend: Optional[str] = typer.Option(None, help="only this backend's winner"),
+          kernel_version: Optional[str] = typer.Option(None, help="only this kernel version")) -> None:
+    """Ask the fleet (TUNECACHE_SERVER_URL) for the best config of a shape on a device class, as
+    `GET /v1/best/OP` does; prints the winner as JSON, or what the fleet has nearby."""
+    from . import settings
+    from .client import fleet_client
+    from .key import cuda_device
+
+    url = settings.server_url()
+    if not url:
+        _fail("no fleet configured: set TUNECACHE_SERVER_URL (and TUNECACHE_TOKEN)")
+    try:
+        given = parse_problem(problem)
+        canonical_problem(op, given)  # the same checks, here, before asking
+    except ValueError as e:
+        _fail(str(e))
+    if device is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail("no GPU here: name the device class with --device, e.g. --device sm_90:132")
+        device = str(cuda_device(0))
+    pins = {k: v for k, v in (("backend", backend), ("kernel_version", kernel_version)) if v}
+    answer = fleet_client(url).best(op, device, given, **pins)
+    if answer is None:
+        _fail(f"the fleet at {url} could not be reached (see the warning above)")
+    status, body = answer
+    if status != 200:
+        _fail(f"the fleet answered {status}: {body}")
+    console.print_json(json.dumps(body))
+
+
+@app.command()
 def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (default: every op)"),
              backend: Optional[str] = typer.Option(None, "--backend",
                                                    help="only this backend (default: each one that runs here)"),

@@ -388,6 +388,27 @@ class FleetClient:
             return "miss", None
         return ("hit", res[1]) if res[0] == 200 else ("unavailable", None)
 
+    def best(self, op: str, device: str, shape: Mapping[str, Any], **pins: str) -> tuple[int, Any] | None:
+        """`GET /v1/best/{op}`: (200, the winner as JSON) or (a 4xx status, the service's words);
+        None when the fleet could not be reached. `pins`: backend, kernel_version, triton_version."""
+        params = {"device": device, **{k: str(v) for k, v in shape.items()}, **pins}
+        path = f"{API}/best/{op}"
+        if not self.breaker.allow():
+            return None
+        try:
+            status, body = self._exchange("GET", path, None, params)
+            if status >= 500:
+                raise Unavailable(f"answered {status}")
+            data = jsonlib.loads(body)
+        except httpx.TimeoutException:
+            self._failed("GET", path, f"no whole answer within {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)")
+            return None
+        except (httpx.HTTPError, ValueError, RecursionError, Unavailable) as e:
+            self._failed("GET", path, f"{type(e).__name__}: {str(e)[:300]}")
+            return None
+        self.breaker.success()
+        return status, data if status == 200 else (data.get("detail") if isinstance(data, dict) else data)
+
     def current_generation(self) -> int | None:
         """The fleet's generation now (it moves whenever a winner is removed or replaced)."""
         res = self._call("GET", f"{API}/generation", lambda b: int(_expect("generation")(b)["generation"]))

@@ -1,7 +1,7 @@
 """A shape as a person types it (`-p M=4096,N=4096,K=4096,dtype=bfloat16`, a manifest entry, a
 REST query) -> the op's canonical problem, exactly as a library call with such tensors computes
-it: the ops' own argument checks run on meta tensors (no memory). The one place this is done
-(the CLI, `tunecache compile`, manifests, self-checks and the service share it).
+it (both go through `tunecache_kernels.geometry`; no torch here, so the service uses it too).
+The one place this is done: the CLI, `tunecache compile`, manifests, self-checks and the service.
 
 Strict on purpose: a missing dtype, an unknown key, a layout that is neither `row` nor `col` or
 a size that is not a positive integer is an error that names it, never a silent default.
@@ -36,15 +36,13 @@ def canonical_problem(op: str, given: dict[str, Any]) -> dict:
     unknown = sorted(k for k in given if k not in KEYS[op])
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)} for {op}; it takes {', '.join(KEYS[op])}")
-    import torch
-
-    from tunecache_kernels import problems
+    from tunecache_kernels import geometry
 
     if "dtype" not in given:
-        raise ValueError(f"the {op} shape needs a dtype: one of {', '.join(sorted(problems.DTYPES))}")
-    dt = problems.DTYPES.get(given["dtype"])
-    if dt is None:
-        raise ValueError(f"dtype must be one of {', '.join(sorted(problems.DTYPES))}, got {given['dtype']!r}")
+        raise ValueError(f"the {op} shape needs a dtype: one of {', '.join(geometry.DTYPES)}")
+    dtype = given["dtype"]
+    if dtype not in geometry.DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(geometry.DTYPES)}, got {dtype!r}")
 
     def ints(*names: str, minimum: int = 1, default: int | None = None) -> list[int]:
         missing = [n for n in names if n not in given and default is None]
@@ -61,9 +59,6 @@ def canonical_problem(op: str, given: dict[str, Any]) -> dict:
             out.append(v)
         return out
 
-    def t(*shape: int):
-        return torch.empty(shape, dtype=dt, device="meta")
-
     if op == "matmul":
         M, N, K = ints("M", "N", "K")
         layouts = []
@@ -72,19 +67,11 @@ def canonical_problem(op: str, given: dict[str, Any]) -> dict:
             if layout not in _LAYOUTS:
                 raise ValueError(f"{name} must be row or col, got {layout!r}")
             layouts.append(layout)
-        a = t(M, K) if layouts[0] == "row" else t(K, M).t()
-        b = t(K, N) if layouts[1] == "row" else t(N, K).t()
-        return problems.matmul_problem(a, b)
+        return geometry.matmul(M, N, K, dtype, *layouts)
     N, H, W, Ci, Co, R, S = ints("N", "H", "W", "Ci", "Co", "R", "S")
     (st,) = ints("stride", default=1)
     (pd,) = ints("padding", minimum=0, default=0)
     (sh, sw) = ints("stride_h", "stride_w", default=st)
     (ph, pw) = ints("pad_h", "pad_w", minimum=0, default=pd)
-    x = t(N, H, W, Ci)
-    if op == "conv2d_fprop":
-        return problems.conv2d_fprop_problem(x, t(Co, R, S, Ci), (sh, sw), (ph, pw))
-    P = problems.out_size(H, R, sh, ph)
-    Q = problems.out_size(W, S, sw, pw)
-    if P <= 0 or Q <= 0:
-        raise ValueError(f"empty output: a {R}x{S} filter with stride {(sh, sw)} and padding {(ph, pw)} over {H}x{W}")
-    return problems.conv2d_wgrad_problem(x, t(N, P, Q, Co), R, S, (sh, sw), (ph, pw))
+    p = geometry.conv(N, H, W, Ci, Co, R, S, (sh, sw), (ph, pw), dtype)
+    return p if op == "conv2d_fprop" else geometry.wgrad(p)

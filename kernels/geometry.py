@@ -1,0 +1,40 @@
+"""The canonical problem of each op from plain integers: no torch, no Triton.
+
+`problems.py` builds problems from the user's tensors (after checking them) through these, and
+`tunecache.shapes` builds them from a shape typed by hand, on hosts and in the service alike,
+so the same shape always gives the same key.
+"""
+
+from __future__ import annotations
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def out_size(size: int, k: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - k) // stride + 1
+
+
+def matmul(M: int, N: int, K: int, dtype: str, a_layout: str, b_layout: str) -> dict:
+    return {"M": M, "N": N, "K": K, "dtype": dtype, "a_layout": a_layout, "b_layout": b_layout}
+
+
+def conv(N: int, H: int, W: int, Ci: int, Co: int, R: int, S: int, stride: tuple[int, int],
+         padding: tuple[int, int], dtype: str) -> dict:
+    """conv2d fprop's problem: the geometry and the implicit GEMM the kernels tile."""
+    (sh, sw), (ph, pw) = stride, padding
+    P, Q = out_size(H, R, sh, ph), out_size(W, S, sw, pw)
+    if P <= 0 or Q <= 0:
+        raise ValueError(
+            f"empty output: a {R}x{S} filter with stride {stride} and padding {padding} over a "
+            f"{H}x{W} input gives {P}x{Q}")
+    return {
+        "N": N, "H": H, "W": W, "Ci": Ci, "Co": Co, "R": R, "S": S,
+        "stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw, "P": P, "Q": Q,
+        "dtype": dtype,
+        "gemm_M": N * P * Q, "gemm_N": Co, "gemm_K": R * S * Ci,
+    }
+
+
+def wgrad(p: dict) -> dict:
+    """conv2d wgrad's problem from fprop's: [Co, R*S*Ci] = grad_out^T [Co, NPQ] @ im2col(x) [NPQ, R*S*Ci]."""
+    return {**p, "gemm_M": p["Co"], "gemm_N": p["R"] * p["S"] * p["Ci"], "gemm_K": p["N"] * p["P"] * p["Q"]}

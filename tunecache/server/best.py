@@ -1,0 +1,82 @@
+"""/v1/best/{op}: the best config for a shape on a device class, asked the way a person asks.
+
+    curl -H "Authorization: Bearer $TOKEN" \
+      "$URL/v1/best/matmul?device=sm_90:132&M=4096&N=4096&K=4096&dtype=bfloat16"
+
+The shape takes the same KEY=VALUE pairs as `tunecache tune -p`, completed by the same function
+(`tunecache.shapes.canonical_problem`). The kernel and its version are resolved here: the
+preferred backend the fleet holds a winner for on that device class (blackwell, hopper,
+portable), the newest version of it, unless the caller names `backend` or `kernel_version`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from fastapi import APIRouter, HTTPException, Query
+
+from ..key import DeviceClass
+from ..shapes import KEYS, canonical_problem
+from .configs import out
+from .deps import ReadToken, StoreDep
+from .schemas import ConfigOut, ErrorOut
+
+router = APIRouter(prefix="/v1", tags=["configs"])
+
+BACKENDS = ("blackwell", "hopper", "portable")  # preference, as tunecache.registry.OPS
+_SIZES = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
+Shape = Optional[str]
+
+
+@router.get("/best/{op}", response_model=ConfigOut, summary="The best config for a shape",
+            responses={404: {"model": ErrorOut, "description": "no winner for this shape; the answer names "
+                                                                 "the key it looked for and the nearest tuned shapes"}})
+def best(op: Literal["matmul", "conv2d_fprop", "conv2d_wgrad"], _: ReadToken, store: StoreDep,
+         device: str = Query(..., max_length=40, description="the device class ARCH:SMS, e.g. sm_90:132"),
+         backend: Optional[Literal["blackwell", "hopper", "portable"]] = Query(None),
+         kernel_version: Optional[str] = Query(None, max_length=64),
+         triton_version: Optional[str] = Query(None, max_length=32),
+         M: Shape = None, N: Shape = None, K: Shape = None, a_layout: Shape = None, b_layout: Shape = None,
+         H: Shape = None, W: Shape = None, Ci: Shape = None, Co: Shape = None, R: Shape = None, S: Shape = None,
+         stride: Shape = None, padding: Shape = None, stride_h: Shape = None, stride_w: Shape = None,
+         pad_h: Shape = None, pad_w: Shape = None, dtype: Shape = None) -> ConfigOut:
+    values = dict(M=M, N=N, K=K, a_layout=a_layout, b_layout=b_layout, H=H, W=W, Ci=Ci, Co=Co, R=R, S=S,
+                  stride=stride, padding=padding, stride_h=stride_h, stride_w=stride_w, pad_h=pad_h, pad_w=pad_w,
+                  dtype=dtype)
+    given = {k: v for k, v in values.items() if v is not None}
+    try:
+        dev = DeviceClass.parse(device)
+        unknown = sorted(k for k in given if k not in KEYS[op])
+        if unknown:
+            raise ValueError(f"{op} takes no {', '.join(unknown)}; it takes {', '.join(KEYS[op])}")
+        problem = canonical_problem(op, given)
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+    kernels = [f"{op}.{b}" for b in BACKENDS if backend in (None, b)]
+    candidates = [r for k in kernels for r in store.list_configs(kernel=k, arch=dev.arch)
+                  if r.key.sm_count == dev.sm_count
+                  and (kernel_version is None or r.key.kernel_version == kernel_version)
+                  and (triton_version is None or r.key.triton_version == triton_version)]
+    hits = [r for r in candidates if dict(r.key.problem) == problem]
+    if hits:
+        # the preferred backend, then its newest version
+        hits.sort(key=lambda r: (kernels.index(r.key.kernel), -(r.tuned_at.timestamp() if r.tuned_at else 0)))
+        return out(hits[0])
+    near = sorted(candidates, key=lambda r: _distance(problem, dict(r.key.problem)))[:3]
+    shown = "; ".join(f"{r.key.kernel} {_brief(r.key.problem)} (digest {r.digest[:12]})" for r in near
+                      if math.isfinite(_distance(problem, dict(r.key.problem))))
+    raise HTTPException(404, f"no winner for {op} {_brief(problem)} on {dev} among {', '.join(kernels)}"
+                             f"{'' if kernel_version is None else f' version {kernel_version}'}; "
+                             f"nearest tuned shapes: {shown or 'none on this device class'}")
+
+
+def _distance(a: dict, b: dict) -> float:
+    """Log distance over the GEMM sizes; infinite when a categorical field differs."""
+    if any(b.get(k) != v for k, v in a.items() if not isinstance(v, int)):
+        return math.inf
+    return sum(abs(math.log(max(1, a[k])) - math.log(max(1, b.get(k, 1)))) for k in _SIZES if k in a)
+
+
+def _brief(p) -> str:
+    return ",".join(f"{k}={v}" for k, v in dict(p).items() if not k.startswith("gemm_") and k not in ("P", "Q"))
