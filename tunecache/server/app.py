@@ -58,7 +58,11 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
         yield
         app.state.store.close()
 
-    app = FastAPI(title="tunecache", version=version("tunecache"), lifespan=lifespan,
+    # /docs and /redoc from assets in a package (fastapi-offline), not a CDN: fleets often
+    # have no internet
+    from fastapi_offline import FastAPIOffline
+
+    app = FastAPIOffline(title="tunecache", version=version("tunecache"), lifespan=lifespan,
                   dependencies=[Depends(known_query_only)],
                   description="A fleet-shared autotune cache for Triton/Gluon kernels: look up the best "
                               "config for a kernel, device class and shape; publish results; run the "
