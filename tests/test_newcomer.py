@@ -151,3 +151,16 @@ def test_rest_by_shape_as_the_readme_shows_it(clean_fleet, db_url):
                         "M=4096,N=4096,K=4096,dtype=bfloat16", "--device", "sm_90:132"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert q.returncode == 0 and json.loads(q.stdout)["digest"] == rec.digest, q.stderr
+
+
+def test_doctor_checks_the_fleet_url_token_and_scopes(clean_fleet, db_url):
+    def doctor(**env):
+        return subprocess.run([sys.executable, "-m", "tunecache.cli", "doctor"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "COLUMNS": "200", **env})
+
+    ok = doctor(TUNECACHE_SERVER_URL=clean_fleet.url, TUNECACHE_TOKEN=clean_fleet.tokens["worker"])
+    assert ok.returncode == 0 and "test-worker (scopes: worker)" in ok.stdout and "tune queued jobs" in ok.stdout
+    bad = doctor(TUNECACHE_SERVER_URL=clean_fleet.url, TUNECACHE_TOKEN="tc_not-a-token")
+    assert bad.returncode == 1 and "refused (401)" in bad.stdout
+    away = doctor(TUNECACHE_SERVER_URL="http://127.0.0.1:9", TUNECACHE_TOKEN="tc_x")
+    assert away.returncode == 1 and "cannot reach http://127.0.0.1:9" in away.stdout

@@ -268,6 +268,7 @@ def doctor() -> None:
     table.add_row("store", db_url())
     table.add_row("miss policy", miss_policy())
     table.add_row("fleet", server_url() or "not configured (TUNECACHE_SERVER_URL)")
+    fleet_ok = _doctor_fleet(table)
     from .store import Store, StoreError
 
     try:
@@ -282,6 +283,36 @@ def doctor() -> None:
         console.print(table)
         raise typer.Exit(1)
     console.print(table)
+    if not fleet_ok:
+        raise typer.Exit(1)
+
+
+def _doctor_fleet(table: Table) -> bool:
+    """The fleet's rows of `doctor`: reachable? the token, its scopes, what it may do; False if broken."""
+    from .settings import server_token, server_url
+
+    url = server_url()
+    if not url:
+        return True
+    from .client import fleet_client
+
+    token = server_token()
+    answer = fleet_client(url).whoami()
+    if answer is None:
+        table.add_row("fleet check", f"[red]cannot reach {url}[/red] (see the warning above)")
+        return False
+    status, body = answer
+    if status == 200:
+        scopes, may = ", ".join(body["scopes"]), set(body["may"])
+        what = ("publish results and tune queued jobs" if "worker" in may else
+                "publish results (re-timed by the fleet's workers)" if "publish" in may else "read configs only")
+        table.add_row("fleet token", f"{body['name']} (scopes: {scopes}): may {what}")
+        return True
+    if token is None:
+        table.add_row("fleet token", f"[red]none: the fleet answered {status}: {body}[/red] (set TUNECACHE_TOKEN)")
+    else:
+        table.add_row("fleet token", f"[red]refused ({status}): {body}[/red]")
+    return False
 
 
 @db_app.command("upgrade")

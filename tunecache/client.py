@@ -392,7 +392,11 @@ class FleetClient:
         """`GET /v1/best/{op}`: (200, the winner as JSON) or (a 4xx status, the service's words);
         None when the fleet could not be reached. `pins`: backend, kernel_version, triton_version."""
         params = {"device": device, **{k: str(v) for k, v in shape.items()}, **pins}
-        path = f"{API}/best/{op}"
+        return self._get_json(f"{API}/best/{op}", params)
+
+    def _get_json(self, path: str, params: dict | None) -> tuple[int, Any] | None:
+        """A GET whose 4xx answers matter to the caller: (status, the JSON body, or a 4xx's
+        `detail`); None when the service could not be reached (a breaker failure)."""
         if not self.breaker.allow():
             return None
         try:
@@ -408,6 +412,11 @@ class FleetClient:
             return None
         self.breaker.success()
         return status, data if status == 200 else (data.get("detail") if isinstance(data, dict) else data)
+
+    def whoami(self) -> tuple[int, Any] | None:
+        """`GET /v1/whoami`: (200, {"name", "scopes", "may"}) or (401/403, the service's words);
+        None when the fleet could not be reached."""
+        return self._get_json(f"{API}/whoami", None)
 
     def current_generation(self) -> int | None:
         """The fleet's generation now (it moves whenever a winner is removed or replaced)."""

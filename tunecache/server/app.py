@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import settings
 from ..store import Store
-from . import best, configs, jobs, system
+from . import best, configs, identity, jobs, system
 from .deps import TokenCache, known_query_only
 from .metrics import Metrics
 from .schemas import ErrorOut
@@ -75,6 +75,7 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
 
     app.include_router(configs.router, responses=_COMMON)
     app.include_router(best.router, responses=_COMMON)
+    app.include_router(identity.router, responses=_COMMON)
     app.include_router(jobs.router, responses=_COMMON)
     app.include_router(system.router)
 
