@@ -109,6 +109,16 @@ def test_cli_tune_asks_the_fleet_first_and_publishes(clean_fleet, tmp_path, db_u
         assert len(api.get("/v1/configs").json()) == 1, "the tuned result was published"
     second = tune(f"sqlite:///{tmp_path / 'b.sqlite'}")  # another host: the fleet has it
     assert second.returncode == 0 and "already tuned (in the fleet)" in second.stdout, second.stdout
+    # and the fleet's configs list and export from any host
+    fresh = {**os.environ, **env, "TUNECACHE_DB_URL": f"sqlite:///{tmp_path / 'c.sqlite'}", "COLUMNS": "80"}
+    ls = subprocess.run([sys.executable, "-m", "tunecache.cli", "ls", "--fleet"], capture_output=True, text=True,
+                        timeout=120, env=fresh)
+    assert ls.returncode == 0 and "matmul.portable" in ls.stdout and f"1 config(s) in {clean_fleet.url}" in ls.stdout
+    exp = subprocess.run([sys.executable, "-m", "tunecache.cli", "export", "--fleet", "-"], capture_output=True,
+                         text=True, timeout=120, env=fresh)
+    import json
+
+    assert exp.returncode == 0 and len(json.loads(exp.stdout)["configs"]) == 1, exp.stderr
 
 
 def test_rest_by_shape_as_the_readme_shows_it(clean_fleet, db_url):

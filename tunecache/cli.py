@@ -160,9 +160,16 @@ def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. m
        arch: Optional[str] = typer.Option(None, help="only this arch, e.g. sm_90"),
        limit: int = typer.Option(200, help="at most this many rows"),
        wide: bool = typer.Option(False, "--wide", help="every column (the config, TFLOP/s), however wide"),
-       as_json: bool = typer.Option(False, "--json", help="one JSON object per config, nothing else")) -> None:
+       as_json: bool = typer.Option(False, "--json", help="one JSON object per config, nothing else"),
+       fleet: bool = typer.Option(False, "--fleet", help="the fleet's configs (TUNECACHE_SERVER_URL), "
+                                                         "not this host's")) -> None:
     """List tuned configs in the store (fits 80 columns; --wide or --json for everything)."""
-    rows = _store().list_configs(kernel=kernel, arch=arch, limit=limit)
+    if fleet:
+        from .store import ConfigRecord
+
+        rows = [ConfigRecord.from_json(c) for c in _fleet_export(kernel, arch)["configs"][:limit]]
+    else:
+        rows = _store().list_configs(kernel=kernel, arch=arch, limit=limit)
     if as_json:
         for r in rows:
             sys.stdout.write(json.dumps(r.to_json()) + "\n")
@@ -183,7 +190,9 @@ def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. m
         table.add_row(*cells)
     (Console(width=max(console.width, 240)) if wide else console).print(table, width=None if wide else
                                                                         min(console.width, 80))
-    console.print(f"{len(rows)} config(s) in {_store().safe_url}")
+    from .settings import server_url
+
+    console.print(f"{len(rows)} config(s) in {server_url() if fleet else _store().safe_url}")
 
 
 @app.command()
@@ -201,13 +210,32 @@ def show(digest: str = typer.Argument(..., help="a digest or a unique prefix of 
     console.print_json(json.dumps(out, default=str))
 
 
+def _fleet_export(kernel: str | None, arch: str | None) -> dict:
+    """The fleet's export (`GET /v1/export`), or exit 2 saying why not."""
+    from .client import FleetClient
+    from .settings import server_token, server_url
+
+    url = server_url()
+    if not url:
+        _fail("--fleet needs TUNECACHE_SERVER_URL (and TUNECACHE_TOKEN)")
+    answer = FleetClient(url, server_token(), timeout_s=120, max_bytes=1 << 30).export(kernel, arch)
+    if answer is None:
+        _fail(f"the fleet at {url} could not be reached (see the warning above)")
+    status, body = answer
+    if status != 200:
+        _fail(f"the fleet answered {status}: {body}")
+    return body
+
+
 @app.command("export")
 def export(path: Path = typer.Argument(..., help="output JSON file, or - for stdout"),
-           kernel: Optional[str] = typer.Option(None), arch: Optional[str] = typer.Option(None)) -> None:
-    """Export tuned configs as JSON (for another host, or `tunecache import`)."""
+           kernel: Optional[str] = typer.Option(None), arch: Optional[str] = typer.Option(None),
+           fleet: bool = typer.Option(False, "--fleet", help="the fleet's configs, not this host's")) -> None:
+    """Export tuned configs as JSON (for another host, or `tunecache import`); --fleet exports
+    the fleet's (TUNECACHE_SERVER_URL) instead of this host's store."""
     from .transfer import export_configs
 
-    data = export_configs(_store(), kernel=kernel, arch=arch)
+    data = _fleet_export(kernel, arch) if fleet else export_configs(_store(), kernel=kernel, arch=arch)
     text = json.dumps(data, indent=1, default=str)
     if str(path) == "-":
         sys.stdout.write(text + "\n")

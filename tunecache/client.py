@@ -413,6 +413,12 @@ class FleetClient:
         self.breaker.success()
         return status, data if status == 200 else (data.get("detail") if isinstance(data, dict) else data)
 
+    def export(self, kernel: str | None = None, arch: str | None = None) -> tuple[int, Any] | None:
+        """`GET /v1/export`: (200, {"format", "configs"}) or (4xx, the service's words); None when
+        unreachable. A whole fleet can be large: make this client with a `max_bytes` to match."""
+        params = {k: v for k, v in (("kernel", kernel), ("arch", arch)) if v}
+        return self._get_json(f"{API}/export", params or None)
+
     def whoami(self) -> tuple[int, Any] | None:
         """`GET /v1/whoami`: (200, {"name", "scopes", "may"}) or (401/403, the service's words);
         None when the fleet could not be reached."""
