@@ -54,11 +54,11 @@ def _pow2(n: int) -> int:
 
 def quick_candidates(op: str, mod, p: dict, device) -> list[dict]:
     """A small subset of the pruned space worth timing for this shape (the tuner's own
-    first candidates, see gluon_host.quick_subset)."""
-    from tunecache_kernels import gluon_host as gh
+    first candidates, see gluon_hopper.quick_subset)."""
+    from tunecache_kernels import gluon_hopper as ghop
 
     pruned = [c for c in mod.config_space(p, device) if mod.resources_ok(c)]
-    return gh.quick_subset(op, pruned, p, device.sm_count)
+    return ghop.quick_subset(op, pruned, p, device.sm_count)
 
 
 def portable_candidates(mod, p: dict, device, n: int) -> list[dict]:

@@ -28,7 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
-from .matmul_hopper import grouped_tile, wgmma_acc_layout
+from . import gluon_hopper as ghop
+from . import gluon_launch as direct
+from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_fprop", "hopper"
@@ -181,7 +183,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 
 def resources_ok(c: dict) -> bool:
-    return gh.wgmma_resources_ok(c, smem_bytes(c))
+    return ghop.wgmma_resources_ok(c, smem_bytes(c))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
@@ -209,7 +211,7 @@ def fits(c: dict, p: dict | None = None) -> bool:
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
     kept = [c for c in configs if resources_ok(c)]
-    return gh.quick_first(OP, kept, p, getattr(device, "sm_count", 0) or 132)
+    return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
 
 
 def default_config(p: dict, device) -> dict:
@@ -261,16 +263,16 @@ class _Plan:
         return y.view(self.out_shape)
 
 
-_PLANS = gh.PlanCache()
+_PLANS = direct.PlanCache()
 
 
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
     key = None
-    if gh.direct_launch_enabled():
-        st, pd = gh.int_pair_key(stride), gh.int_pair_key(padding)
+    if direct.direct_launch_enabled():
+        st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
         if st is not None and pd is not None:
-            dev, stream = gh.current_device_and_stream()
-            key = (gh.config_key(config), x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, st, pd, dev)
+            dev, stream = direct.current_device_and_stream()
+            key = (direct.config_key(config), x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, st, pd, dev)
             plan = _PLANS.get(key)
             if plan is not None:
                 return plan.run(x, w, stream)
@@ -308,11 +310,11 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"])
     compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, *scalars, **ce)
     if key is not None:
-        ld = gh.DirectLauncher.of(compiled)
+        ld = direct.DirectLauncher.of(compiled)
         if ld is not None:
             plan = _Plan()
-            plan.launcher, plan.maps, plan.grid0 = ld, gh.DescMaps(), grid[0]
-            plan.tail = gh.kernel_args(conv2d_fprop_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
+            plan.tail = direct.kernel_args(conv2d_fprop_kernel, (None, None, None) + scalars, ce)[3:]
             plan.x_desc, plan.w_desc, plan.y_blk = x_desc_of, w_desc_of, [bm, bn]
             plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
             plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)

@@ -218,7 +218,7 @@ def config_space(p: dict, device) -> list[dict]:
     launch as fewer), and splitting further once the output tiles alone fill every SM twice
     (only adds reduction traffic)."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    sms = max(1, getattr(device, "sm_count", 0) or 148)
+    sms = gh.sm_count_of(device, 148)
     out = []
     for c in SPACES[OP]:
         if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
@@ -259,7 +259,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 def default_config(p: dict, device) -> dict:
     """128 x 128 tiles, 4 stages, and enough splits to give every SM about two work items."""
-    sms = max(1, getattr(device, "sm_count", 0) or 148)
+    sms = gh.sm_count_of(device, 148)
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 1,
          "num_warps": 4}
     space = config_space(p, device)

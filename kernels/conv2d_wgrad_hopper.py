@@ -33,7 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
-from .matmul_hopper import wgmma_acc_layout
+from . import gluon_hopper as ghop
+from . import gluon_launch as direct
+from .gluon_hopper import wgmma_acc_layout
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "hopper"
@@ -245,11 +247,11 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles, splits past what fills the GPU). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or fits(c, p, (getattr(device, "sm_count", 0) or 132))]
+    return [c for c in SPACES[OP] if not resources_ok(c) or fits(c, p, gh.sm_count_of(device))]
 
 
 def resources_ok(c: dict) -> bool:
-    return gh.wgmma_resources_ok(c, smem_bytes(c))
+    return ghop.wgmma_resources_ok(c, smem_bytes(c))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
@@ -328,11 +330,11 @@ def fits(c: dict, p: dict | None = None, sms: int = 132) -> bool:
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
     kept = [c for c in configs if resources_ok(c)]
-    return gh.quick_first(OP, kept, p, getattr(device, "sm_count", 0) or 132)
+    return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
 
 
 def default_config(p: dict, device) -> dict:
-    sms = getattr(device, "sm_count", 0) or 132
+    sms = gh.sm_count_of(device)
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bm = 128 if p["Co"] >= 128 else 64
     bn = min(128, max(16, gh.pow2_at_least(ci)))
@@ -402,16 +404,16 @@ class _Plan:
         return out if self.ci == self.Ci0 else out[..., :self.Ci0].contiguous()
 
 
-_PLANS = gh.PlanCache()
+_PLANS = direct.PlanCache()
 
 
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
     key = None
-    if gh.direct_launch_enabled() and type(R) is int and type(S) is int:
-        st, pd = gh.int_pair_key(stride), gh.int_pair_key(padding)
+    if direct.direct_launch_enabled() and type(R) is int and type(S) is int:
+        st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
         if st is not None and pd is not None:
-            dev, stream = gh.current_device_and_stream()
-            key = (gh.config_key(config), x.shape, x.stride(), grad_out.shape, grad_out.stride(), x.dtype,
+            dev, stream = direct.current_device_and_stream()
+            key = (direct.config_key(config), x.shape, x.stride(), grad_out.shape, grad_out.stride(), x.dtype,
                    grad_out.dtype, R, S, st, pd, dev)
             plan = _PLANS.get(key)
             if plan is not None:
@@ -467,12 +469,12 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
     leading = (None,) * 5
     aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
-        ld = gh.DirectLauncher.of(compiled)
-        rd = gh.DirectLauncher.of(reduce) if mode == "split" else None
+        ld = direct.DirectLauncher.of(compiled)
+        rd = direct.DirectLauncher.of(reduce) if mode == "split" else None
         if ld is not None and (mode != "split" or rd is not None):
             plan = _Plan()
-            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, gh.DescMaps(), grid[0]
-            plan.tail = gh.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading):]
+            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), grid[0]
+            plan.tail = direct.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading):]
             plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
             plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
             plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
@@ -486,7 +488,7 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    work = Work.of(p, config, getattr(device, "sm_count", 0) or 132)
+    work = Work.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {"g_desc": gh.desc_sig(dt, [bk, bm]),

@@ -5,14 +5,15 @@ compile, channel padding for TMA's 16-byte stride rule, persistent grids, and sp
 fp32 workspace and a deterministic two-pass reduction (the partials are summed in a fixed
 order, so the same inputs always give the same bits, unlike atomics).
 
-Nothing here launches a GEMM; the backends build on these pieces. Keep the names stable:
-other backends import them (add new helpers rather than renaming old ones).
+Nothing here launches a GEMM, and nothing here serves one architecture only: what only the
+Hopper backends use lives in gluon_hopper.py (device helpers, tuning rules) and gluon_launch.py
+(the direct launcher), so that a kernel version hashes the code its backend runs and an edit to
+Hopper code leaves Blackwell entries valid.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Sequence
 
 import torch
@@ -210,6 +211,12 @@ def num_sms(device: Any = None) -> int:
     return _sm_count(torch.cuda.current_device() if device is None else int(device))
 
 
+def sm_count_of(device: Any, usual: int = 132) -> int:
+    """The SM count a device class names, or the usual part's (132: H100 SXM; 148: B200) when
+    it names none (a compile for an explicit target)."""
+    return max(1, int(getattr(device, "sm_count", 0) or usual))
+
+
 def persistent_grid(num_tiles: int, sms: int, ctas_per_sm: int = 1) -> tuple[int]:
     """One CTA per SM (or per `ctas_per_sm` slot), never more CTAs than tiles."""
     return (max(1, min(num_tiles, sms * ctas_per_sm)),)
@@ -284,272 +291,8 @@ def split_k_reduce_spec(out_dtype: Any) -> KernelSpec:
         num_warps=SPLIT_K_REDUCE_WARPS, num_stages=1, name="split_k_reduce")
 
 
-# ---- compiling a KernelSpec for an explicit target (no GPU needed) ----------------------------
-
-
-def compile_spec(spec: KernelSpec, arch: int = 90):
-    """triton.compile one KernelSpec for sm_<arch> (90 -> sm_90a, 100 -> sm_100a) on any host."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    src = GluonASTSource(spec.fn, spec.signature, spec.constexprs)
-    options = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, num_ctas=spec.num_ctas)
-    options.update(spec.options)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-
-def smem_bytes_of(compiled) -> int:
-    """Shared memory a compiled kernel asks for (its metadata), for pruning after compile."""
-    return int(compiled.metadata.shared)
-
-
-# ---- launching a compiled kernel directly --------------------------------------------------------
-#
-# `kernel[grid](...)` costs 40-100 us of CPU per call in JITFunction.run (binding and specializing
-# every argument, hashing the cache key) and in the launcher, which rebuilds each TMA descriptor's
-# CUtensorMap (cuTensorMapEncode*) from the TensorDescriptor on every launch. For short kernels
-# that host time is the runtime. A backend instead keeps, per (config, problem), a plan holding
-# the CompiledKernel that its first JIT launch returned and launches it through Triton's C
-# launcher with the arguments already expanded; the CUtensorMaps are cached per base address.
-#
-# A CUtensorMap is a pure function of (base address, dtype, shape, strides, block, swizzle, im2col
-# geometry); a plan fixes everything but the address, so a map cached under (slot, address) is
-# right for any tensor at that address, even one allocated after the first was freed: the cache
-# holds no tensor and keeps no memory alive.
-
-DIRECT_LAUNCH = os.environ.get("TUNECACHE_GLUON_DIRECT_LAUNCH", "1") not in ("0", "false", "no")
-
-
-def direct_launch_enabled() -> bool:
-    """Off with TUNECACHE_GLUON_DIRECT_LAUNCH=0, and while a Triton launch hook (a profiler such
-    as proton) is installed: those hooks only run on JITFunction.run's path."""
-    if not DIRECT_LAUNCH:
-        return False
-    rt = _knobs_runtime()
-    return _hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)
-
-
-@functools.lru_cache(maxsize=1)
-def _knobs_runtime():
-    from triton import knobs
-
-    return knobs.runtime
-
-
-@functools.lru_cache(maxsize=1)
-def _hook_chain_type():
-    try:
-        from triton.knobs import HookChain
-    except ImportError:  # older Triton: hooks are plain callables or None
-        return None
-    return HookChain
-
-
-def _hook_idle(h) -> bool:
-    """No launch hook: None, or (Triton 3.9) an empty HookChain."""
-    if h is None:
-        return True
-    chain = _hook_chain_type()
-    return chain is not None and type(h) is chain and not h.calls
-
-
-def current_device_and_stream() -> tuple[int, int]:
-    """(device index, raw stream handle), as JITFunction.run picks them."""
-    from triton.runtime import driver
-
-    d = driver.active
-    dev = d.get_current_device()
-    return dev, d.get_current_stream(dev)
-
-
-class DirectLauncher:
-    """Launches one CompiledKernel through Triton's C launcher, without JITFunction.run.
-
-    `args` is the kernel's full argument list in parameter order, constexprs included (the
-    launcher skips them), with each TMA descriptor replaced by its expansion
-    (`expand_desc`): [CUtensorMap, *shape, *strides], flattened in place.
-    Build with `DirectLauncher.of(compiled)`, which gives None where this Triton's launcher
-    does something per launch that the direct path would skip (scratch buffers, GSan, no
-    descriptor metadata); callers then stay on the JIT path.
-    """
-
-    __slots__ = ("compiled", "function", "packed", "coop", "pdl", "annotations", "kernel_signature", "desc_meta",
-                 "n_args", "_launch")
-
-    @classmethod
-    def of(cls, compiled) -> "DirectLauncher | None":
-        if compiled is None or not DIRECT_LAUNCH:
-            return None
-        try:
-            return cls(compiled)
-        except _Unsupported:
-            return None
-
-    def __init__(self, compiled):
-        from triton.runtime import driver
-
-        cl = compiled.run  # the CudaLauncher (loads the module on first use)
-        try:
-            if getattr(cl, "gsan_enabled", False) or cl.global_scratch_size or cl.profile_scratch_size:
-                raise _Unsupported
-            self.coop, self.pdl = cl.launch_cooperative_grid, cl.launch_pdl
-            self.annotations, self.kernel_signature = cl.arg_annotations, cl.kernel_signature
-            self._launch = driver.active.utils.launch
-        except AttributeError:
-            raise _Unsupported from None
-        sig = list(compiled.src.signature.values())
-        n_desc = sum(1 for t in sig if isinstance(t, str) and t.startswith("tensordesc"))
-        meta = getattr(compiled.metadata, "tensordesc_meta", None)
-        if n_desc and (not meta or len(meta) != n_desc):
-            raise _Unsupported  # descriptors decomposed to pointers: not worth a direct path
-        self.desc_meta = list(meta) if meta else []
-        # the C launcher indexes the argument list by the annotations without a bounds check
-        self.n_args = len(self.annotations)
-        self.compiled = compiled
-        self.function = compiled.function
-        self.packed = compiled.packed_metadata
-
-    def expand_desc(self, slot: int, desc) -> list:
-        """[CUtensorMap, *shape, *strides] of the `slot`-th descriptor argument, as the launcher
-        builds it from a TensorDescriptor(Im2Col)."""
-        from triton.backends.nvidia.driver import make_tensordesc_arg
-
-        return make_tensordesc_arg(desc, self.desc_meta[slot], None)
-
-    def __call__(self, grid0: int, stream: int, args) -> None:
-        if len(args) != self.n_args:
-            raise RuntimeError(f"{self.compiled.name}: {len(args)} launch arguments, the launcher expects "
-                               f"{self.n_args}")
-        self._launch(grid0, 1, 1, stream, self.function, self.coop, self.pdl, self.packed, None, None, None, None,
-                     None, self.annotations, self.kernel_signature, args)
-
-
-class _Unsupported(Exception):
-    pass
-
-
-class DescMaps:
-    """Per-plan cache of descriptor expansions: (slot, base address) -> [CUtensorMap, ...].
-    Bounded: cleared when full (a plan sees few distinct buffers: the caching allocator hands
-    the same blocks back)."""
-
-    __slots__ = ("maps", "limit")
-
-    def __init__(self, limit: int = 64):
-        self.maps: dict = {}
-        self.limit = limit
-
-    def get(self, key):
-        return self.maps.get(key)
-
-    def put(self, key, value):
-        if len(self.maps) >= self.limit:
-            self.maps.clear()
-        self.maps[key] = value
-        return value
-
-
-class PlanCache:
-    """Bounded dict of a backend's launch plans, keyed on everything a plan depends on."""
-
-    __slots__ = ("plans", "limit")
-
-    def __init__(self, limit: int = 512):
-        self.plans: dict = {}
-        self.limit = limit
-
-    def get(self, key):
-        return self.plans.get(key)
-
-    def put(self, key, plan):
-        if len(self.plans) >= self.limit:
-            self.plans.clear()
-        self.plans[key] = plan
-        return plan
-
-    def clear(self):
-        self.plans.clear()
-
-    def __len__(self):
-        return len(self.plans)
-
-
-def config_key(config: dict) -> tuple:
-    """A config dict as a hashable key (insertion order kept: equal dicts in another order only
-    get their own plan)."""
-    return tuple(config.items())
-
-
-def int_pair_key(v):
-    """An int or a 2-tuple of ints as a plan-key part, or None where problems.pair() must check
-    it (bools, lists, anything else: the slow path validates and raises as before)."""
-    t = type(v)
-    if t is int:
-        return (v, v)
-    if t is tuple and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
-        return v
-    return None
-
-
-def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
-    """`fn`'s arguments in parameter order, as JITFunction.run binds them: `positional` first,
-    then each remaining parameter from `constexprs` (KeyError if one is missing)."""
-    names = fn.arg_names
-    return tuple(positional) + tuple(constexprs[n] for n in names[len(positional):])
-
-
 # ---- candidate order ------------------------------------------------------------------------
 
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
-    """What the compiler decides for a WGMMA kernel: shared memory within the limit, the fp32
-    accumulator within the register budget (past 128 values per thread it spills)."""
-    return smem_bytes <= SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
-
-
-def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
-    """The configs most worth timing first, from configs that fit: per tile shape the deepest
-    ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
-    GROUP_M 8, two warpgroups exactly on tiles of 128x128 and up; for wgrad stream-K, the modeled split
-    and the splits around the one that fills the GPU. The tuner times these before the rest of the space,
-    so a capped tuning run (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
-    best: dict[tuple, dict] = {}
-    if op == "conv2d_wgrad":
-        for c in configs:
-            if c["BLOCK_K"] != 64 and not (c["BLOCK_K"] == 128 and c["BLOCK_N"] <= 64):
-                continue
-            k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"])
-            if k not in best or c["num_stages"] > best[k]["num_stages"]:
-                best[k] = c
-        out = []
-        for c in best.values():
-            tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
-            fill = max(1, pow2_at_least(-(-max(1, sm_count) // tiles)))
-            if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
-                    c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
-                out.append(c)
-        return out
-    for c in configs:
-        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
-            continue
-        if c.get("GROUP_M", 8) != 8:
-            continue
-        if (c["num_warps"] == 8) != (c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
-            continue
-        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
-        if k not in best or c["num_stages"] > best[k]["num_stages"]:
-            best[k] = c
-    out = list(best.values())
-    shallower = [dict(c, num_stages=c["num_stages"] - 1) for c in out if c["num_stages"] > 3]
-    return out + [c for c in shallower if c in configs]
-
-
-def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
-    """`configs` reordered with quick_subset() first."""
-    first = quick_subset(op, configs, p, sm_count)
-    return first + [c for c in configs if c not in first]

@@ -175,7 +175,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 
 def default_config(p: dict, device) -> dict:
-    sms = max(1, getattr(device, "sm_count", 0) or 148)
+    sms = gh.sm_count_of(device, 148)
     c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
          "num_warps": 4}
     if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 256) < sms:

@@ -27,6 +27,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
+from . import gluon_hopper as ghop
+from . import gluon_launch as direct
+from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "matmul", "hopper"
@@ -41,34 +44,6 @@ _DTYPES = ("float16", "bfloat16")
 
 
 # ---- device code -------------------------------------------------------------------------------
-
-
-@gluon.constexpr_function
-def wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps):
-    """Accumulator layout of a [BLOCK_M, BLOCK_N] WGMMA: warps stack along M in warpgroups of
-    4 (16 rows each) while M has rows to spare, then split N; the instruction's N is the
-    widest multiple of 8 (<= 256) that divides each warp column's share of the tile."""
-    warps = [4, 1]
-    while warps[0] * warps[1] < num_warps:
-        if BLOCK_M > 16 * warps[0]:
-            warps[0] *= 2
-        else:
-            warps[1] *= 2
-    max_n = max(BLOCK_N // warps[1], 8)
-    n = 256
-    while n > max_n or BLOCK_N % n != 0:
-        n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
-    """Tile id -> (pid_m, pid_n), GROUP_M row-tiles at a time so their B columns stay in L2."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile_id // per_group) * GROUP_M
-    rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    in_group = tile_id % per_group
-    return first_m + in_group % rows, in_group // rows
 
 
 @gluon.jit
@@ -193,7 +168,7 @@ def config_space(p: dict, device) -> list[dict]:
 
 
 def resources_ok(c: dict) -> bool:
-    return gh.wgmma_resources_ok(c, smem_bytes(c))
+    return ghop.wgmma_resources_ok(c, smem_bytes(c))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
@@ -223,11 +198,11 @@ def fits(c: dict, p: dict | None = None) -> bool:
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
     kept = [c for c in configs if resources_ok(c)]
-    return gh.quick_first(OP, kept, p, getattr(device, "sm_count", 0) or 132)
+    return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
 
 
 def default_config(p: dict, device) -> dict:
-    sms = max(1, getattr(device, "sm_count", 132) or 132)
+    sms = gh.sm_count_of(device)
     tiles_big = triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 256)
     if tiles_big >= sms:
         c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
@@ -282,14 +257,14 @@ class _Plan:
         return c if self.n_pad == self.N else c[:, :self.N].contiguous()
 
 
-_PLANS = gh.PlanCache()
+_PLANS = direct.PlanCache()
 
 
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     key = stream = None
-    if gh.direct_launch_enabled():
-        dev, stream = gh.current_device_and_stream()
-        key = (gh.config_key(config), a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, dev)
+    if direct.direct_launch_enabled():
+        dev, stream = direct.current_device_and_stream()
+        key = (direct.config_key(config), a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, dev)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan.run(a, b, stream)
@@ -319,11 +294,11 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     scalars = (M, N, K, config["GROUP_M"])
     compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, *scalars, **ce)
     if key is not None:
-        ld = gh.DirectLauncher.of(compiled)
+        ld = direct.DirectLauncher.of(compiled)
         if ld is not None:
             plan = _Plan()
-            plan.launcher, plan.maps, plan.grid0 = ld, gh.DescMaps(), grid[0]
-            plan.tail = gh.kernel_args(matmul_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
+            plan.tail = direct.kernel_args(matmul_kernel, (None, None, None) + scalars, ce)[3:]
             plan.trans_a, plan.trans_b = trans_a, trans_b
             plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk

@@ -1,0 +1,95 @@
+"""What only the Hopper (sm_90a, WGMMA) backends share: device helpers their kernels call and
+the rules that order and bound their candidates.
+
+Kept apart from gluon_host.py (shared with Blackwell) so that a kernel version covers exactly
+the code its backend runs.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least
+
+# ---- device code -------------------------------------------------------------------------------
+
+
+@gluon.constexpr_function
+def wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps):
+    """Accumulator layout of a [BLOCK_M, BLOCK_N] WGMMA: warps stack along M in warpgroups of
+    4 (16 rows each) while M has rows to spare, then split N; the instruction's N is the
+    widest multiple of 8 (<= 256) that divides each warp column's share of the tile."""
+    warps = [4, 1]
+    while warps[0] * warps[1] < num_warps:
+        if BLOCK_M > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    max_n = max(BLOCK_N // warps[1], 8)
+    n = 256
+    while n > max_n or BLOCK_N % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
+    """Tile id -> (pid_m, pid_n), GROUP_M row-tiles at a time so their B columns stay in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // per_group) * GROUP_M
+    rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id % per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+# ---- candidates ------------------------------------------------------------------------------
+
+
+def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
+    """What the compiler decides for a WGMMA kernel: shared memory within the limit, the fp32
+    accumulator within the register budget (past 128 values per thread it spills)."""
+    return smem_bytes <= SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
+
+
+def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
+    """The configs most worth timing first, from configs that fit: per tile shape the deepest
+    ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
+    GROUP_M 8, two warpgroups exactly on tiles of 128x128 and up; for wgrad stream-K, the modeled split
+    and the splits around the one that fills the GPU. The tuner times these before the rest of the space,
+    so a capped tuning run (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
+    best: dict[tuple, dict] = {}
+    if op == "conv2d_wgrad":
+        for c in configs:
+            if c["BLOCK_K"] != 64 and not (c["BLOCK_K"] == 128 and c["BLOCK_N"] <= 64):
+                continue
+            k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"])
+            if k not in best or c["num_stages"] > best[k]["num_stages"]:
+                best[k] = c
+        out = []
+        for c in best.values():
+            tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
+            fill = max(1, pow2_at_least(-(-max(1, sm_count) // tiles)))
+            if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
+                    c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
+                out.append(c)
+        return out
+    for c in configs:
+        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
+            continue
+        if c.get("GROUP_M", 8) != 8:
+            continue
+        if (c["num_warps"] == 8) != (c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
+            continue
+        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
+        if k not in best or c["num_stages"] > best[k]["num_stages"]:
+            best[k] = c
+    out = list(best.values())
+    shallower = [dict(c, num_stages=c["num_stages"] - 1) for c in out if c["num_stages"] > 3]
+    return out + [c for c in shallower if c in configs]
+
+
+def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
+    """`configs` reordered with quick_subset() first."""
+    first = quick_subset(op, configs, p, sm_count)
+    return first + [c for c in configs if c not in first]

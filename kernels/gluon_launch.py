@@ -1,0 +1,201 @@
+"""Launching a compiled Gluon kernel directly, past JITFunction.run (the Hopper backends).
+
+`kernel[grid](...)` costs 40-100 us of CPU per call in JITFunction.run (binding and specializing
+every argument, hashing the cache key) and in the launcher, which rebuilds each TMA descriptor's
+CUtensorMap (cuTensorMapEncode*) from the TensorDescriptor on every launch. For short kernels
+that host time is the runtime. A backend instead keeps, per (config, problem), a plan holding
+the CompiledKernel that its first JIT launch returned and launches it through Triton's C
+launcher with the arguments already expanded; the CUtensorMaps are cached per base address.
+
+A CUtensorMap is a pure function of (base address, dtype, shape, strides, block, swizzle, im2col
+geometry); a plan fixes everything but the address, so a map cached under (slot, address) is
+right for any tensor at that address, even one allocated after the first was freed: the cache
+holds no tensor and keeps no memory alive.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+
+DIRECT_LAUNCH = os.environ.get("TUNECACHE_GLUON_DIRECT_LAUNCH", "1") not in ("0", "false", "no")
+
+
+def direct_launch_enabled() -> bool:
+    """Off with TUNECACHE_GLUON_DIRECT_LAUNCH=0, and while a Triton launch hook (a profiler such
+    as proton) is installed: those hooks only run on JITFunction.run's path."""
+    if not DIRECT_LAUNCH:
+        return False
+    rt = _knobs_runtime()
+    return _hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)
+
+
+@functools.lru_cache(maxsize=1)
+def _knobs_runtime():
+    from triton import knobs
+
+    return knobs.runtime
+
+
+@functools.lru_cache(maxsize=1)
+def _hook_chain_type():
+    try:
+        from triton.knobs import HookChain
+    except ImportError:  # older Triton: hooks are plain callables or None
+        return None
+    return HookChain
+
+
+def _hook_idle(h) -> bool:
+    """No launch hook: None, or (Triton 3.9) an empty HookChain."""
+    if h is None:
+        return True
+    chain = _hook_chain_type()
+    return chain is not None and type(h) is chain and not h.calls
+
+
+def current_device_and_stream() -> tuple[int, int]:
+    """(device index, raw stream handle), as JITFunction.run picks them."""
+    from triton.runtime import driver
+
+    d = driver.active
+    dev = d.get_current_device()
+    return dev, d.get_current_stream(dev)
+
+
+class DirectLauncher:
+    """Launches one CompiledKernel through Triton's C launcher, without JITFunction.run.
+
+    `args` is the kernel's full argument list in parameter order, constexprs included (the
+    launcher skips them), with each TMA descriptor replaced by its expansion
+    (`expand_desc`): [CUtensorMap, *shape, *strides], flattened in place.
+    Build with `DirectLauncher.of(compiled)`, which gives None where this Triton's launcher
+    does something per launch that the direct path would skip (scratch buffers, GSan, no
+    descriptor metadata); callers then stay on the JIT path.
+    """
+
+    __slots__ = ("compiled", "function", "packed", "coop", "pdl", "annotations", "kernel_signature", "desc_meta",
+                 "n_args", "_launch")
+
+    @classmethod
+    def of(cls, compiled) -> "DirectLauncher | None":
+        if compiled is None or not DIRECT_LAUNCH:
+            return None
+        try:
+            return cls(compiled)
+        except _Unsupported:
+            return None
+
+    def __init__(self, compiled):
+        from triton.runtime import driver
+
+        cl = compiled.run  # the CudaLauncher (loads the module on first use)
+        try:
+            if getattr(cl, "gsan_enabled", False) or cl.global_scratch_size or cl.profile_scratch_size:
+                raise _Unsupported
+            self.coop, self.pdl = cl.launch_cooperative_grid, cl.launch_pdl
+            self.annotations, self.kernel_signature = cl.arg_annotations, cl.kernel_signature
+            self._launch = driver.active.utils.launch
+        except AttributeError:
+            raise _Unsupported from None
+        sig = list(compiled.src.signature.values())
+        n_desc = sum(1 for t in sig if isinstance(t, str) and t.startswith("tensordesc"))
+        meta = getattr(compiled.metadata, "tensordesc_meta", None)
+        if n_desc and (not meta or len(meta) != n_desc):
+            raise _Unsupported  # descriptors decomposed to pointers: not worth a direct path
+        self.desc_meta = list(meta) if meta else []
+        # the C launcher indexes the argument list by the annotations without a bounds check
+        self.n_args = len(self.annotations)
+        self.compiled = compiled
+        self.function = compiled.function
+        self.packed = compiled.packed_metadata
+
+    def expand_desc(self, slot: int, desc) -> list:
+        """[CUtensorMap, *shape, *strides] of the `slot`-th descriptor argument, as the launcher
+        builds it from a TensorDescriptor(Im2Col)."""
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        return make_tensordesc_arg(desc, self.desc_meta[slot], None)
+
+    def __call__(self, grid0: int, stream: int, args) -> None:
+        if len(args) != self.n_args:
+            raise RuntimeError(f"{self.compiled.name}: {len(args)} launch arguments, the launcher expects "
+                               f"{self.n_args}")
+        self._launch(grid0, 1, 1, stream, self.function, self.coop, self.pdl, self.packed, None, None, None, None,
+                     None, self.annotations, self.kernel_signature, args)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class DescMaps:
+    """Per-plan cache of descriptor expansions: (slot, base address) -> [CUtensorMap, ...].
+    Bounded: cleared when full (a plan sees few distinct buffers: the caching allocator hands
+    the same blocks back)."""
+
+    __slots__ = ("maps", "limit")
+
+    def __init__(self, limit: int = 64):
+        self.maps: dict = {}
+        self.limit = limit
+
+    def get(self, key):
+        return self.maps.get(key)
+
+    def put(self, key, value):
+        if len(self.maps) >= self.limit:
+            self.maps.clear()
+        self.maps[key] = value
+        return value
+
+
+class PlanCache:
+    """Bounded dict of a backend's launch plans, keyed on everything a plan depends on."""
+
+    __slots__ = ("plans", "limit")
+
+    def __init__(self, limit: int = 512):
+        self.plans: dict = {}
+        self.limit = limit
+
+    def get(self, key):
+        return self.plans.get(key)
+
+    def put(self, key, plan):
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
+
+    def clear(self):
+        self.plans.clear()
+
+    def __len__(self):
+        return len(self.plans)
+
+
+def config_key(config: dict) -> tuple:
+    """A config dict as a hashable key (insertion order kept: equal dicts in another order only
+    get their own plan)."""
+    return tuple(config.items())
+
+
+def int_pair_key(v):
+    """An int or a 2-tuple of ints as a plan-key part, or None where problems.pair() must check
+    it (bools, lists, anything else: the slow path validates and raises as before)."""
+    t = type(v)
+    if t is int:
+        return (v, v)
+    if t is tuple and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
+        return v
+    return None
+
+
+def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
+    """`fn`'s arguments in parameter order, as JITFunction.run binds them: `positional` first,
+    then each remaining parameter from `constexprs` (KeyError if one is missing)."""
+    names = fn.arg_names
+    return tuple(positional) + tuple(constexprs[n] for n in names[len(positional):])
