@@ -27,9 +27,10 @@ def free_port() -> int:
 class Server:
     """`tunecache serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, db_url: str, log_path: Path, *, anonymous_read: bool = False, env: dict | None = None):
+    def __init__(self, db_url: str, log_path: Path, *, anonymous_read: bool = False, env: dict | None = None,
+                 args: tuple[str, ...] = ()):
         self.db_url, self.log_path, self.anonymous_read = db_url, log_path, anonymous_read
-        self.env = env or {}
+        self.env, self.args = env or {}, tuple(args)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -39,6 +40,7 @@ class Server:
                "--log-level", "warning"]
         if self.anonymous_read:
             cmd.append("--anonymous-read")
+        cmd += self.args
         env = {**os.environ, **self.env}
         env.pop("TUNECACHE_SERVER_URL", None)
         self._log = open(self.log_path, "ab")
@@ -82,15 +84,23 @@ def reset_fleet_tables(db_url: str) -> None:
 
     engine = create_engine(db_url)
     with engine.begin() as conn:
-        conn.exec_driver_sql("TRUNCATE tuned_configs, tuning_jobs, trials, submissions RESTART IDENTITY")
+        if engine.dialect.name == "sqlite":
+            for table in ("tuned_configs", "tuning_jobs", "trials", "submissions"):
+                conn.exec_driver_sql(f"DELETE FROM {table}")
+        else:
+            conn.exec_driver_sql("TRUNCATE tuned_configs, tuning_jobs, trials, submissions RESTART IDENTITY")
     engine.dispose()
 
 
-def make_tokens(db_url: str) -> dict[str, str]:
+def make_tokens(db_url: str, prefix: str = "test") -> dict[str, str]:
+    """A token per scope, named PREFIX-SCOPE (a live name is unique: an earlier module's go first)."""
     from tunecache.store import Store
 
     store = Store(db_url)
-    out = {scope: store.create_token(f"test-{scope}", [scope])[0] for scope in ("read", "publish", "worker", "admin")}
+    scopes = ("read", "publish", "worker", "admin")
+    for scope in scopes:
+        store.revoke_token(f"{prefix}-{scope}")
+    out = {scope: store.create_token(f"{prefix}-{scope}", [scope])[0] for scope in scopes}
     store.close()
     return out
 
@@ -154,6 +164,27 @@ def fleet(pg_url, tmp_path_factory):
     server = Server(pg_url, log).start()
     server.tokens = tokens
     server.db_url = pg_url
+    yield server
+    server.stop()
+
+
+def start_fleet(db_url: str, log_dir: Path, prefix: str = "test", **server_kwargs) -> Server:
+    """A running service over `db_url` (migrated first), with `tokens` ({scope: secret}, named
+    PREFIX-SCOPE) and `db_url`."""
+    from tunecache.store import Store
+
+    Store(db_url).close()
+    tokens = make_tokens(db_url, prefix)
+    server = Server(db_url, log_dir / "server.log", **server_kwargs).start()
+    server.tokens, server.db_url = tokens, db_url
+    return server
+
+
+@pytest.fixture(scope="module")
+def sqlite_fleet(tmp_path_factory):
+    """The same service as `fleet`, over a SQLite file (the store's other engine)."""
+    d = tmp_path_factory.mktemp("sqlite-fleet")
+    server = start_fleet(f"sqlite:///{d / 'fleet.sqlite'}", d)
     yield server
     server.stop()
 

@@ -164,7 +164,7 @@ def test_breaker_closes_again_when_the_service_is_back(fleet_env, clean_fleet, p
     key = _key(5)
     body = {**key.fields(), "config": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8,
                                        "num_warps": 4, "num_stages": 3}, "median_ms": 1.0}
-    httpx.post(f"{fleet.url}/v1/configs", json=body, headers={"Authorization": f"Bearer {fleet.tokens['publish']}"})
+    httpx.post(f"{fleet.url}/v1/configs", json=body, headers={"Authorization": f"Bearer {fleet.tokens['worker']}"})
     server = Server(pg_url, tmp_path / "s.log").start()
     client = FleetClient(server.url, fleet.tokens["read"], timeout_s=0.5, failures=2, open_s=1.0)
     try:

@@ -40,7 +40,9 @@ def _api(fleet, token_scope="admin"):
 
 def test_two_hosts_share_a_config_and_the_second_never_tunes(clean_fleet, tmp_path):
     fleet = clean_fleet
-    env_a = host_env(tmp_path, "host_a", fleet.url, fleet.tokens["publish"], TUNECACHE_MISS_POLICY="tune")
+    # host A tunes for the fleet: a worker token (a publish token's result is only a submission
+    # until a worker re-times it: tests/test_fleet_trust.py)
+    env_a = host_env(tmp_path, "host_a", fleet.url, fleet.tokens["worker"], TUNECACHE_MISS_POLICY="tune")
     env_b = host_env(tmp_path, "host_b", fleet.url, fleet.tokens["read"], TUNECACHE_MISS_POLICY="strict")
 
     a = run_host(CALL, env_a)
@@ -52,7 +54,8 @@ def test_two_hosts_share_a_config_and_the_second_never_tunes(clean_fleet, tmp_pa
         served = api.get(f"/v1/configs/{a['digest']}").json()
         subs = api.get(f"/v1/configs/{a['digest']}/submissions").json()
     assert served["config"] == a["config"]
-    assert [s["submitted_by"] for s in subs] == ["test-publish"] and subs[0]["accepted"]
+    assert [s["submitted_by"] for s in subs] == ["test-worker"] and subs[0]["accepted"]
+    assert served["source"] == "inline" and served["tuned_by"] != "test-worker", "a worker host says how and where"
 
     # host B: separate process and store; policy strict would raise if the fleet had nothing
     b = run_host(CALL, env_b)

@@ -101,22 +101,22 @@ def test_lapsed_lease_is_claimed_again_and_old_owner_loses_it(store):
     job = store.claim_job("dead", "cpu", 0, lease_s=-1)  # its lease has already run out
     again = store.claim_job("alive", "cpu", 0, lease_s=60)
     assert again.id == job.id and again.attempts == 2
-    assert not store.heartbeat(job.id, "dead")
-    assert not store.complete_job(job.id, "dead")
-    assert store.heartbeat(job.id, "alive")
-    assert store.complete_job(job.id, "alive")
+    assert not store.heartbeat(job.id, job.lease_secret), "the dead worker's secret no longer holds the lease"
+    assert not store.complete_job(job.id, job.lease_secret)
+    assert store.heartbeat(job.id, again.lease_secret)
+    assert store.complete_job(job.id, again.lease_secret)
     assert store.get_job(job.digest).status == "done"
 
 
 def test_failures_back_off_then_fail_with_the_error_kept(store):
     store.enqueue(key(1), max_attempts=2)
     job = store.claim_job("w", "cpu", 0)
-    assert store.fail_job(job.id, "w", "first", backoff_s=3600) == "queued"
+    assert store.fail_job(job.id, job.lease_secret, "first", backoff_s=3600) == "queued"
     assert store.claim_job("w", "cpu", 0) is None  # backing off
     with store.engine.begin() as conn:
         conn.exec_driver_sql("UPDATE tuning_jobs SET not_before = created_at")
     job = store.claim_job("w", "cpu", 0)
-    assert store.fail_job(job.id, "w", "second") == "failed"
+    assert store.fail_job(job.id, job.lease_secret, "second") == "failed"
     assert store.get_job(job.digest).last_error == "second"
     assert store.claim_job("w", "cpu", 0) is None
 
@@ -124,7 +124,7 @@ def test_failures_back_off_then_fail_with_the_error_kept(store):
 def test_done_job_without_a_winner_is_requeued(store):
     store.enqueue(key(1))
     job = store.claim_job("w", "cpu", 0)
-    store.complete_job(job.id, "w")
+    store.complete_job(job.id, job.lease_secret)
     assert store.enqueue(key(1)).status == "queued"
 
 

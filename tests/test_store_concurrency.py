@@ -22,7 +22,7 @@ for i in range(n):
     store.enqueue(shared)
     job = store.claim_job(f"w{wid}", "cpu", 0)
     if job is not None:
-        store.complete_job(job.id, f"w{wid}")
+        store.complete_job(job.id, job.lease_secret)
 print("ok")
 """
 

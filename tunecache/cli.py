@@ -379,16 +379,30 @@ def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 f
           workers: int = typer.Option(1, help="uvicorn worker processes"),
           db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
           anonymous_read: bool = typer.Option(False, help="allow lookups without a token"),
+          metrics_port: Optional[int] = typer.Option(None, min=1, max=65535,
+                                                     help="serve /metrics on this port instead of the API's "
+                                                          "(then off there)"),
+          metrics_host: str = typer.Option("127.0.0.1", help="address for --metrics-port"),
           log_level: str = typer.Option("info")) -> None:
     """Run the fleet service (FastAPI on uvicorn) over the store; migrates it to head first."""
     import uvicorn
 
+    from . import settings
     from .store import Store, StoreError
 
     if db_url:
         os.environ["TUNECACHE_DB_URL"] = db_url
     if anonymous_read:
         os.environ["TUNECACHE_ANONYMOUS_READ"] = "1"
+    if metrics_port is not None:
+        os.environ["TUNECACHE_METRICS_PORT"], os.environ["TUNECACHE_METRICS_HOST"] = str(metrics_port), metrics_host
+    try:  # a bad limit fails here, naming its variable, not in every worker process
+        settings.rate_limit(), settings.anon_rate_limit(), settings.body_timeout_s(), settings.job_ttl_s()
+        if settings.metrics_address() is not None and workers > 1:
+            _fail("--metrics-port serves one process's metrics: use it with --workers 1 (run one process per "
+                  "container and scale containers)")
+    except ValueError as e:
+        _fail(str(e))
     try:
         store = Store()  # fail here, clearly, rather than in every worker process
     except StoreError as e:
@@ -491,7 +505,10 @@ def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a
 @token_app.command("create")
 def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, publish, worker or admin "
                                                  "(repeat or comma-separate)"),
-                 name: str = typer.Option("", help="who or what uses it (default: the scopes)"),
+                 name: str = typer.Option("", help="who or what uses it (default: the scopes); unique among "
+                                                   "live tokens"),
+                 expires_in: Optional[str] = typer.Option(None, help="stop working after this long: 30d, 12h, "
+                                                                     "90m, 2w (default: never)"),
                  db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")
                  ) -> None:
     """Create a token; the secret is printed once and only its hash is stored."""
@@ -499,36 +516,52 @@ def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, pub
 
     scopes = [s.strip() for item in scope for s in item.split(",") if s.strip()]
     try:
+        lifetime = None if expires_in is None else parse_duration(expires_in)
         store = Store(db_url) if db_url else _store()
-        secret, rec = store.create_token(name or "+".join(scopes), scopes)
+        secret, rec = store.create_token(name or "+".join(scopes), scopes, expires_in=lifetime)
+        store.audit(cli_actor(), "token.create", f"token:{rec.id}",
+                    {"name": rec.name, "scopes": list(rec.scopes), "expires_at": _iso(rec.expires_at)})
     except (StoreError, ValueError) as e:
         _fail(str(e))
-    err.print(f"token {rec.name!r} with scopes {', '.join(rec.scopes)} (shown once; export it as TUNECACHE_TOKEN):")
+    until = f", expires {rec.expires_at:%Y-%m-%d %H:%M} UTC" if rec.expires_at else ""
+    err.print(f"token {rec.name!r} (id {rec.id}) with scopes {', '.join(rec.scopes)}{until} "
+              f"(shown once; export it as TUNECACHE_TOKEN):")
     sys.stdout.write(secret + "\n")
 
 
 @token_app.command("ls")
 def token_ls(db_url: Optional[str] = typer.Option(None)) -> None:
     """List tokens (names and scopes; secrets are not stored)."""
-    from .store import Store
+    from .store import Store, utcnow
 
     store = Store(db_url) if db_url else _store()
-    table = Table("id", "name", "scopes", "created", "revoked")
+    now = utcnow()
+    table = Table("id", "name", "scopes", "created", "expires", "revoked")
     for t in store.list_tokens():
-        table.add_row(str(t.id), t.name, ",".join(t.scopes), str(t.created_at)[:19], str(t.revoked_at or "")[:19])
+        expires = "" if t.expires_at is None else str(t.expires_at)[:19] + (" (expired)" if t.expires_at <= now else "")
+        table.add_row(str(t.id), t.name, ",".join(t.scopes), str(t.created_at)[:19], expires,
+                      str(t.revoked_at or "")[:19])
     console.print(table)
 
 
 @token_app.command("revoke")
-def token_revoke(name: str = typer.Argument(...), db_url: Optional[str] = typer.Option(None)) -> None:
-    """Revoke every token with this name (the service notices within 10 s)."""
+def token_revoke(name: Optional[str] = typer.Argument(None, help="the live token's name (names of live tokens "
+                                                                 "are unique)"),
+                 token_id: Optional[int] = typer.Option(None, "--id", help="the token's id (`tunecache token ls`)"),
+                 db_url: Optional[str] = typer.Option(None)) -> None:
+    """Revoke a token by name or by id (the service notices within 10 s)."""
     from .store import Store
 
+    if (name is None) == (token_id is None):
+        _fail("name the token to revoke, or give its --id (not both)")
     store = Store(db_url) if db_url else _store()
-    n = store.revoke_token(name)
-    if not n:
-        _fail(f"no live token named {name!r}")
-    console.print(f"revoked {n} token(s) named {name!r}")
+    live = {t.id: t for t in store.list_tokens() if t.revoked_at is None}
+    target = next((t for t in live.values() if t.name == name), None) if token_id is None else live.get(token_id)
+    what = f"named {name!r}" if token_id is None else f"with id {token_id}"
+    if target is None or not store.revoke_token(token_id=target.id):
+        _fail(f"no live token {what}")
+    store.audit(cli_actor(), "token.revoke", f"token:{target.id}", {"name": target.name})
+    console.print(f"revoked token {target.name!r} (id {target.id})")
 
 
 @app.command("compile")
@@ -665,6 +698,297 @@ def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (
         console.print(f"[dim]not for this device: {', '.join(elsewhere)}[/dim]")
     if failed:
         raise typer.Exit(1)
+
+
+# ---- retention and the audit log --------------------------------------------------------------
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str):
+    """'30d', '12h', '90m', '45s', '2w' (or a number of seconds) -> timedelta."""
+    import re
+    from datetime import timedelta
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a duration: give a positive number and a unit, e.g. 30d, 12h, 90m, "
+                         f"45s or 2w")
+    return timedelta(seconds=float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"])
+
+
+def cli_actor() -> str:
+    """Who acts from the command line, for the audit log: cli:user@host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+def _iso(t) -> str | None:
+    return None if t is None else t.isoformat()
+
+
+@db_app.command("prune")
+def db_prune(older_than: str = typer.Option(..., help="delete what is older than this: 30d, 12h, 2w"),
+             job_ttl: Optional[str] = typer.Option(None, help="expire jobs queued longer than this "
+                                                              "(default TUNECACHE_JOB_TTL_S, 7 days)"),
+             url: Optional[str] = typer.Option(None, help="database URL (default TUNECACHE_DB_URL)")) -> None:
+    """Delete trials, submissions (each key's latest accepted one is kept) and finished jobs older
+    than --older-than, and expire jobs queued past their TTL (marked failed, saying so). Run it
+    from cron; the audit log is kept."""
+    from .store import Store, StoreError
+
+    try:
+        age = parse_duration(older_than)
+        ttl = None if job_ttl is None else parse_duration(job_ttl).total_seconds()
+        store = Store(url) if url else _store()
+        counts = store.prune(age.total_seconds(), job_ttl_s=ttl)
+        store.audit(cli_actor(), "db.prune", store.safe_url, {"older_than": older_than, **counts})
+    except (StoreError, ValueError) as e:
+        _fail(str(e))
+    console.print(f"pruned {counts['trials']} trial(s), {counts['submissions']} submission(s) and "
+                  f"{counts['jobs']} finished job(s) older than {older_than}; expired {counts['expired_jobs']} "
+                  f"queued job(s)")
+
+
+audit_app = typer.Typer(help="The audit log of admin actions (deletes, imports, tokens, the queue).",
+                        no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
+
+
+@audit_app.command("ls")
+def audit_ls(limit: int = typer.Option(50, help="at most this many rows, newest first"),
+             action: Optional[str] = typer.Option(None, help="only this action, e.g. config.delete"),
+             actor: Optional[str] = typer.Option(None, help="only this actor (a token's name, or cli:user@host)"),
+             as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
+             db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")) -> None:
+    """List admin actions: who, what, on what, when."""
+    from .store import Store
+
+    store = Store(db_url) if db_url else _store()
+    rows = store.audit_log(limit=limit, action=action, actor=actor)
+    if as_json:
+        for r in rows:
+            sys.stdout.write(json.dumps({**r.__dict__, "at": _iso(r.at)}, default=str) + "\n")
+        return
+    table = Table("id", "when (UTC)", "actor", "action", "target", "details")
+    for r in rows:
+        who = r.actor if r.actor_token_id is None else f"{r.actor} (token {r.actor_token_id})"
+        table.add_row(str(r.id), str(r.at)[:19], who, r.action, r.target,
+                      "" if r.details is None else json.dumps(r.details, separators=(",", ":"), default=str))
+    console.print(table)
+
+
+# ---- the queue: tunecache jobs ls | retry | drop -------------------------------------------
+
+jobs_app = typer.Typer(no_args_is_help=True, help=(
+    "The tuning queue: list jobs, queue failed ones again, drop them.\n\n"
+    "Which queue: with --db-url, the store at that URL (the local SQLite store, or the fleet's Postgres reached "
+    "directly); else, with TUNECACHE_SERVER_URL set, the fleet service's, through its API and TUNECACHE_TOKEN "
+    "(ls needs a read token, retry and drop an admin token); else the store at TUNECACHE_DB_URL. Retries and "
+    "drops are kept in the audit log."))
+app.add_typer(jobs_app, name="jobs")
+
+_DB_URL_HELP = "work on the store at this URL directly (default: the fleet if TUNECACHE_SERVER_URL is set, " \
+               "else TUNECACHE_DB_URL)"
+
+
+def _job_queue(db_url: Optional[str]):
+    from .job_queue import FleetQueue, StoreQueue
+    from .settings import server_token, server_url
+    from .store import Store, StoreError
+
+    if db_url or not server_url():
+        try:
+            store = Store(db_url) if db_url else Store()
+        except StoreError as e:
+            _fail(str(e))
+        return StoreQueue(store, actor=cli_actor())
+    from .client import FleetClient
+
+    # an operator's listing may be long: more time and room than a kernel call's lookup
+    return FleetQueue(FleetClient(server_url(), server_token(), timeout_s=60, max_bytes=256 << 20))
+
+
+def _digests(queue, given: list[str]) -> list[str]:
+    """Full digests for digests or unique prefixes of them (as `ls` shows them)."""
+    if all(len(d) == 64 for d in given):
+        return given
+    from .job_queue import QueueError
+
+    try:
+        known = [j.digest for j in queue.jobs(limit=10000)]
+    except QueueError as e:
+        _fail(str(e))
+    out = []
+    for prefix in given:
+        found = [d for d in known if d.startswith(prefix.lower())]
+        if len(found) != 1:
+            _fail(f"{prefix!r} matches {len(found)} jobs in {queue.where}; give more of the digest" if found else
+                  f"no job whose digest starts with {prefix!r} in {queue.where}")
+        out.append(found[0])
+    return out
+
+
+@jobs_app.command("ls")
+def jobs_ls(status: Optional[str] = typer.Option(None, help="only jobs with this status: queued, running, done, "
+                                                            "failed or quarantined"),
+            device: Optional[str] = typer.Option(None, help="only this device class, e.g. sm_90:132 or cpu:0"),
+            limit: int = typer.Option(1000, min=1, max=10000, help="at most this many jobs (oldest first)"),
+            as_json: bool = typer.Option(False, "--json", help="one JSON object per job"),
+            db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
+    """List jobs: status, attempts, lease holder and until when, when a queued one may run, the
+    last error. Quarantined jobs are rows that cannot be read (see their error)."""
+    from .job_queue import QueueError
+    from .key import DeviceClass
+    from .store import JOB_STATUSES
+
+    if status is not None and status not in JOB_STATUSES:
+        _fail(f"--status must be one of {', '.join(JOB_STATUSES)}, got {status!r}")
+    try:
+        dc = DeviceClass.parse(device) if device else None
+    except ValueError as e:
+        _fail(str(e))
+    queue = _job_queue(db_url)
+    try:
+        jobs = queue.jobs(status=status, limit=limit, device=dc)
+    except QueueError as e:
+        _fail(str(e))
+    if as_json:
+        for j in jobs:
+            sys.stdout.write(json.dumps({**j.key.fields(), "digest": j.digest, "id": j.id, "status": j.status,
+                                         "priority": j.priority, "attempts": j.attempts,
+                                         "max_attempts": j.max_attempts, "lease_owner": j.lease_owner,
+                                         "lease_expires_at": _iso(j.lease_expires_at),
+                                         "not_before": _iso(j.not_before), "created_at": _iso(j.created_at),
+                                         "last_error": j.last_error, "unreadable": j.unreadable}) + "\n")
+        return
+    table = Table("digest", "status", "kernel", "device", "problem", "attempts", "owner", "until / not before (UTC)",
+                  "last error")
+    for j in jobs:
+        when = j.lease_expires_at if j.status == "running" else j.not_before if j.status == "queued" else None
+        error = j.unreadable or (j.last_error or "")
+        table.add_row(j.digest[:12], j.status, j.key.kernel, f"{j.key.arch}:{j.key.sm_count}",
+                      shape_text(dict(j.key.problem)), f"{j.attempts}/{j.max_attempts}", j.lease_owner or "",
+                      str(when or "")[:19], (error.strip().splitlines() or [""])[-1][:120])
+    console.print(table)
+    counts: dict[str, int] = {}
+    for j in jobs:
+        counts[j.status] = counts.get(j.status, 0) + 1
+    console.print(f"{len(jobs)} job(s) in {queue.where}" +
+                  ("" if not counts else ": " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))))
+
+
+@jobs_app.command("retry")
+def jobs_retry(digests: Optional[list[str]] = typer.Argument(None, help="digests, or unique prefixes of them"),
+               failed: bool = typer.Option(False, "--failed", help="every failed job (of --device, if given)"),
+               device: Optional[str] = typer.Option(None, help="with --failed: only this device class"),
+               db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
+    """Queue jobs again now, attempts reset: failed, quarantined or backing-off ones (a running or
+    done job is refused, saying why). Through the fleet this needs an admin token."""
+    from .job_queue import QueueError
+    from .key import DeviceClass
+
+    if not digests and not failed:
+        _fail("name the jobs to retry (digests or prefixes from `tunecache jobs ls`), or pass --failed")
+    queue = _job_queue(db_url)
+    try:
+        dc = DeviceClass.parse(device) if device else None
+        todo = _digests(queue, list(digests or []))
+        if failed:
+            todo += [j.digest for j in queue.jobs(status="failed", limit=10000, device=dc) if j.digest not in todo]
+    except (QueueError, ValueError) as e:
+        _fail(str(e))
+    bad = 0
+    for d in todo:
+        try:
+            job = queue.retry(d)
+            console.print(f"{d[:12]} {job.key.kernel}: queued again")
+        except QueueError as e:
+            bad += 1
+            err.print(f"[red]error:[/red] {e}")
+    console.print(f"retried {len(todo) - bad} job(s) in {queue.where}")
+    if bad:
+        raise typer.Exit(1)
+
+
+@jobs_app.command("drop")
+def jobs_drop(digests: list[str] = typer.Argument(..., help="digests, or unique prefixes of them"),
+              db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
+    """Delete jobs, whatever their state (a worker holding one loses its lease, and its result is
+    not published). Through the fleet this needs an admin token."""
+    from .job_queue import QueueError
+
+    queue = _job_queue(db_url)
+    bad = 0
+    for d in _digests(queue, digests):
+        try:
+            queue.drop(d)
+            console.print(f"{d[:12]}: dropped")
+        except QueueError as e:
+            bad += 1
+            err.print(f"[red]error:[/red] {e}")
+    if bad:
+        raise typer.Exit(1)
+
+
+# ---- the fleet's winners: tunecache fleet purge ------------------------------------------------
+
+fleet_app = typer.Typer(no_args_is_help=True, help=(
+    "Operate on the fleet's winners in its database directly (--db-url, default TUNECACHE_DB_URL: the "
+    "service's Postgres URL), as `tunecache token` does. Through the service, with an admin token: "
+    "POST /v1/admin/purge."))
+app.add_typer(fleet_app, name="fleet")
+
+
+@fleet_app.command("purge")
+def fleet_purge(token: str = typer.Option(..., "--token", help="the token's name (`tunecache token ls`); every "
+                                                               "token that had this name"),
+                dry_run: bool = typer.Option(False, "--dry-run", help="show what would be removed; change nothing"),
+                db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")
+                ) -> None:
+    """Remove everything one token submitted: every winner its results made and every submission
+    it sent. Each displaced key is queued for a worker to tune again (a failed job is left for
+    `tunecache jobs retry`), and the fleet's generation moves, so hosts drop their copies
+    (within TUNECACHE_FLEET_TTL_S, or at their next generation poll). Kept in the audit log.
+    Revoke the token too (`tunecache token revoke NAME`), or it can submit again.
+
+    This works on the fleet's database directly (--db-url, else TUNECACHE_DB_URL), not through
+    the service; through the service, an admin token calls POST /v1/admin/purge."""
+    from .store import Store, StoreError
+
+    try:
+        store = Store(db_url) if db_url else _store()
+        report = store.purge_token(token, dry_run=dry_run)
+        if not dry_run:
+            store.audit(cli_actor(), "config.purge", f"token:{token}",
+                        {"removed": [r.digest for r in report.removed], "submissions": report.submissions})
+    except StoreError as e:
+        _fail(str(e))
+    verb = "would remove" if dry_run else "removed"
+    table = Table("digest", "kernel", "device", "problem", "config", "ms", "job",
+                  title=f"winners made by token {token!r} ({verb})")
+    for r in report.removed:
+        table.add_row(r.digest[:12], r.key.kernel, f"{r.key.arch}:{r.key.sm_count}",
+                      json.dumps(dict(r.key.problem), separators=(",", ":")),
+                      json.dumps(r.config, separators=(",", ":")), f"{r.median_ms:.4g}",
+                      report.jobs.get(r.digest, "-"))
+    if report.removed:
+        console.print(table)
+    failed = [d for d, st in report.jobs.items() if st not in ("queued", "running")]
+    console.print(f"{verb} {len(report.removed)} winner(s) and {report.submissions} submission(s) of token {token!r}"
+                  + ("" if dry_run else f"; {len(report.removed) - len(failed)} key(s) queued for tuning; "
+                                        f"generation now {report.generation}"))
+    for d in failed:
+        if report.jobs[d] == "unreadable":
+            err.print(f"  {d[:12]}: a winner row that could not be read was {verb}; its key cannot be queued")
+        else:
+            err.print(f"  {d[:12]}: its job is {report.jobs[d]}: `tunecache jobs retry {d[:12]}` queues it again")
 
 
 def main() -> None:

@@ -31,19 +31,20 @@ import ssl
 import threading
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import httpcore
 import httpx
 
 from . import settings
+from .job_queue import ClaimedJob
 from .key import DeviceClass, TuneKey
 from .store import ConfigRecord, TrialRecord
 
 log = logging.getLogger("tunecache.client")
 
 API = "/v1"
+MAX_TRIALS_PER_PUBLISH = 2000  # the service's cap (tunecache.server.schemas)
 GENERATION_HEADER = "x-tunecache-generation"  # tunecache.server.configs sets it on every lookup
 
 T = TypeVar("T")
@@ -241,20 +242,6 @@ def sends_token_in_clear(url: str, token: str | None) -> bool:
     return bool(token) and u.scheme == "http" and not is_loopback(u.host)
 
 
-@dataclass
-class ClaimedJob:
-    """A job leased from the service."""
-
-    id: int
-    key: TuneKey
-    attempts: int
-    max_attempts: int
-
-    @property
-    def digest(self) -> str:
-        return self.key.digest
-
-
 class FleetClient:
     """lookup / publish / enqueue for the launcher, and the worker's queue calls."""
 
@@ -305,7 +292,8 @@ class FleetClient:
             return None
         try:
             status, body = self._exchange(method, path, json, params)
-            if status >= 500 or status < 200 or 200 < status < 400:
+            # 429 (over the rate limit) too: the breaker then backs this host off
+            if status >= 500 or status < 200 or 200 < status < 400 or status == 429:
                 raise Unavailable(f"answered {status} {body[:200].decode('utf-8', 'replace')!r}")
             if status == 200:
                 # garbage -> ValueError, KeyError, TypeError, RecursionError -> unavailable
@@ -394,21 +382,21 @@ class FleetClient:
         params = {"device": device, **{k: str(v) for k, v in shape.items()}, **pins}
         return self._get_json(f"{API}/best/{op}", params)
 
-    def _get_json(self, path: str, params: dict | None) -> tuple[int, Any] | None:
-        """A GET whose 4xx answers matter to the caller: (status, the JSON body, or a 4xx's
-        `detail`); None when the service could not be reached (a breaker failure)."""
+    def _get_json(self, path: str, params: dict | None, method: str = "GET") -> tuple[int, Any] | None:
+        """A call (a GET unless told) whose 4xx answers matter to the caller: (status, the JSON
+        body, or a 4xx's `detail`); None when the service could not be reached (a breaker failure)."""
         if not self.breaker.allow():
             return None
         try:
-            status, body = self._exchange("GET", path, None, params)
+            status, body = self._exchange(method, path, None, params)
             if status >= 500:
                 raise Unavailable(f"answered {status}")
             data = jsonlib.loads(body)
         except httpx.TimeoutException:
-            self._failed("GET", path, f"no whole answer within {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)")
+            self._failed(method, path, f"no whole answer within {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)")
             return None
         except (httpx.HTTPError, ValueError, RecursionError, Unavailable) as e:
-            self._failed("GET", path, f"{type(e).__name__}: {str(e)[:300]}")
+            self._failed(method, path, f"{type(e).__name__}: {str(e)[:300]}")
             return None
         self.breaker.success()
         return status, data if status == 200 else (data.get("detail") if isinstance(data, dict) else data)
@@ -445,6 +433,10 @@ class FleetClient:
         ({"accepted", "submission_id", "kept"}), False if it refused the result (4xx), None if
         it could not be reached."""
         body = rec.to_json()
+        trials = list(trials)
+        if len(trials) > MAX_TRIALS_PER_PUBLISH:  # the service refuses more: keep the fastest, then failures
+            trials.sort(key=lambda t: (t.status != "ok", t.median_ms if t.median_ms is not None else float("inf")))
+            trials = trials[:MAX_TRIALS_PER_PUBLISH]
         body["trials"] = [{"config": t.config, "status": t.status, "median_ms": t.median_ms,
                            "error": (t.error or None) and t.error[:4000]} for t in trials]
         if tune_seconds is not None:
@@ -479,31 +471,56 @@ class FleetClient:
             key = TuneKey.from_fields(job)
             if key.digest != job["digest"]:
                 raise ValueError("job digest does not match its key")
+            secret = answer["lease_secret"]
+            if not isinstance(secret, str) or not secret:
+                raise ValueError("a claimed job without its lease secret")
             return ClaimedJob(id=int(job["id"]), key=key, attempts=int(job["attempts"]),
-                              max_attempts=int(job["max_attempts"]))
+                              max_attempts=int(job["max_attempts"]), lease_secret=secret,
+                              retime=job.get("retime") is True)
 
         res = self._call("POST", f"{API}/jobs/claim", parse, json=body)
         return None if res is None else res[1]
 
     def _job_call(self, job_id: int, what: str, body: dict) -> bool | None:
-        """True done, False refused (the lease is lost: 409), None unavailable."""
+        """True done, False refused (the lease is not held: 409, or 403 without a secret), None
+        unavailable."""
         res = self._call("POST", f"{API}/jobs/{job_id}/{what}", _expect("status"), json=body)
         return None if res is None else res[0] == 200
 
-    def heartbeat(self, job_id: int, owner: str, lease_s: float = 60.0) -> bool | None:
-        return self._job_call(job_id, "heartbeat", {"owner": owner, "lease_s": lease_s})
+    # the lease calls take what the store's take: the job's id and the secret its claim returned
 
-    def complete(self, job_id: int, owner: str, tune_seconds: float | None = None) -> bool | None:
-        body: dict[str, Any] = {"owner": owner}
+    def heartbeat(self, job_id: int, lease_secret: str, lease_s: float = 60.0) -> bool | None:
+        return self._job_call(job_id, "heartbeat", {"lease_secret": lease_secret, "lease_s": lease_s})
+
+    def complete(self, job_id: int, lease_secret: str, tune_seconds: float | None = None) -> bool | None:
+        body: dict[str, Any] = {"lease_secret": lease_secret}
         if tune_seconds is not None:
             body["tune_seconds"] = float(tune_seconds)
         return self._job_call(job_id, "complete", body)
 
-    def fail(self, job_id: int, owner: str, error: str, backoff_s: float = 5.0) -> bool | None:
-        return self._job_call(job_id, "fail", {"owner": owner, "error": error[-8000:], "backoff_s": backoff_s})
+    def fail(self, job_id: int, lease_secret: str, error: str, backoff_s: float = 5.0) -> bool | None:
+        return self._job_call(job_id, "fail", {"lease_secret": lease_secret, "error": error[-8000:],
+                                               "backoff_s": backoff_s})
 
-    def release(self, job_id: int, owner: str) -> bool | None:
-        return self._job_call(job_id, "release", {"owner": owner})
+    def release(self, job_id: int, lease_secret: str) -> bool | None:
+        return self._job_call(job_id, "release", {"lease_secret": lease_secret})
+
+    # ---- operators' calls (`tunecache jobs`): (200, the answer) or (4xx, the service's words) ----
+
+    def list_jobs(self, status: str | None = None, limit: int = 1000,
+                  device: DeviceClass | None = None) -> tuple[int, Any] | None:
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status
+        if device is not None:
+            params.update(arch=device.arch, sm_count=device.sm_count)
+        return self._get_json(f"{API}/jobs", params)
+
+    def retry_job(self, digest: str) -> tuple[int, Any] | None:
+        return self._get_json(f"{API}/jobs/{digest}/retry", None, method="POST")
+
+    def drop_job(self, digest: str) -> tuple[int, Any] | None:
+        return self._get_json(f"{API}/jobs/{digest}", None, method="DELETE")
 
     def queue_counts(self, device: DeviceClass | None = None) -> dict[str, int] | None:
         params = None if device is None else {"arch": device.arch, "sm_count": device.sm_count}

@@ -30,9 +30,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .key import DeviceClass, TuneKey
+
+if TYPE_CHECKING:
+    from .job_queue import JobQueue
 
 log = logging.getLogger("tunecache.pretune")
 
@@ -180,12 +183,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def pretune(manifest: Manifest, *, gpus: list[int] | None = None, queue=None, lease_s: float = 60.0,
+def pretune(manifest: Manifest, *, gpus: list[int] | None = None, queue: JobQueue | None = None,
+            lease_s: float = 60.0,
             poll_s: float = 1.0, priority: int = 10, log_dir: Path | None = None,
             on_progress: Callable[[int, int, dict[str, str]], None] | None = None,
             on_plan: Callable[[int, int], None] | None = None) -> Report:
     """Enqueue every shape of `manifest` without a config, run workers until they are done."""
-    from .worker import default_queue, worker_device
+    from .job_queue import default_queue
+    from .worker import worker_device
 
     t0 = time.perf_counter()
     gpus = local_gpus() if gpus is None else gpus

@@ -69,6 +69,12 @@ def fleet_ttl_s() -> float:
     return _seconds("TUNECACHE_FLEET_TTL_S", 3600.0)
 
 
+def queue_stuck_s() -> float:
+    """TUNECACHE_QUEUE_STUCK_S: /healthz calls a device class's queue stuck when a job a worker
+    could claim has waited this long and no worker of the class holds a lease."""
+    return _seconds("TUNECACHE_QUEUE_STUCK_S", 900.0)
+
+
 def selfcheck_mode() -> str:
     """TUNECACHE_SELFCHECK: `gpu` (a backend's first contact with a GPU device class runs its
     self-check; the default), `always` (the CPU interpreter too), `never`."""
@@ -174,3 +180,59 @@ def db_busy_timeout_s() -> float:
     if not 0 < s < float("inf"):  # NaN fails the comparison too
         raise ValueError(f"TUNECACHE_DB_BUSY_TIMEOUT_S must be a number of seconds > 0, got {v!r}")
     return s
+
+
+# ---- the fleet service: limits on what one client may consume ------------------------------
+# Read when the app is created; a bad value fails `tunecache serve` at start, naming the variable.
+
+RATE_LIMIT = 50.0  # requests per second, per token and client address
+RATE_BURST = 200
+ANON_RATE_LIMIT = 20.0  # per client address, for what costs the database without a valid token
+ANON_RATE_BURST = 100
+BODY_TIMEOUT_S = 10.0
+JOB_TTL_S = 7 * 86400.0
+
+
+def rate_limit() -> tuple[float, int]:
+    """TUNECACHE_RATE_LIMIT (requests per second; 0 turns the limit off) and
+    TUNECACHE_RATE_BURST: what one token may send from one client address."""
+    return (_env_number("TUNECACHE_RATE_LIMIT", RATE_LIMIT, float, 0, strict=False),
+            _env_number("TUNECACHE_RATE_BURST", RATE_BURST, int, 1, strict=False))
+
+
+def anon_rate_limit() -> tuple[float, int]:
+    """TUNECACHE_ANON_RATE_LIMIT and TUNECACHE_ANON_RATE_BURST: the same per client address for
+    what costs the database without a valid token (anonymous reads, /healthz, /metrics, a
+    token looked up and not found)."""
+    return (_env_number("TUNECACHE_ANON_RATE_LIMIT", ANON_RATE_LIMIT, float, 0, strict=False),
+            _env_number("TUNECACHE_ANON_RATE_BURST", ANON_RATE_BURST, int, 1, strict=False))
+
+
+def rate_limit_storage() -> str:
+    """TUNECACHE_RATE_LIMIT_STORAGE: where the counters live, as a `limits` storage URI
+    (memory://, the default, counts per service process; redis://host:6379 shares them)."""
+    return os.environ.get("TUNECACHE_RATE_LIMIT_STORAGE", "").strip() or "memory://"
+
+
+def body_timeout_s() -> float:
+    """TUNECACHE_BODY_TIMEOUT_S: how long a client may take to send a request's whole body
+    (/v1/import: at least 60 s) before the service answers 408 and closes the connection."""
+    return _env_number("TUNECACHE_BODY_TIMEOUT_S", BODY_TIMEOUT_S, float, 0, strict=True)
+
+
+def job_ttl_s() -> float:
+    """TUNECACHE_JOB_TTL_S: how long a job may wait queued (since it last became queued) before
+    it expires: marked failed, saying so (Store._expire_queued: `tunecache db prune`)."""
+    return _env_number("TUNECACHE_JOB_TTL_S", JOB_TTL_S, float, 0, strict=True)
+
+
+def metrics_address() -> tuple[str, int] | None:
+    """TUNECACHE_METRICS_HOST and TUNECACHE_METRICS_PORT (`tunecache serve --metrics-port`):
+    serve /metrics there instead of on the API's port; None when no port is set."""
+    port = os.environ.get("TUNECACHE_METRICS_PORT", "").strip()
+    if not port:
+        return None
+    n = _env_number("TUNECACHE_METRICS_PORT", 0, int, 1, strict=False)
+    if n > 65535:
+        raise ValueError(f"TUNECACHE_METRICS_PORT must be a port number, got {port!r}")
+    return os.environ.get("TUNECACHE_METRICS_HOST", "").strip() or "127.0.0.1", n

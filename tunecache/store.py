@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import quote, unquote
 
-from sqlalchemy import (JSON, Boolean, DateTime, Float, Integer, String, Text, and_, create_engine, event,
-                        false, func, or_, select, update)
+from sqlalchemy import (JSON, Boolean, DateTime, Float, Index, Integer, String, Text, and_, case, create_engine,
+                        event, false, func, literal_column, or_, select, text, type_coerce, update)
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .key import TuneKey
@@ -36,8 +36,11 @@ log = logging.getLogger("tunecache.store")
 # A new result replaces a stored one only when it is this much faster: timing noise must
 # not flip the winner back and forth between hosts.
 REPLACE_MARGIN = 0.03
-# a failed job waits at most this long before its next attempt
-MAX_BACKOFF_S = 24 * 3600.0
+# The queue's caps: a lease is held at most this long without a heartbeat, and a failed job
+# waits at most this long before its next attempt (the service refuses larger values with a
+# 422; the store clamps to them). A client must not park a job for a day.
+MAX_LEASE_S = 600.0
+MAX_BACKOFF_S = 3600.0
 
 
 class StoreError(RuntimeError):
@@ -47,6 +50,11 @@ class StoreError(RuntimeError):
 class ReadOnlyStoreError(StoreError):
     """A write to a store opened read-only (by tunecache.local_store, which has already warned
     once saying why). put_config and add_trials skip instead of raising this."""
+
+
+class JobStateError(ValueError):
+    """A queue operation that the job's state does not allow (retrying a running job); the
+    message says what to do instead."""
 
 
 class NewerSchemaError(StoreError):
@@ -94,6 +102,10 @@ class TunedConfigRow(Base):
     # or when the generation moves, which it does whenever the fleet removes or replaces one)
     fleet_checked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     fleet_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # the fleet's own bookkeeping (see Store.publish, Store.submit): the submission that made
+    # this winner, and when a submission claiming to beat it queued its re-timing (once per winner)
+    submission_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    retime_queued_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
 
 
 class FleetMetaRow(Base):
@@ -135,12 +147,18 @@ class TuningJobRow(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    # the lease: its holder's name (for people: the dashboard, `jobs ls`), the sha256 of the
+    # secret its claim returned (what heartbeat, complete, fail and release must present), and
+    # when it runs out. Times of the queue come from the database's clock, never a replica's.
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     not_before: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # re-time a key that has a winner (a submission claimed to beat it): tune even so
+    retime: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class TrialRow(Base):
@@ -215,6 +233,9 @@ class TrialRecord:
 
 @dataclass
 class JobRecord:
+    """A tuning job. A row whose fields cannot be read has `unreadable` set (why), an empty
+    problem in `key`, and its stored `digest`; such a job is quarantined, never claimed."""
+
     id: int
     key: TuneKey
     status: str
@@ -224,10 +245,17 @@ class JobRecord:
     lease_owner: str | None
     lease_expires_at: datetime | None
     last_error: str | None
+    digest: str = ""
+    not_before: datetime | None = None
+    created_at: datetime | None = None
+    unreadable: str | None = None
+    # the lease's secret: only in claim_job's answer (the store keeps its hash)
+    lease_secret: str | None = None
+    # a re-timing: the key has a winner, and a submission claimed to beat it; tune even so
+    retime: bool = False
 
-    @property
-    def digest(self) -> str:
-        return self.key.digest
+    def __post_init__(self) -> None:
+        self.digest = self.digest or self.key.digest
 
 
 class CorruptJSON(str):
@@ -262,10 +290,23 @@ def _config_record(row: TunedConfigRow) -> ConfigRecord:
                         fleet_generation=row.fleet_generation)
 
 
-def _job_record(row: TuningJobRow) -> JobRecord:
-    return JobRecord(id=row.id, key=_key_of(row), status=row.status, priority=row.priority,
+def _job_record(row: TuningJobRow, lease_secret: str | None = None) -> JobRecord:
+    """The row as a record; never raises: a row that cannot be read comes back `unreadable`."""
+    why = None
+    try:
+        key = _key_of(row)
+        if key.digest != row.digest:
+            why = f"its fields hash to {key.digest[:12]}, not to its digest"
+    except (ValueError, TypeError, KeyError) as e:
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+    if why is not None:
+        key = TuneKey(str(row.kernel), str(row.kernel_version), str(row.triton_version), str(row.arch),
+                      int(row.sm_count or 0), {})
+    return JobRecord(id=row.id, key=key, status=row.status, priority=row.priority,
                      attempts=row.attempts, max_attempts=row.max_attempts, lease_owner=row.lease_owner,
-                     lease_expires_at=row.lease_expires_at, last_error=row.last_error)
+                     lease_expires_at=row.lease_expires_at, last_error=row.last_error, digest=row.digest,
+                     not_before=row.not_before, created_at=row.created_at, unreadable=why,
+                     lease_secret=lease_secret, retime=bool(row.retime))
 
 
 def whoami() -> str:
@@ -623,6 +664,7 @@ class Store:
         for k, v in values.items():
             setattr(row, k, v)
         row.fleet_checked_at = row.fleet_generation = None
+        row.submission_id = row.retime_queued_at = None  # a new winner: Store.publish links its submission
         self._bump_generation(s)
         return rec, True
 
@@ -757,21 +799,47 @@ class Store:
 
     # ---- jobs ---------------------------------------------------------------------------
 
+    def _now_sql(self, plus_s: float = 0.0) -> Any:
+        """The database's time (+ `plus_s` seconds) as naive UTC, computed in SQL: replicas of
+        the service whose clocks disagree still agree on every lease and backoff."""
+        if self.dialect == "postgresql":
+            now = func.now()
+            if plus_s:
+                now = now + literal_column("interval '1 second'") * float(plus_s)
+            return type_coerce(func.timezone("UTC", now), DateTime)
+        # SQLite's own clock, in the text form SQLAlchemy stores DateTime in (text order = time order)
+        return type_coerce(func.strftime("%Y-%m-%d %H:%M:%f000", "now", f"{float(plus_s):+.3f} seconds"), DateTime)
+
+    def db_now(self) -> datetime:
+        """The database's time now (naive UTC): the clock of every lease, backoff and wait."""
+        with self._read() as s:
+            return s.execute(select(self._now_sql())).scalar_one()
+
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> JobRecord:
-        """One active job per digest: a queued or running job is returned as it is."""
-        now = utcnow()
+        """One active job per digest: a queued or running job is returned as it is. A done job
+        whose winner is gone, or a quarantined one, is queued again (the key's fields are
+        written again: enqueueing the key repairs a row that could not be read)."""
+        now = self._now_sql()
         values = dict(digest=key.digest, **key.fields(), status="queued", priority=priority, attempts=0,
                       max_attempts=max_attempts, not_before=now, created_at=now, updated_at=now)
         with self._write() as s:
             _insert_ignore(s, TuningJobRow.__table__, values)
             row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest)
                             .with_for_update()).scalar_one()
-            if row.status == "done" and s.execute(select(TunedConfigRow.id).where(
-                    TunedConfigRow.digest == key.digest)).first() is None:
+            changes: dict[str, Any] = {}
+            if _job_record(row).unreadable is not None:
+                changes.update(key.fields())  # the key hashes to this digest: its fields are the row's
+            if row.status == "quarantined" or (row.status == "done" and s.execute(select(TunedConfigRow.id).where(
+                    TunedConfigRow.digest == key.digest)).first() is None):
                 # done, but its winner is gone (deleted): tune again
-                row.status, row.attempts, row.not_before, row.updated_at = "queued", 0, now, now
-            if priority > row.priority and row.status == "queued":
-                row.priority = priority
+                changes.update(status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
+                               lease_expires_at=None)
+            if priority > row.priority and (row.status == "queued" or changes):
+                changes["priority"] = priority
+            if changes:
+                s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**changes, updated_at=now)
+                          .execution_options(synchronize_session=False))
+                s.refresh(row)
             return _job_record(row)
 
     def claim_job(self, owner: str, arch: str | None = None, sm_count: int | None = None,
@@ -780,18 +848,25 @@ class Store:
                   triton_version: str | None = None) -> JobRecord | None:
         """Lease the most urgent job of this device class: queued, or running with a lapsed lease.
 
-        `kernel_versions` ({kernel: version}) and `triton_version` restrict the claim to jobs
-        whose key this worker reproduces: a worker on other code would tune another digest.
+        The answer carries `lease_secret`, random and returned only here (the store keeps its
+        sha256): heartbeat, complete, fail and release must present it. `owner` only names the
+        holder for people. `lease_s` is capped at MAX_LEASE_S. `kernel_versions` ({kernel:
+        version}) and `triton_version` restrict the claim to jobs whose key this worker
+        reproduces: a worker on other code would tune another digest.
+
+        On the way, in the same call: a job whose last attempt's lease ran out is marked failed
+        (its worker died on every attempt), and a row that cannot be read is quarantined; the
+        claim goes on to the next job.
         """
-        now = utcnow()
+        lease_s = min(float(lease_s), MAX_LEASE_S)
+        now = self._now_sql()
         with self._write() as s:
-            q = select(TuningJobRow).where(
+            self._fail_lapsed_last_attempts(s, arch, sm_count)
+            self._expire_queued(s)  # a job nobody took for TUNECACHE_JOB_TTL_S is not handed out
+            q = self._device_class_filter(select(TuningJobRow).where(
                 ((TuningJobRow.status == "queued") & (TuningJobRow.not_before <= now))
-                | ((TuningJobRow.status == "running") & (TuningJobRow.lease_expires_at < now)))
-            if arch is not None:
-                q = q.where(TuningJobRow.arch == arch)
-            if sm_count is not None:
-                q = q.where(TuningJobRow.sm_count == sm_count)
+                | ((TuningJobRow.status == "running") & (TuningJobRow.lease_expires_at < now)
+                   & (TuningJobRow.attempts < TuningJobRow.max_attempts))), arch, sm_count)
             if kernels is not None:
                 q = q.where(TuningJobRow.kernel.in_(list(kernels)))
             if kernel_versions is not None:
@@ -802,66 +877,173 @@ class Store:
             q = q.order_by(TuningJobRow.priority.desc(), TuningJobRow.id).limit(1)
             if self.dialect == "postgresql":
                 q = q.with_for_update(skip_locked=True)
-            row = s.execute(q).scalar_one_or_none()
+            for _ in range(CLAIM_SCAN):
+                row = s.execute(q).scalar_one_or_none()
+                if row is None:
+                    return None
+                rec = _job_record(row)
+                if rec.unreadable is not None:
+                    log.warning("tunecache: job %d (%s) cannot be read (%s); quarantined", row.id, row.digest[:12],
+                                rec.unreadable)
+                    s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(
+                        status="quarantined", lease_owner=None, lease_hash=None, lease_expires_at=None,
+                        last_error=f"quarantined: the row cannot be read ({rec.unreadable})", updated_at=now)
+                        .execution_options(synchronize_session=False))
+                    continue
+                secret = LEASE_PREFIX + secrets.token_urlsafe(32)
+                s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(
+                    status="running", lease_owner=owner[:128], lease_hash=hash_token(secret),
+                    lease_expires_at=self._now_sql(lease_s), attempts=TuningJobRow.attempts + 1, updated_at=now)
+                    .execution_options(synchronize_session=False))
+                s.refresh(row)
+                return _job_record(row, lease_secret=secret)
+            return None  # only unreadable rows so far; the next claim goes on
+
+    def _device_class_filter(self, q: Any, arch: str | None, sm_count: int | None) -> Any:
+        if arch is not None:
+            q = q.where(TuningJobRow.arch == arch)
+        if sm_count is not None:
+            q = q.where(TuningJobRow.sm_count == sm_count)
+        return q
+
+    def _fail_lapsed_last_attempts(self, s: Session, arch: str | None, sm_count: int | None) -> None:
+        """Mark failed the running jobs of this device class whose last attempt's lease ran out."""
+        now = self._now_sql()
+        q = self._device_class_filter(select(
+            TuningJobRow.id, TuningJobRow.digest, TuningJobRow.lease_owner, TuningJobRow.attempts,
+            TuningJobRow.max_attempts, TuningJobRow.last_error).where(
+            TuningJobRow.status == "running", TuningJobRow.lease_expires_at < now,
+            TuningJobRow.attempts >= TuningJobRow.max_attempts), arch, sm_count).limit(CLAIM_SCAN)
+        if self.dialect == "postgresql":
+            q = q.with_for_update(skip_locked=True)
+        for job_id, digest, owner, attempts, max_attempts, last_error in s.execute(q).all():
+            why = f"the lease of {owner or 'its worker'} ran out on the last attempt ({attempts}/{max_attempts})"
+            log.warning("tunecache: job %d (%s): %s; marked failed", job_id, digest[:12], why)
+            s.execute(update(TuningJobRow).where(TuningJobRow.id == job_id).values(
+                status="failed", lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=now,
+                last_error="\n".join(filter(None, [last_error, why]))[-8000:])
+                .execution_options(synchronize_session=False))
+
+    @staticmethod
+    def _held(job_id: int, lease_secret: str) -> tuple:
+        """The running job `job_id` whose lease this secret holds."""
+        return (TuningJobRow.id == job_id, TuningJobRow.status == "running",
+                TuningJobRow.lease_hash == hash_token(lease_secret))
+
+    def heartbeat(self, job_id: int, lease_secret: str, lease_s: float = 60.0) -> bool:
+        """Extend the lease (capped at MAX_LEASE_S); False unless `lease_secret` holds it (the
+        lease ran out and the job was claimed again, it is finished, or the secret is wrong)."""
+        if not lease_secret:
+            return False
+        now = self._now_sql()
+        with self._write() as s:
+            res = s.execute(update(TuningJobRow).where(*self._held(job_id, lease_secret))
+                            .values(lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)), updated_at=now)
+                            .execution_options(synchronize_session=False))
+            return res.rowcount == 1
+
+    def complete_job(self, job_id: int, lease_secret: str) -> bool:
+        if not lease_secret:
+            return False
+        with self._write() as s:
+            res = s.execute(update(TuningJobRow).where(*self._held(job_id, lease_secret))
+                            .values(status="done", lease_owner=None, lease_hash=None, lease_expires_at=None,
+                                    updated_at=self._now_sql())
+                            .execution_options(synchronize_session=False))
+            return res.rowcount == 1
+
+    def fail_job(self, job_id: int, lease_secret: str, error: str, backoff_s: float = 5.0) -> str | None:
+        """Record a failure: back to the queue after a backoff (doubling per attempt, at most
+        MAX_BACKOFF_S), or `failed` after max attempts. None unless `lease_secret` holds the lease."""
+        if not lease_secret:
+            return None
+        now = self._now_sql()
+        with self._write() as s:
+            row = s.execute(select(TuningJobRow).where(*self._held(job_id, lease_secret)).with_for_update()
+                            ).scalar_one_or_none()
             if row is None:
                 return None
-            if row.status == "running" and row.attempts >= row.max_attempts:
-                # its last lease ran out: the worker died on the final attempt
-                row.status, row.lease_owner, row.updated_at = "failed", None, now
-                row.last_error = (row.last_error or "") + f"\nlease of {row.lease_owner} expired on the last attempt"
-                return None
-            row.status, row.lease_owner = "running", owner
-            row.lease_expires_at = now + timedelta(seconds=lease_s)
-            row.attempts += 1
-            row.updated_at = now
-            return _job_record(row)
-
-    def heartbeat(self, job_id: int, owner: str, lease_s: float = 60.0) -> bool:
-        """Extend the lease; False if the job is no longer this owner's (it was reclaimed)."""
-        now = utcnow()
-        with self._write() as s:
-            res = s.execute(update(TuningJobRow).where(
-                TuningJobRow.id == job_id, TuningJobRow.lease_owner == owner, TuningJobRow.status == "running")
-                .values(lease_expires_at=now + timedelta(seconds=lease_s), updated_at=now))
-            return res.rowcount == 1
-
-    def complete_job(self, job_id: int, owner: str) -> bool:
-        with self._write() as s:
-            res = s.execute(update(TuningJobRow).where(
-                TuningJobRow.id == job_id, TuningJobRow.lease_owner == owner, TuningJobRow.status == "running")
-                .values(status="done", lease_owner=None, lease_expires_at=None, updated_at=utcnow()))
-            return res.rowcount == 1
-
-    def fail_job(self, job_id: int, owner: str, error: str, backoff_s: float = 5.0) -> str | None:
-        """Record a failure: back to the queue after a backoff, or `failed` after max attempts."""
-        now = utcnow()
-        with self._write() as s:
-            row = s.execute(select(TuningJobRow).where(TuningJobRow.id == job_id).with_for_update()
-                            ).scalar_one_or_none()
-            if row is None or row.lease_owner != owner or row.status != "running":
-                return None
-            row.last_error = error[:8000]
-            row.lease_owner, row.lease_expires_at, row.updated_at = None, None, now
+            values: dict[str, Any] = dict(last_error=error[:8000], lease_owner=None, lease_hash=None,
+                                          lease_expires_at=None, updated_at=now)
             if row.attempts >= row.max_attempts:
-                row.status = "failed"
+                values["status"] = "failed"
             else:
-                row.status = "queued"
                 # capped: an exponent of a few dozen attempts would overflow datetime
-                row.not_before = now + timedelta(seconds=min(backoff_s * 2 ** min(row.attempts - 1, 30),
-                                                             MAX_BACKOFF_S))
-            return row.status
+                wait = min(max(float(backoff_s), 0.0) * 2 ** min(row.attempts - 1, 30), MAX_BACKOFF_S)
+                values.update(status="queued", not_before=self._now_sql(wait))
+            s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**values)
+                      .execution_options(synchronize_session=False))
+            return values["status"]
 
     def get_job(self, digest: str) -> JobRecord | None:
         with self._read() as s:
             row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest)).scalar_one_or_none()
             return None if row is None else _job_record(row)
 
-    def list_jobs(self, status: str | None = None, limit: int = 1000) -> list[JobRecord]:
+    def list_jobs(self, status: str | None = None, limit: int = 1000, *, arch: str | None = None,
+                  sm_count: int | None = None) -> list[JobRecord]:
+        """Jobs by id; a row that cannot be read is listed with `unreadable` saying why."""
         with self._read() as s:
-            q = select(TuningJobRow).order_by(TuningJobRow.id).limit(limit)
+            q = self._device_class_filter(select(TuningJobRow), arch, sm_count).order_by(TuningJobRow.id).limit(limit)
             if status:
                 q = q.where(TuningJobRow.status == status)
             return [_job_record(r) for r in s.execute(q).scalars()]
+
+    # ---- queue operations (operators: `tunecache jobs`, the admin routes, /healthz) ---------
+
+    def retry_job(self, digest: str) -> JobRecord | None:
+        """Queue a failed, quarantined or backing-off job again now, its attempts reset (its
+        last error is kept). None if there is no such job; JobStateError if it is running, done,
+        or cannot be read."""
+        now = self._now_sql()
+        with self._write() as s:
+            row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
+                            ).scalar_one_or_none()
+            if row is None:
+                return None
+            rec = _job_record(row)
+            if rec.unreadable is not None:
+                raise JobStateError(f"job {digest[:12]} cannot be read ({rec.unreadable}): drop it, and enqueue "
+                                    f"its key again to tune it")
+            if row.status == "running":
+                raise JobStateError(f"job {digest[:12]} is running (leased to {row.lease_owner!r} until "
+                                    f"{row.lease_expires_at} UTC): let it finish, or drop it")
+            if row.status == "done":
+                raise JobStateError(f"job {digest[:12]} is done and its winner is stored: delete the config "
+                                    f"(DELETE /v1/configs/{digest}) and enqueue the key to tune it again")
+            s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(
+                status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
+                lease_expires_at=None, updated_at=now).execution_options(synchronize_session=False))
+            s.refresh(row)
+            return _job_record(row)
+
+    def drop_job(self, digest: str) -> bool:
+        """Delete the job of this digest, in whatever state (a worker holding it loses its lease)."""
+        with self._write() as s:
+            res = s.execute(TuningJobRow.__table__.delete().where(TuningJobRow.digest == digest))
+            return res.rowcount == 1
+
+    def queue_waits(self) -> tuple[datetime, list[QueueWait]]:
+        """(the database's time now, per device class: the jobs a worker could claim now, how
+        long the oldest of them has waited, and the live leases)."""
+        with self._read() as s:
+            now = s.execute(select(self._now_sql())).scalar_one()
+            claimable = or_(and_(TuningJobRow.status == "queued", TuningJobRow.not_before <= now),
+                            and_(TuningJobRow.status == "running", TuningJobRow.lease_expires_at < now))
+            since = case((TuningJobRow.status == "queued", TuningJobRow.not_before),
+                         else_=TuningJobRow.lease_expires_at)
+            out: dict[tuple[str, int], QueueWait] = {}
+            for arch, sms, n, oldest in s.execute(
+                    select(TuningJobRow.arch, TuningJobRow.sm_count, func.count(), func.min(since))
+                    .where(claimable).group_by(TuningJobRow.arch, TuningJobRow.sm_count)):
+                wait = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
+                out[(arch, sms)] = QueueWait(arch, sms, waiting=n, oldest_wait_s=wait)
+            for arch, sms, n in s.execute(
+                    select(TuningJobRow.arch, TuningJobRow.sm_count, func.count())
+                    .where(TuningJobRow.status == "running", TuningJobRow.lease_expires_at >= now)
+                    .group_by(TuningJobRow.arch, TuningJobRow.sm_count)):
+                out.setdefault((arch, sms), QueueWait(arch, sms)).running = n
+            return now, sorted(out.values(), key=lambda w: (w.arch, w.sm_count))
 
     # ---- fleet: submissions, tokens and queue state (the service's side of the store) ------
 
@@ -869,7 +1051,8 @@ class Store:
                 submitted_by: str = "", tune_seconds: float | None = None) -> tuple[ConfigRecord, bool, int]:
         """put_config that also records the submission, won or lost, in the same transaction.
 
-        Returns (the kept record, whether `rec` won, the submission's id)."""
+        Returns (the kept record, whether `rec` won, the submission's id). The service calls
+        this for trusted results only (worker and admin tokens); others go to `submit`."""
         values = _config_values(rec)
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
@@ -878,7 +1061,109 @@ class Store:
                                 tune_seconds=tune_seconds, created_at=utcnow())
             s.add(row)
             s.flush()
+            if won:  # the winner remembers who made it (purge_token)
+                s.execute(update(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
+                          .values(submission_id=row.id))
             return kept, won, row.id
+
+    def submit(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None, *,
+               submitted_by: str = "", tune_seconds: float | None = None
+               ) -> tuple[ConfigRecord | None, int, JobRecord | None]:
+        """Record an untrusted result (a `publish` token's): it never makes or replaces a winner.
+
+        When the key has no winner, or the result claims to beat the winner by REPLACE_MARGIN,
+        the key is queued for a worker of its device class to tune (one active job per key; a
+        failed job is left for an operator). A winner is re-timed once: later claims against it
+        are recorded only, until a worker's result replaces it. Returns (the key's winner or
+        None, the submission's id, the key's queued or running job or None)."""
+        values = _config_values(rec)
+        with self._write() as s:
+            self._add_trials(s, rec.key, trials, run_id)
+            sub = SubmissionRow(**values, submitted_by=submitted_by[:128], accepted=False,
+                                tune_seconds=tune_seconds, created_at=utcnow())
+            s.add(sub)
+            s.flush()
+            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
+                            .with_for_update()).scalar_one_or_none()
+            try:
+                winner = None if row is None else _config_record(row)
+            except (ValueError, TypeError, KeyError):
+                winner = None  # a corrupt row: as if there were none (a worker's result replaces it)
+            job = None
+            if winner is None:
+                job = self._queue_timing(s, rec.key, retime=False)
+            elif rec.median_ms < winner.median_ms * (1 - REPLACE_MARGIN):
+                if row.retime_queued_at is None:
+                    row.retime_queued_at = utcnow()
+                    job = self._queue_timing(s, rec.key, retime=True)
+                else:  # re-timed already: a job still under way covers this claim too
+                    job_row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == rec.digest)
+                                        ).scalar_one_or_none()
+                    if job_row is not None and job_row.status in ("queued", "running"):
+                        job = _job_record(job_row)
+            if job is not None and job.status not in ("queued", "running"):
+                job = None  # failed or quarantined: an operator's to retry
+            return winner, sub.id, job
+
+    def _queue_timing(self, s: Session, key: TuneKey, *, retime: bool) -> JobRecord:
+        """In the caller's transaction, the key's tuning job (one active job per digest): a new
+        one, or a done one queued again; a queued or running one is kept (marked as a re-timing
+        when `retime`: the key has a winner, tune it even so); a failed or quarantined one is
+        left as it is (`tunecache jobs retry`)."""
+        now = self._now_sql()
+        _insert_ignore(s, TuningJobRow.__table__, dict(
+            digest=key.digest, **key.fields(), status="queued", priority=0, attempts=0, max_attempts=3,
+            not_before=now, created_at=now, updated_at=now, retime=retime))
+        row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest).with_for_update()).scalar_one()
+        changes: dict[str, Any] = {}
+        if row.status == "done":
+            changes = dict(status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
+                           lease_expires_at=None, last_error=None, retime=retime)
+        elif row.status in ("queued", "running") and retime and not row.retime:
+            changes = dict(retime=True)
+        if changes:
+            s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**changes, updated_at=now)
+                      .execution_options(synchronize_session=False))
+            s.refresh(row)
+        return _job_record(row)
+
+    def purge_token(self, name: str, *, dry_run: bool = False) -> PurgeReport:
+        """Remove every winner that a submission of the token `name` made (of every token that
+        had the name) and every submission it sent; queue each displaced key for tuning (a done
+        job again; a failed one is left for `tunecache jobs retry`), and move the generation so
+        that hosts drop their copies. `dry_run`: report what would be removed, change nothing."""
+        made_by_token = (select(TunedConfigRow).join(SubmissionRow, SubmissionRow.id == TunedConfigRow.submission_id)
+                         .where(SubmissionRow.submitted_by == name).order_by(TunedConfigRow.id))
+        count_subs = select(func.count()).select_from(SubmissionRow).where(SubmissionRow.submitted_by == name)
+        removed: list[ConfigRecord] = []
+        jobs: dict[str, str] = {}
+        if dry_run:
+            with self._read() as s:
+                for row in s.execute(made_by_token).scalars():
+                    try:
+                        removed.append(_config_record(row))
+                    except (ValueError, TypeError, KeyError):
+                        jobs[row.digest] = "unreadable"
+                return PurgeReport(name, removed, jobs, s.execute(count_subs).scalar_one(), self.generation(),
+                                   dry_run=True)
+        with self._write() as s:
+            rows = s.execute(made_by_token.with_for_update(of=TunedConfigRow)).scalars().all()
+            for row in rows:
+                try:
+                    removed.append(_config_record(row))
+                except (ValueError, TypeError, KeyError):
+                    jobs[row.digest] = "unreadable"  # removed; its key cannot be queued
+                s.delete(row)
+            s.flush()
+            for rec in removed:
+                jobs[rec.digest] = self._queue_timing(s, rec.key, retime=False).status
+            # the winners this token's claims had queued a re-timing of may be re-timed again
+            s.execute(update(TunedConfigRow).where(TunedConfigRow.digest.in_(
+                select(SubmissionRow.digest).where(SubmissionRow.submitted_by == name))).values(retime_queued_at=None))
+            n_subs = s.execute(SubmissionRow.__table__.delete().where(SubmissionRow.submitted_by == name)).rowcount
+            if rows:
+                self._bump_generation(s)
+        return PurgeReport(name, removed, jobs, n_subs, self.generation())
 
     def submissions(self, digest: str | None = None, limit: int = 1000) -> list[SubmissionRecord]:
         with self._read() as s:
@@ -887,39 +1172,129 @@ class Store:
                 q = q.where(SubmissionRow.digest == digest)
             return [_submission_record(r) for r in s.execute(q).scalars()]
 
-    def create_token(self, name: str, scopes: Iterable[str]) -> tuple[str, TokenRecord]:
-        """A new API token; returns (the secret, shown once, never stored; its record)."""
+    def create_token(self, name: str, scopes: Iterable[str], *,
+                     expires_in: timedelta | None = None) -> tuple[str, TokenRecord]:
+        """A new API token; returns (the secret, shown once, never stored; its record).
+
+        Live tokens have unique names (ValueError naming the one in the way); `expires_in`
+        makes the token stop working that long from now."""
         scopes = tuple(dict.fromkeys(scopes))
         bad = [sc for sc in scopes if sc not in TOKEN_SCOPES]
         if bad or not scopes:
             raise ValueError(f"scopes must be some of {list(TOKEN_SCOPES)}, got {list(scopes)}")
         if not name or len(name) > 128:
             raise ValueError("a token needs a name of 1 to 128 characters")
+        if expires_in is not None and not timedelta(0) < expires_in <= timedelta(days=36500):
+            raise ValueError(f"a token's lifetime must be positive and under a century, got {expires_in}")
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        with self._write() as s:
-            row = ApiTokenRow(name=name, token_hash=hash_token(secret), scopes=",".join(scopes),
-                              created_at=utcnow())
-            s.add(row)
-            s.flush()
-            return secret, _token_record(row)
+        now = utcnow()
+        taken = ValueError(f"a live token named {name!r} exists; choose another name, or revoke that one first "
+                           f"(`tunecache token revoke {name}`)")
+        try:
+            with self._write() as s:
+                if s.execute(select(ApiTokenRow.id).where(ApiTokenRow.name == name,
+                                                          ApiTokenRow.revoked_at.is_(None))).first() is not None:
+                    raise taken
+                row = ApiTokenRow(name=name, token_hash=hash_token(secret), scopes=",".join(scopes), created_at=now,
+                                  expires_at=None if expires_in is None else now + expires_in)
+                s.add(row)
+                s.flush()
+                return secret, _token_record(row)
+        except IntegrityError:  # created at the same moment by someone else
+            raise taken from None
 
     def verify_token(self, secret: str) -> TokenRecord | None:
-        """The live token with this secret, or None (unknown or revoked)."""
+        """The live token with this secret, or None (unknown, revoked or expired)."""
         with self._read() as s:
-            row = s.execute(select(ApiTokenRow).where(ApiTokenRow.token_hash == hash_token(secret),
-                                                      ApiTokenRow.revoked_at.is_(None))).scalar_one_or_none()
+            row = s.execute(select(ApiTokenRow).where(
+                ApiTokenRow.token_hash == hash_token(secret), ApiTokenRow.revoked_at.is_(None),
+                or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > utcnow()))).scalar_one_or_none()
             return None if row is None else _token_record(row)
 
     def list_tokens(self) -> list[TokenRecord]:
         with self._read() as s:
             return [_token_record(r) for r in s.execute(select(ApiTokenRow).order_by(ApiTokenRow.id)).scalars()]
 
-    def revoke_token(self, name: str) -> int:
-        """Revoke every live token with this name; returns how many."""
+    def revoke_token(self, name: str | None = None, *, token_id: int | None = None) -> int:
+        """Revoke the live token with this name (names of live tokens are unique), or with this
+        id; returns how many were revoked (0 or 1)."""
+        if (name is None) == (token_id is None):
+            raise ValueError("revoke a token by its name or by its id, not both")
+        where = ApiTokenRow.name == name if token_id is None else ApiTokenRow.id == token_id
         with self._write() as s:
-            res = s.execute(update(ApiTokenRow).where(ApiTokenRow.name == name, ApiTokenRow.revoked_at.is_(None))
+            res = s.execute(update(ApiTokenRow).where(where, ApiTokenRow.revoked_at.is_(None))
                             .values(revoked_at=utcnow()))
             return res.rowcount
+
+    # ---- the audit log: every admin action ---------------------------------------------------
+
+    def audit(self, actor: TokenRecord | str, action: str, target: str = "",
+              details: Mapping[str, Any] | None = None) -> int:
+        """Record an admin action; returns the row's id. `actor` is the caller's token (its name
+        and id are kept) or a name (`cli:user@host` for the command line); `action` names what
+        was done ("config.delete"), `target` on what ("config:<digest>", "token:7")."""
+        name, token_id = (actor.name, actor.id or None) if isinstance(actor, TokenRecord) else (str(actor), None)
+        with self._write() as s:
+            row = AuditRow(at=utcnow(), actor=name[:128], actor_token_id=token_id, action=action[:64],
+                           target=(target or "")[:256], details=None if details is None else dict(details))
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def audit_log(self, limit: int = 100, offset: int = 0, action: str | None = None,
+                  actor: str | None = None) -> list[AuditRecord]:
+        """Audit rows, newest first."""
+        with self._read() as s:
+            q = select(AuditRow).order_by(AuditRow.id.desc()).offset(offset).limit(limit)
+            if action:
+                q = q.where(AuditRow.action == action)
+            if actor:
+                q = q.where(AuditRow.actor == actor)
+            return [AuditRecord(id=r.id, at=r.at, actor=r.actor, actor_token_id=r.actor_token_id, action=r.action,
+                                target=r.target, details=r.details) for r in s.execute(q).scalars()]
+
+    # ---- retention: what grows forever unless pruned -------------------------------------------
+
+    def _expire_queued(self, s: Session, ttl_s: float | None = None) -> int:
+        """Mark jobs queued for longer than the TTL (TUNECACHE_JOB_TTL_S, since they last became
+        queued, by the database's clock) as failed, saying so: no worker of their device class
+        took them. Runs in the caller's write transaction (prune; a claim may call it first);
+        returns how many."""
+        from . import settings
+
+        ttl = settings.job_ttl_s() if ttl_s is None else ttl_s
+        res = s.execute(update(TuningJobRow).where(
+            TuningJobRow.status == "queued", TuningJobRow.updated_at < self._now_sql(-ttl))
+            .values(status="failed", updated_at=self._now_sql(),
+                    last_error=f"expired: queued for over {ttl / 86400:g} day(s) without a worker claiming it "
+                               f"(TUNECACHE_JOB_TTL_S); `tunecache jobs retry` queues it again")
+            .execution_options(synchronize_session=False))
+        return res.rowcount
+
+    def expire_queued_jobs(self, ttl_s: float | None = None) -> int:
+        """_expire_queued in a transaction of its own."""
+        with self._write() as s:
+            return self._expire_queued(s, ttl_s)
+
+    def prune(self, older_than_s: float, *, job_ttl_s: float | None = None) -> dict[str, int]:
+        """Delete trials and submissions older than `older_than_s` (each key's latest accepted
+        submission is kept: it says who made the current winner), finished jobs (done, failed,
+        quarantined) last changed before then, and expire queued jobs past their TTL first.
+        Returns {what: how many}. The audit log is kept."""
+        if not older_than_s > 0:
+            raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
+        cutoff = utcnow() - timedelta(seconds=older_than_s)  # trials and submissions: the service's clock
+        with self._write() as s:
+            expired = self._expire_queued(s, job_ttl_s)
+            trials = s.execute(TrialRow.__table__.delete().where(TrialRow.created_at < cutoff)).rowcount
+            latest = select(func.max(SubmissionRow.id)).where(SubmissionRow.accepted.is_(True)).group_by(
+                SubmissionRow.digest)
+            subs = s.execute(SubmissionRow.__table__.delete().where(
+                SubmissionRow.created_at < cutoff, SubmissionRow.id.not_in(latest))).rowcount
+            jobs = s.execute(TuningJobRow.__table__.delete().where(  # jobs: the database's, as the queue's
+                TuningJobRow.status.in_(("done", "failed", "quarantined")),
+                TuningJobRow.updated_at < self._now_sql(-older_than_s))).rowcount
+        return {"trials": trials, "submissions": subs, "jobs": jobs, "expired_jobs": expired}
 
     def job_counts(self, arch: str | None = None, sm_count: int | None = None) -> dict[str, int]:
         """Jobs per status (the queue depth), optionally of one device class."""
@@ -948,16 +1323,18 @@ class Store:
                 out.update({d: st for d, st in s.execute(q)})
         return out
 
-    def release_job(self, job_id: int, owner: str) -> bool:
+    def release_job(self, job_id: int, lease_secret: str) -> bool:
         """Give a leased job back to the queue now, without spending an attempt (a worker
         stopped by Ctrl-C or SIGTERM: its job need not wait for the lease to run out)."""
-        now = utcnow()
+        if not lease_secret:
+            return False
+        now = self._now_sql()
         with self._write() as s:
-            res = s.execute(update(TuningJobRow).where(
-                TuningJobRow.id == job_id, TuningJobRow.lease_owner == owner, TuningJobRow.status == "running")
-                .values(status="queued", lease_owner=None, lease_expires_at=None, not_before=now,
+            res = s.execute(update(TuningJobRow).where(*self._held(job_id, lease_secret))
+                .values(status="queued", lease_owner=None, lease_hash=None, lease_expires_at=None, not_before=now,
                         attempts=func.max(TuningJobRow.attempts - 1, 0) if self.dialect == "sqlite"
-                        else func.greatest(TuningJobRow.attempts - 1, 0), updated_at=now))
+                        else func.greatest(TuningJobRow.attempts - 1, 0), updated_at=now)
+                .execution_options(synchronize_session=False))
             return res.rowcount == 1
 
 
@@ -987,7 +1364,22 @@ def default_store() -> Store:
 
 # ---- fleet tables: every published result, and the service's API tokens -----------------
 
-JOB_STATUSES = ("queued", "running", "done", "failed")
+# quarantined: the row cannot be read (a claim met it); never claimed, kept for operators
+JOB_STATUSES = ("queued", "running", "done", "failed", "quarantined")
+# a claim passes over at most this many lapsed last attempts and unreadable rows per call
+CLAIM_SCAN = 100
+LEASE_PREFIX = "tcl_"
+
+
+@dataclass
+class QueueWait:
+    """One device class's queue as /healthz reports it."""
+
+    arch: str
+    sm_count: int
+    waiting: int = 0  # jobs a worker could claim now
+    oldest_wait_s: float = 0.0  # how long the oldest of them has waited (the database's clock)
+    running: int = 0  # live leases
 # what a token may do; a scope implies the ones listed with it
 TOKEN_SCOPES = {
     "read": ("read",),
@@ -1018,7 +1410,7 @@ class SubmissionRow(Base):
     tuned_by: Mapped[str] = mapped_column(String(128), default="")
     tuned_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     source: Mapped[str] = mapped_column(String(16), default="inline")
-    submitted_by: Mapped[str] = mapped_column(String(128), default="")
+    submitted_by: Mapped[str] = mapped_column(String(128), default="", index=True)
     accepted: Mapped[bool] = mapped_column(Boolean, default=False)
     tune_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
@@ -1035,6 +1427,23 @@ class ApiTokenRow(Base):
     scopes: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # one live token per name: `tunecache token revoke NAME` must mean one token
+    __table_args__ = (Index("uq_api_tokens_live_name", "name", unique=True, sqlite_where=text("revoked_at IS NULL"),
+                            postgresql_where=text("revoked_at IS NULL")),)
+
+
+class AuditRow(Base):
+    """One admin action: who (the token, or `cli:user@host`), what, on what, when, details."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    actor_token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256), default="")
+    details: Mapped[Any] = mapped_column(JSON, nullable=True)
 
 
 @dataclass
@@ -1059,15 +1468,39 @@ class SubmissionRecord:
 
 
 @dataclass
+class PurgeReport:
+    """What `Store.purge_token` removed (or would, with dry_run)."""
+
+    token_name: str
+    removed: list[ConfigRecord]  # the winners the token's submissions had made
+    jobs: dict[str, str]  # digest -> its tuning job's status now ("unreadable": a row that was removed as is)
+    submissions: int  # the token's submissions removed
+    generation: int  # the fleet's generation after
+    dry_run: bool = False
+
+
+@dataclass
 class TokenRecord:
     id: int
     name: str
     scopes: tuple[str, ...]
     created_at: datetime
     revoked_at: datetime | None = None
+    expires_at: datetime | None = None
 
     def allows(self, scope: str) -> bool:
         return any(scope in TOKEN_SCOPES.get(sc, ()) for sc in self.scopes)
+
+
+@dataclass
+class AuditRecord:
+    id: int
+    at: datetime
+    actor: str
+    actor_token_id: int | None
+    action: str
+    target: str
+    details: Any
 
 
 def hash_token(secret: str) -> str:
@@ -1089,4 +1522,4 @@ def _submission_record(row: SubmissionRow) -> SubmissionRecord:
 
 def _token_record(row: ApiTokenRow) -> TokenRecord:
     return TokenRecord(id=row.id, name=row.name, scopes=tuple(filter(None, row.scopes.split(","))),
-                       created_at=row.created_at, revoked_at=row.revoked_at)
+                       created_at=row.created_at, revoked_at=row.revoked_at, expires_at=row.expires_at)

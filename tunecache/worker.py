@@ -1,10 +1,12 @@
 """`tunecache worker --gpu N`: claim tuning jobs of this GPU's device class, tune, publish.
 
-One process per GPU. A job is leased, and the lease is extended from a heartbeat thread
-while the tuner runs; a worker that dies stops heartbeating, its lease runs out and another
-worker claims the job again. With a fleet configured (TUNECACHE_SERVER_URL) the queue is
-the service's; without one it is the local store's, so miss policy `default` plus one local
-worker is background tuning of cache misses on a single host.
+One process per GPU. A job is leased (the claim returns a secret that holds the lease: every
+heartbeat, complete, fail and release presents it), and the lease is extended from a heartbeat
+thread while the tuner runs; a worker that dies stops heartbeating, its lease runs out and
+another worker claims the job again. With a fleet configured (TUNECACHE_SERVER_URL) the queue
+is the service's; without one it is the local store's (both through tunecache.job_queue), so
+miss policy `default` plus one local worker is background tuning of cache misses on a single
+host.
 """
 
 from __future__ import annotations
@@ -18,121 +20,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any
 
-from . import settings
-from .key import DeviceClass, TuneKey, interpreter_device
-from .store import STORE_ERRORS, ConfigRecord, Store, TrialRecord, default_store
+from .job_queue import ClaimedJob, JobQueue, default_queue
+from .key import DeviceClass, interpreter_device
+from .store import MAX_LEASE_S, STORE_ERRORS, ConfigRecord, Store, TrialRecord, default_store
 
 log = logging.getLogger("tunecache.worker")
-
-
-class Job(Protocol):
-    id: int
-    key: TuneKey
-    attempts: int
-    max_attempts: int
-
-
-# ---- queues: the local store's, or the fleet's through the service -------------------------
-
-
-class LocalQueue:
-    """The queue in a store (SQLite on one host, or Postgres reached directly)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    @property
-    def where(self) -> str:
-        return self.store.safe_url
-
-    def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> Any:
-        return self.store.enqueue(key, priority=priority, max_attempts=max_attempts)
-
-    def claim(self, owner: str, device: DeviceClass, lease_s: float, kernel_versions: Mapping[str, str],
-              triton_version: str | None) -> Job | None:
-        return self.store.claim_job(owner, arch=device.arch, sm_count=device.sm_count, lease_s=lease_s,
-                                    kernel_versions=kernel_versions, triton_version=triton_version)
-
-    def heartbeat(self, job_id: int, owner: str, lease_s: float) -> bool | None:
-        return self.store.heartbeat(job_id, owner, lease_s=lease_s)
-
-    def complete(self, job_id: int, owner: str, tune_seconds: float | None = None) -> bool | None:
-        return self.store.complete_job(job_id, owner)
-
-    def fail(self, job_id: int, owner: str, error: str, backoff_s: float = 5.0) -> bool | None:
-        return self.store.fail_job(job_id, owner, error, backoff_s=backoff_s) is not None
-
-    def release(self, job_id: int, owner: str) -> bool | None:
-        return self.store.release_job(job_id, owner)
-
-    def lookup(self, key: TuneKey) -> ConfigRecord | None:
-        return self.store.get_config(key.digest)
-
-    def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any:
-        return True  # the tuner stored it in this very store
-
-    def active(self, device: DeviceClass) -> int | None:
-        c = self.store.job_counts(arch=device.arch, sm_count=device.sm_count)
-        return c["queued"] + c["running"]
-
-    def statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
-        return self.store.job_statuses(digests)
-
-
-class FleetQueue:
-    """The service's queue; results are kept in the local store too (write-through)."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-
-    @property
-    def where(self) -> str:
-        return self.client.url
-
-    def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> Any:
-        return self.client.enqueue(key, priority=priority, max_attempts=max_attempts)
-
-    def claim(self, owner: str, device: DeviceClass, lease_s: float, kernel_versions: Mapping[str, str],
-              triton_version: str | None) -> Job | None:
-        return self.client.claim(owner, device, lease_s=lease_s, kernel_versions=kernel_versions,
-                                 triton_version=triton_version)
-
-    def heartbeat(self, job_id: int, owner: str, lease_s: float) -> bool | None:
-        return self.client.heartbeat(job_id, owner, lease_s=lease_s)
-
-    def complete(self, job_id: int, owner: str, tune_seconds: float | None = None) -> bool | None:
-        return self.client.complete(job_id, owner, tune_seconds=tune_seconds)
-
-    def fail(self, job_id: int, owner: str, error: str, backoff_s: float = 5.0) -> bool | None:
-        return self.client.fail(job_id, owner, error, backoff_s=backoff_s)
-
-    def release(self, job_id: int, owner: str) -> bool | None:
-        return self.client.release(job_id, owner)
-
-    def lookup(self, key: TuneKey) -> ConfigRecord | None:
-        return self.client.lookup(key)
-
-    def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any:
-        return self.client.publish(rec, trials, tune_seconds=tune_seconds)
-
-    def active(self, device: DeviceClass) -> int | None:
-        c = self.client.queue_counts(device)
-        return None if c is None else c.get("queued", 0) + c.get("running", 0)
-
-    def statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
-        return self.client.job_statuses(digests)
-
-
-def default_queue(store: Store | None = None) -> LocalQueue | FleetQueue:
-    """The fleet's queue when TUNECACHE_SERVER_URL is set, else the local store's."""
-    url = settings.server_url()
-    if url:
-        from .client import fleet_client
-
-        return FleetQueue(fleet_client(url))
-    return LocalQueue(store or default_store())
 
 
 # ---- the device and what this worker can tune -------------------------------------------
@@ -176,11 +70,11 @@ def tunable_kernels(device: DeviceClass) -> dict[str, str]:
 class Lease:
     """Heartbeats a job's lease from a thread until stopped; notes when the lease is lost."""
 
-    def __init__(self, queue, job_id: int, owner: str, lease_s: float) -> None:
-        self.queue, self.job_id, self.owner, self.lease_s = queue, job_id, owner, lease_s
+    def __init__(self, queue: JobQueue, job: ClaimedJob, lease_s: float) -> None:
+        self.queue, self.job, self.lease_s = queue, job, lease_s
         self.lost = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job.id}", daemon=True)
 
     def __enter__(self) -> "Lease":
         self._thread.start()
@@ -192,10 +86,11 @@ class Lease:
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
-            ok = self.queue.heartbeat(self.job_id, self.owner, self.lease_s)
+            ok = self.queue.heartbeat(self.job, self.lease_s)
             if ok is False:  # None: the service is unreachable; keep trying, the lease may hold
                 self.lost = True
-                log.warning("tunecache: lost the lease of job %d (it ran out and was claimed again)", self.job_id)
+                log.warning("tunecache: lost the lease of job %d (it ran out and was claimed again, or was "
+                            "dropped)", self.job.id)
                 return
 
 
@@ -212,9 +107,13 @@ class Outcome:
 
 
 class Worker:
-    def __init__(self, gpu: int = 0, queue=None, store: Store | None = None, *, lease_s: float = 60.0,
+    def __init__(self, gpu: int = 0, queue: JobQueue | None = None, store: Store | None = None, *,
+                 lease_s: float = 60.0,
                  poll_s: float = 2.0, burst: bool = False, source: str = "worker",
                  owner: str | None = None) -> None:
+        if not 0 < lease_s <= MAX_LEASE_S:
+            raise ValueError(f"--lease-s must be more than 0 and at most {MAX_LEASE_S:g} s (the queue's cap), "
+                             f"got {lease_s:g}")
         self.gpu = gpu
         self.device, self.torch_device = worker_device(gpu)
         self.store = store or default_store()
@@ -249,11 +148,11 @@ class Worker:
                 # Ctrl-C or SIGTERM: hand the job back now rather than when its lease runs out
                 # (a second signal, e.g. Ctrl-C followed by pretune's SIGTERM, must not cut it short)
                 _ignore_signals()
-                self.queue.release(job.id, self.owner)
+                self.queue.release(job)
                 raise
         return self.outcomes
 
-    def process(self, job: Job) -> Outcome:
+    def process(self, job: ClaimedJob) -> Outcome:
         from . import registry
         from .tuner import make_key, tune
 
@@ -270,12 +169,13 @@ class Worker:
                 raise ValueError(f"{key.kernel} does not support {dict(key.problem)} on {self.device}")
         except Exception as e:
             return self._fail(job, f"cannot tune here: {type(e).__name__}: {e}")
-        if self.queue.lookup(key) is not None:
-            # published by a worker that died before it marked the job done
-            self.queue.complete(job.id, self.owner)
+        if not job.retime and self.queue.lookup(key) is not None:
+            # published by a worker that died before it marked the job done (a re-timing is
+            # tuned although a winner is there: a submission claimed to beat it)
+            self.queue.complete(job)
             return Outcome(job.id, key.kernel, "present")
         t0 = time.perf_counter()
-        with Lease(self.queue, job.id, self.owner, self.lease_s) as lease:
+        with Lease(self.queue, job, self.lease_s) as lease:
             try:
                 result = tune(mod, dict(key.problem), self.device, torch_device=self.torch_device,
                               source=self.source)
@@ -295,7 +195,7 @@ class Worker:
             if sent is None:
                 # the service is unreachable: the lease runs out and the job is tuned again
                 return Outcome(job.id, key.kernel, "unpublished", seconds, "service unreachable")
-            self.queue.complete(job.id, self.owner, tune_seconds=seconds)
+            self.queue.complete(job, tune_seconds=seconds)
         log.info("tunecache: job %d: %s in %.1f s -> %s (%.4f ms)", job.id, key.kernel, seconds, rec.config,
                  rec.median_ms)
         return Outcome(job.id, key.kernel, "tuned", seconds)
@@ -311,9 +211,9 @@ class Worker:
                 delay *= 2
         return None
 
-    def _fail(self, job: Job, error: str) -> Outcome:
+    def _fail(self, job: ClaimedJob, error: str) -> Outcome:
         log.warning("tunecache: job %d (%s) failed: %s", job.id, job.key.kernel, error.splitlines()[-1][:300])
-        self.queue.fail(job.id, self.owner, error)
+        self.queue.fail(job, error)
         return Outcome(job.id, job.key.kernel, "failed", detail=error)
 
 

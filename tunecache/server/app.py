@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import settings
 from ..store import Store
-from . import best, configs, identity, jobs, system
+from . import audit, best, configs, identity, jobs, system
 from .deps import TokenCache, known_query_only
+from .guards import BodyDeadline, RateLimits
 from .metrics import Metrics
 from .schemas import ErrorOut
 
@@ -33,8 +34,11 @@ _COMMON = {
     401: {"model": ErrorOut, "description": "missing, invalid or revoked token"},
     403: {"model": ErrorOut, "description": "the token lacks the scope this route needs"},
     404: {"model": ErrorOut, "description": "no such thing"},
+    408: {"model": ErrorOut, "description": "the body was not received in time (TUNECACHE_BODY_TIMEOUT_S)"},
     413: {"model": ErrorOut, "description": "the body is larger than the limit"},
     422: {"model": ErrorOut, "description": "the request is malformed or fails validation"},
+    429: {"model": ErrorOut, "description": "over the request rate of the token or address; the Retry-After "
+                                            "header says after how many seconds to try again"},
 }
 
 
@@ -55,7 +59,11 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
         import anyio.to_thread
 
         anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        address = app.state.metrics_address
+        metrics_server = None if address is None else app.state.metrics.serve(app.state.store, *address)
         yield
+        if metrics_server is not None:
+            metrics_server.shutdown()
         app.state.store.close()
 
     # /docs and /redoc from assets in a package (fastapi-offline), not a CDN: fleets often
@@ -69,7 +77,10 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
                               "queue of tuning jobs.")
     app.state.store = store or Store(store_url or settings.db_url())
     app.state.metrics = Metrics()
-    app.state.tokens = TokenCache()
+    app.state.tokens = TokenCache(on_query=app.state.metrics.token_checks.inc)
+    app.state.rate_limits = RateLimits.from_settings()
+    # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off
+    app.state.metrics_address = settings.metrics_address()
     app.state.anonymous_read = _env_flag("TUNECACHE_ANONYMOUS_READ") if anonymous_read is None else anonymous_read
     limit = max_body_bytes or int(os.environ.get("TUNECACHE_MAX_BODY_BYTES", MAX_BODY_BYTES))
 
@@ -77,6 +88,7 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
     app.include_router(best.router, responses=_COMMON)
     app.include_router(identity.router, responses=_COMMON)
     app.include_router(jobs.router, responses=_COMMON)
+    app.include_router(audit.router, responses=_COMMON)
     app.include_router(system.router)
 
     @app.exception_handler(RequestValidationError)
@@ -102,6 +114,9 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
         return JSONResponse({"detail": "the database is unreachable; try again"}, status_code=503)
 
     app.add_middleware(BodyLimit, limit=limit, import_limit=max(limit, MAX_IMPORT_BYTES))
+    # outside BodyLimit, so that its reading of a chunked body is bounded in time too
+    body_s = settings.body_timeout_s()
+    app.add_middleware(BodyDeadline, timeout_s=body_s, import_timeout_s=max(body_s, 60.0))
     return app
 
 

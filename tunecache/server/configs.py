@@ -7,12 +7,14 @@ from typing import Annotated, Optional
 from fastapi import APIRouter, HTTPException, Path, Query, Response
 from pydantic import ValidationError
 
+from .. import floor
 from ..key import TuneKey
-from ..store import ConfigRecord, TrialRecord
+from ..store import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
 from ..transfer import FORMAT
 from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep
 from .schemas import (Arch, ConfigIn, ConfigOut, DeleteOut, ErrorOut, ExportOut, GenerationOut, ImportIn,
-                      ImportOut, KeyIn, Kernel, PublishOut, ReportIn, ReportOut, SubmissionOut)
+                      ImportOut, KeyIn, Kernel, PublishOut, PurgeIn, PurgeOut, ReportIn, ReportOut,
+                      SubmissionOut)
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
@@ -21,6 +23,9 @@ NOT_FOUND = {404: {"model": ErrorOut, "description": "no tuned config for this k
 # when the winners it copied may have been removed or replaced
 GENERATION_HEADER = "X-Tunecache-Generation"
 DigestPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the key's sha256 digest")]
+# the sources a worker token's result may name: ways a trusted host tunes. Anything else it
+# names (fleet, import, submission, admin) is the service's to set: it becomes "worker".
+TUNING_SOURCES = ("worker", "pretune", "cli", "inline")
 
 
 def key_of(body: KeyIn) -> TuneKey:
@@ -42,14 +47,36 @@ def check_kernel_config(kernel: str, config: dict) -> None:
         raise HTTPException(422, f"config is outside the space of {kernel}: {e}") from None
 
 
-def record_of(body: ConfigIn, source: str | None = None) -> ConfigRecord:
+def record_of(body: ConfigIn, source: str, provenance: dict | None = None) -> ConfigRecord:
+    """The result as a record, checked: its digest, its config against the kernel's space, its
+    time against the device class's physical floor (422s that say why). `source` and
+    `provenance` (tuned_by, device_name, tuned_at) are the service's word; without
+    `provenance`, the body's (an admin's import)."""
     key = key_of(body)
     if body.digest is not None and body.digest != key.digest:
         raise HTTPException(422, f"digest {body.digest} does not match the key's fields (they hash to {key.digest})")
     check_kernel_config(body.kernel, body.config)
+    impossible = floor.refusal(body.kernel, body.arch, body.sm_count, body.problem, body.median_ms)
+    if impossible:
+        raise HTTPException(422, impossible)
+    given = provenance or dict(tuned_by=body.tuned_by, device_name=body.device_name, tuned_at=body.tuned_at)
     return ConfigRecord(key=key, config=dict(body.config), median_ms=body.median_ms, tflops=body.tflops,
-                        candidates=body.candidates, device_name=body.device_name, tuned_by=body.tuned_by,
-                        tuned_at=body.tuned_at, source=source or body.source)
+                        candidates=body.candidates, source=source, **given)
+
+
+def provenance(token: TokenRecord, body: ConfigIn) -> tuple[str, dict]:
+    """(source, {tuned_by, device_name, tuned_at}) of a published result: set from the token,
+    never the body's word alone. A worker (or admin) token is one of the fleet's own tuning
+    hosts: its body says which host tuned it, on what GPU, when, and how (TUNING_SOURCES; an
+    admin's result is "admin"). A publish token's result is a submission by that token,
+    nothing more."""
+    if token.allows("admin"):
+        source = "admin"
+    elif token.allows("worker"):  # how the host tuned it (a queue worker, pretune, the CLI, a library call)
+        source = body.source if body.source in TUNING_SOURCES else "worker"
+    else:
+        return "submission", dict(tuned_by=token.name, device_name="", tuned_at=None)
+    return source, dict(tuned_by=body.tuned_by or token.name, device_name=body.device_name, tuned_at=body.tuned_at)
 
 
 def out(rec: ConfigRecord) -> ConfigOut:
@@ -111,16 +138,27 @@ def list_configs(_: ReadToken, store: StoreDep,
 
 
 @router.post("/configs", response_model=PublishOut, summary="Publish a tuning result",
-             description="The config is checked against the kernel's config space. The faster of the "
-                         "stored and the new result is kept (the new one must be 3% faster to replace), "
-                         "and every submission is recorded.")
+             description="The config is checked against the kernel's config space, and its time against "
+                         "what the device class can physically do (422 below it). Every result is recorded "
+                         "as a submission. Results of `worker` (and `admin`) tokens, the fleet's own tuning "
+                         "hosts, may become the winner: the faster of the stored and the new result is "
+                         "kept (the new one must be 3% faster to replace). Results of `publish` tokens never "
+                         "make or replace a winner: when the key has none, or the result claims to beat it, "
+                         "the key is queued for a worker of its device class to tune (`status` says "
+                         "which). Provenance (`source`, `tuned_by`, `device_name`) is set from the token.")
 def publish(body: ConfigIn, token: PublishToken, store: StoreDep, metrics: MetricsDep) -> PublishOut:
-    rec = record_of(body)
+    source, given = provenance(token, body)
+    rec = record_of(body, source, given)
     trials = [TrialRecord(config=t.config, status=t.status, median_ms=t.median_ms, error=t.error)
               for t in body.trials]
-    kept, won, sid = store.publish(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)
-    metrics.publishes.labels("accepted" if won else "kept_existing").inc()
-    return PublishOut(accepted=won, submission_id=sid, kept=out(kept))
+    if token.allows("worker"):
+        kept, won, sid = store.publish(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)
+        metrics.publishes.labels("accepted" if won else "kept_existing").inc()
+        return PublishOut(accepted=won, status="won" if won else "kept_existing", submission_id=sid, kept=out(kept))
+    winner, sid, job = store.submit(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)
+    metrics.publishes.labels("queued" if job else "recorded").inc()
+    return PublishOut(accepted=False, status="queued" if job else "recorded", submission_id=sid,
+                      kept=None if winner is None else out(winner), job=None if job is None else job.status)
 
 
 @router.get("/configs/{digest}/submissions", response_model=list[SubmissionOut],
@@ -135,9 +173,10 @@ def submissions(digest: DigestPath, _: ReadToken, store: StoreDep,
 
 
 @router.delete("/configs/{digest}", response_model=DeleteOut, responses=NOT_FOUND, summary="Delete a config")
-def delete_config(digest: DigestPath, _: AdminToken, store: StoreDep) -> DeleteOut:
+def delete_config(digest: DigestPath, token: AdminToken, store: StoreDep) -> DeleteOut:
     if not store.delete_config(digest):
         raise HTTPException(404, f"no tuned config with digest {digest}")
+    store.audit(token, "config.delete", f"config:{digest}")
     return DeleteOut(deleted=True)
 
 
@@ -166,4 +205,25 @@ def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: Metrics
         stored += won
         kept += not won
         metrics.publishes.labels("accepted" if won else "kept_existing").inc()
+    store.audit(token, "config.import", f"configs:{len(body.configs)}",
+                {"stored": stored, "kept": kept, "rejected": len(rejected)})
     return ImportOut(stored=stored, kept=kept, rejected=rejected)
+
+
+@router.post("/admin/purge", response_model=PurgeOut, summary="Remove everything one token submitted (admin)",
+             description="Removes every winner that a submission of the named token made, and every submission "
+                         "it sent; queues each displaced key for a worker to tune again (a failed job is left "
+                         "for `tunecache jobs retry`) and moves the generation, so that hosts drop their copies "
+                         "within TUNECACHE_FLEET_TTL_S or at their next generation poll. `tunecache fleet purge "
+                         "--token NAME` does the same on the database.")
+def purge(body: PurgeIn, token: AdminToken, store: StoreDep) -> PurgeOut:
+    report = store.purge_token(body.token_name, dry_run=body.dry_run)
+    if not body.dry_run:
+        store.audit(token, "config.purge", f"token:{body.token_name}",
+                    {"removed": [r.digest for r in report.removed], "submissions": report.submissions})
+    return purge_out(report)
+
+
+def purge_out(report: PurgeReport) -> PurgeOut:
+    return PurgeOut(token_name=report.token_name, dry_run=report.dry_run, removed=[out(r) for r in report.removed],
+                    jobs=report.jobs, submissions_removed=report.submissions, generation=report.generation)

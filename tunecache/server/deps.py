@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from ..store import Store, TokenRecord, hash_token
+from ..store import Store, TokenRecord, hash_token, utcnow
+from .guards import client_address
 from .metrics import Metrics
 
 bearer = HTTPBearer(auto_error=False, description="a token from `tunecache token create --scope ...`")
 
 # a verified token is trusted this long before the database is asked again (revocation lag)
 TOKEN_CACHE_S = 10.0
+# an unknown secret is refused this long without asking again (none becomes valid later)
+UNKNOWN_TOKEN_CACHE_S = 60.0
 TOKEN_CACHE_MAX = 4096
 
 ANONYMOUS = TokenRecord(id=0, name="anonymous", scopes=("read",), created_at=None)  # type: ignore[arg-type]
@@ -34,27 +37,77 @@ MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
 class TokenCache:
-    """Verified tokens by hash, so a lookup costs no extra query; entries expire."""
+    """Verified tokens by hash, so a lookup costs no extra query, and unknown ones (a secret
+    never becomes valid later: secrets are made fresh), so a flood of made-up or revoked
+    tokens does not reach the database either; entries expire."""
 
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[TokenRecord, float]] = {}
+    def __init__(self, on_query: Callable[[], Any] | None = None) -> None:
+        self._known: dict[str, tuple[TokenRecord, float]] = {}
+        self._unknown: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._on_query = on_query  # counts the queries (a metric)
 
-    def verify(self, store: Store, secret: str) -> TokenRecord | None:
+    def cached(self, secret: str) -> tuple[bool, TokenRecord | None]:
+        """(whether the cache knows this secret, its token or None for a known miss)."""
         h = hash_token(secret)
         now = time.monotonic()
-        hit = self._entries.get(h)
+        hit = self._known.get(h)
         if hit is not None and hit[1] > now:
-            return hit[0]
+            return True, hit[0]
+        miss = self._unknown.get(h)
+        return (True, None) if miss is not None and miss > now else (False, None)
+
+    def verify(self, store: Store, secret: str) -> TokenRecord | None:
+        known, rec = self.cached(secret)
+        if known:
+            return rec
         rec = store.verify_token(secret)
+        if self._on_query is not None:
+            self._on_query()
+        h = hash_token(secret)
         with self._lock:
+            now = time.monotonic()
             if rec is None:
-                self._entries.pop(h, None)
+                self._known.pop(h, None)
+                if len(self._unknown) >= TOKEN_CACHE_MAX:
+                    self._unknown.clear()
+                self._unknown[h] = now + UNKNOWN_TOKEN_CACHE_S
             else:
-                if len(self._entries) >= TOKEN_CACHE_MAX:
-                    self._entries.clear()
-                self._entries[h] = (rec, now + TOKEN_CACHE_S)
+                if len(self._known) >= TOKEN_CACHE_MAX:
+                    self._known.clear()
+                until = now + TOKEN_CACHE_S
+                if rec.expires_at is not None:  # an expiring token is not trusted past its expiry
+                    until = min(until, now + (rec.expires_at - utcnow()).total_seconds())
+                self._known[h] = (rec, until)
         return rec
+
+
+def authenticate(request: Request, secret: str) -> TokenRecord:
+    """The token with this secret, within the rate limits: 401 unless it is live, 429 when the
+    token (from this address) is over its rate. A secret the cache does not know is looked up
+    only while the address has budget left, and a lookup that finds nothing spends it (a 429
+    once spent); a known miss costs nothing, and is a 401 at once."""
+    app = request.app
+    limits = app.state.rate_limits
+    address = client_address(request)
+    token = None
+    if len(secret) <= 256:
+        known, token = app.state.tokens.cached(secret)
+        if not known:
+            limits.check_address(address)
+            token = app.state.tokens.verify(app.state.store, secret)
+            if token is None:
+                limits.hit_address(address)
+    if token is None:
+        raise HTTPException(401, "invalid, expired or revoked token", headers={"WWW-Authenticate": "Bearer"})
+    limits.hit_token(token, address)
+    return token
+
+
+def anonymous(request: Request) -> TokenRecord:
+    """ANONYMOUS, counted against the caller's address (anonymous reads are on)."""
+    request.app.state.rate_limits.hit_address(client_address(request))
+    return ANONYMOUS
 
 
 def require(scope: str) -> Callable[..., TokenRecord]:
@@ -65,15 +118,11 @@ def require(scope: str) -> Callable[..., TokenRecord]:
         app = request.app
         if creds is None or not creds.credentials:
             if scope == "read" and app.state.anonymous_read:
-                return ANONYMOUS
+                return anonymous(request)
             raise HTTPException(401, "missing token: send 'Authorization: Bearer <token>' "
                                      "(create one with `tunecache token create --scope ...`)",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if len(creds.credentials) > 256:
-            raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
-        token = app.state.tokens.verify(app.state.store, creds.credentials)
-        if token is None:
-            raise HTTPException(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
+        token = authenticate(request, creds.credentials)
         if not token.allows(scope):
             raise HTTPException(403, f"token {token.name!r} has scopes {list(token.scopes)}; "
                                      f"this needs {scope!r}")

@@ -19,13 +19,36 @@ class Metrics:
         self.queue_depth = Gauge("tunecache_queue_depth", "Tuning jobs per status", ["status"], registry=r)
         self.tune_seconds = Histogram("tunecache_tune_seconds", "Seconds a worker spent tuning one job",
                                       buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600), registry=r)
+        self.token_checks = Counter("tunecache_token_checks", "Tokens looked up in the database (the token "
+                                    "cache did not know them)", registry=r)
 
     def lookup(self, hit: bool) -> None:
         self.lookups.inc()
         (self.hits if hit else self.misses).inc()
 
-    def render(self, store: Store) -> bytes:
+    def refresh(self, store: Store) -> None:
+        """Set the gauges read from the store (at each scrape)."""
         for status, n in store.job_counts().items():
             if status in JOB_STATUSES:
                 self.queue_depth.labels(status).set(n)
+
+    def render(self, store: Store) -> bytes:
+        self.refresh(store)
         return generate_latest(self.registry)
+
+    def serve(self, store: Store, host: str, port: int):
+        """Serve these metrics on their own address (prometheus_client's server, a thread of
+        this process): `tunecache serve --metrics-port`. Returns the server, to shut down."""
+        from prometheus_client import start_http_server
+
+        metrics = self
+
+        class _Scrape:  # the gauges refreshed at each scrape, as on /metrics
+            def collect(self):
+                metrics.refresh(store)
+                return metrics.registry.collect()
+
+        scrape = CollectorRegistry(auto_describe=False)
+        scrape.register(_Scrape())
+        server, _thread = start_http_server(port, addr=host, registry=scrape)
+        return server

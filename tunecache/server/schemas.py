@@ -13,9 +13,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       StringConstraints)
 
+from ..store import MAX_BACKOFF_S, MAX_LEASE_S
+
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
 JSON_MAX_ITEMS = 256
+# one publish writes its trials in one transaction: a cap keeps that short for everyone else
+MAX_TRIALS_PER_PUBLISH = 2000
 
 
 def _clean_str(s: str) -> str:
@@ -132,11 +136,16 @@ class ConfigIn(KeyIn):
     median_ms: Annotated[float, Field(strict=True, gt=0, le=1e12, allow_inf_nan=False)]
     tflops: Optional[FiniteNonNeg] = None
     candidates: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] = 0
-    device_name: Name = ""
-    tuned_by: Name = ""
-    tuned_at: Timestamp = None
-    source: _text(16, 1, r"^[a-z_]+$") = "inline"
-    trials: Annotated[list[TrialIn], Field(max_length=20_000)] = []
+    # provenance: the service sets it from the token (see the trust model in docs/fleet.md)
+    device_name: Name = Field("", description="the GPU it ran on: kept from a worker token only")
+    tuned_by: Name = Field("", description="the host that tuned it: kept from a worker token only")
+    tuned_at: Timestamp = Field(None, description="kept from a worker token only")
+    source: _text(16, 1, r"^[a-z_]+$") = Field("inline", description=(
+        "how it was tuned: kept from a worker token if one of worker, pretune, cli, inline; else the "
+        "service sets it (worker, admin, submission)"))
+    trials: Annotated[list[TrialIn], Field(max_length=MAX_TRIALS_PER_PUBLISH, description=(
+        f"the run's trials, at most {MAX_TRIALS_PER_PUBLISH} (more is a 422): the largest config space "
+        f"shipped has under 1,000 configs"))] = []
     tune_seconds: Optional[Annotated[float, Field(strict=True, ge=0, le=1e7, allow_inf_nan=False)]] = None
 
 
@@ -162,9 +171,33 @@ class ConfigOut(KeyOut):
 
 
 class PublishOut(BaseModel):
-    accepted: bool = Field(description="whether this submission is now the stored winner")
+    accepted: bool = Field(description="whether this submission is now the stored winner (only a worker's or "
+                                       "an admin's result can be)")
+    status: Literal["won", "kept_existing", "queued", "recorded"] = Field(
+        description="won: the new winner; kept_existing: a worker's result that did not beat the stored one; "
+                    "queued: a publish token's result, recorded, and the key queued for a worker of its device "
+                    "class to tune (re-time) before anything changes; recorded: a publish token's result that "
+                    "does not beat the winner, or whose winner was re-timed already: recorded only")
     submission_id: int
-    kept: ConfigOut = Field(description="the winner stored for this key after the publish")
+    kept: Optional[ConfigOut] = Field(description="the winner stored for this key after the publish (null: none "
+                                                  "yet, e.g. while a submission waits for its re-timing)")
+    job: Optional[str] = Field(None, description="queued: the status of the key's tuning job")
+
+
+class PurgeIn(Model):
+    token_name: Name = Field(min_length=1, description="the token whose submissions and winners are removed "
+                                                       "(every token that had this name)")
+    dry_run: StrictBool = Field(False, description="say what would be removed; change nothing")
+
+
+class PurgeOut(BaseModel):
+    token_name: str
+    dry_run: bool
+    removed: list[ConfigOut] = Field(description="the winners the token's submissions had made, now removed")
+    jobs: dict[str, str] = Field(description="{digest: the status of its tuning job}: queued again, or failed "
+                                             "(then `tunecache jobs retry`)")
+    submissions_removed: int
+    generation: int = Field(description="the fleet's generation after; hosts drop their copies when it moved")
 
 
 class SubmissionOut(KeyOut):
@@ -231,9 +264,16 @@ class JobOut(KeyOut):
     priority: int
     attempts: int
     max_attempts: int
-    lease_owner: Optional[str] = None
+    lease_owner: Optional[str] = Field(None, description="the lease holder's name (display only)")
     lease_expires_at: Optional[UtcTime] = None
+    not_before: Optional[UtcTime] = Field(None, description="a queued job is not claimed before this time "
+                                                            "(its backoff after a failure)")
+    created_at: Optional[UtcTime] = None
     last_error: Optional[str] = None
+    unreadable: Optional[str] = Field(None, description="why the row's fields cannot be read (its problem is "
+                                                        "shown empty); such a job is quarantined, never claimed")
+    retime: bool = Field(False, description="a re-timing: the key has a winner and a submission claimed to beat "
+                                            "it; a worker tunes it even so")
 
 
 class QueueOut(BaseModel):
@@ -241,13 +281,20 @@ class QueueOut(BaseModel):
     running: int
     done: int
     failed: int
+    quarantined: int = 0
+
+
+LeaseSeconds = Annotated[float, Field(strict=True, ge=1, le=MAX_LEASE_S, allow_inf_nan=False,
+                                      description=f"seconds, at most {MAX_LEASE_S:g} (more is a 422); "
+                                                  f"heartbeats renew it")]
 
 
 class ClaimIn(Model):
-    owner: Owner = Field(description="the lease holder, unique per worker process")
+    owner: Owner = Field(description="the lease holder's name, for people (the dashboard, `tunecache jobs "
+                                     "ls`); the lease itself is held by the secret the claim returns")
     arch: Arch
     sm_count: SmCount
-    lease_s: Annotated[float, Field(strict=True, ge=1, le=86_400, allow_inf_nan=False)] = 60.0
+    lease_s: LeaseSeconds = 60.0
     kernels: Optional[Annotated[list[Kernel], Field(max_length=1000)]] = None
     kernel_versions: Optional[Annotated[dict[Kernel, Version], Field(max_length=1000)]] = Field(
         None, description="{kernel: version} this worker runs; only jobs it reproduces are claimed")
@@ -256,26 +303,37 @@ class ClaimIn(Model):
 
 class ClaimOut(BaseModel):
     job: Optional[JobOut] = Field(description="the leased job, or null when none is waiting")
+    lease_secret: Optional[str] = Field(None, description="the lease's secret, returned once (the service keeps "
+                                                          "only its hash): heartbeat, complete, fail and release "
+                                                          "must send it")
 
 
-class LeaseIn(Model):
-    owner: Owner
-    lease_s: Annotated[float, Field(strict=True, ge=1, le=86_400, allow_inf_nan=False)] = 60.0
+class LeaseHeldIn(Model):
+    """A call on a leased job: the lease's secret (from the claim) says who holds it."""
+
+    lease_secret: Optional[_text(128)] = Field(None, description="the secret the claim returned (required: "
+                                                                 "without it the call is a 403)")
+    owner: Optional[Owner] = Field(None, description="ignored: the secret holds the lease; the owner named "
+                                                     "in the claim is kept, for display only")
 
 
-class CompleteIn(Model):
-    owner: Owner
+class LeaseIn(LeaseHeldIn):
+    lease_s: LeaseSeconds = 60.0
+
+
+class CompleteIn(LeaseHeldIn):
     tune_seconds: Optional[Annotated[float, Field(strict=True, ge=0, le=1e7, allow_inf_nan=False)]] = None
 
 
-class FailIn(Model):
-    owner: Owner
+class FailIn(LeaseHeldIn):
     error: _text(8000)
-    backoff_s: Annotated[float, Field(strict=True, ge=0, le=86_400, allow_inf_nan=False)] = 5.0
+    backoff_s: Annotated[float, Field(strict=True, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False,
+                                      description=f"seconds before the next attempt, doubling per attempt; at most "
+                                                  f"{MAX_BACKOFF_S:g} (more is a 422)")] = 5.0
 
 
-class ReleaseIn(Model):
-    owner: Owner
+class ReleaseIn(LeaseHeldIn):
+    pass
 
 
 class JobStatusOut(BaseModel):
@@ -283,10 +341,27 @@ class JobStatusOut(BaseModel):
     status: str
 
 
+class QueueHealthOut(BaseModel):
+    """One device class's queue."""
+
+    arch: str
+    sm_count: int
+    waiting: int = Field(description="jobs a worker could claim now")
+    oldest_wait_s: float = Field(description="how long the oldest of them has waited (the database's clock)")
+    running: int = Field(description="live leases")
+    stuck: bool = Field(description="work has waited past the threshold and no worker of this class holds a lease")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok"]
     database: str
     schema_revision: Optional[str] = None
+    queue_stuck: bool = Field(False, description="some device class's queue is stuck (see `queue`); the status "
+                                                 "stays 200: the service itself is fine")
+    stuck_after_s: Optional[float] = Field(None, description="the threshold (TUNECACHE_QUEUE_STUCK_S)")
+    quarantined_jobs: int = Field(0, description="jobs whose rows cannot be read (`tunecache jobs ls --status "
+                                                 "quarantined`)")
+    queue: list[QueueHealthOut] = Field([], description="per device class with waiting or running jobs")
 
 
 class ErrorOut(BaseModel):

@@ -5,31 +5,54 @@ from __future__ import annotations
 import html
 import json
 
-from fastapi import APIRouter, HTTPException
-from fastapi.responses import HTMLResponse, Response
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
 
-from .deps import MetricsDep, StoreDep
+from ..store import TokenRecord
+from .deps import MetricsDep, StoreDep, anonymous, authenticate
+from .guards import rate_limited_address
 from .schemas import ErrorOut, HealthOut
 
 router = APIRouter(tags=["system"])
 
+TOO_MANY = {429: {"model": ErrorOut, "description": "over the address's request rate (see Retry-After)"}}
+
 
 @router.get("/healthz", response_model=HealthOut, summary="Liveness and database reachability",
-            responses={503: {"model": ErrorOut, "description": "the database is unreachable"}})
+            dependencies=[Depends(rate_limited_address)],
+            responses={503: {"model": ErrorOut, "description": "the database is unreachable"}, **TOO_MANY})
 def healthz(store: StoreDep) -> HealthOut:
     from ..migrate import current_revision
 
+    from .. import settings
+    from .schemas import QueueHealthOut
+
     try:
         rev = current_revision(store.engine)
+        # the queue's facts: a stuck queue is news for operators, not a reason to pull the
+        # service out of a load balancer (the status stays 200)
+        _, waits = store.queue_waits()
+        quarantined = store.job_counts()["quarantined"]
     except SQLAlchemyError as e:
         raise HTTPException(503, f"database unreachable: {type(e).__name__}") from None
-    return HealthOut(status="ok", database=store.dialect, schema_revision=rev)
+    after = settings.queue_stuck_s()
+    queue = [QueueHealthOut(**w.__dict__, stuck=w.waiting > 0 and w.running == 0 and w.oldest_wait_s > after)
+             for w in waits]
+    return HealthOut(status="ok", database=store.dialect, schema_revision=rev, stuck_after_s=after,
+                     queue_stuck=any(q.stuck for q in queue), quarantined_jobs=quarantined, queue=queue)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
-def metrics(store: StoreDep, m: MetricsDep) -> Response:
+            description="Off (404) when the service serves its metrics on an address of their own "
+                        "(`tunecache serve --metrics-port`).",
+            dependencies=[Depends(rate_limited_address)],
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                       404: {"model": ErrorOut, "description": "metrics are served on their own port"}, **TOO_MANY})
+def metrics(request: Request, store: StoreDep, m: MetricsDep) -> Response:
+    if request.app.state.metrics_address is not None:
+        raise HTTPException(404, "metrics are served on their own port (tunecache serve --metrics-port), "
+                                 "not on the API's")
     return Response(m.render(store), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -44,13 +67,16 @@ _PAGE = """<!doctype html>
 </style></head><body>
 <h1>tunecache fleet</h1>
 <div>{cards}</div>
+<h2>Queued jobs</h2>
+<table><tr><th>digest</th><th>kernel</th><th>device</th><th>problem</th><th>priority</th><th>attempts</th><th>not before (UTC)</th><th>last error</th></tr>{queued}</table>
 <h2>Running jobs</h2>
-<table><tr><th>kernel</th><th>device</th><th>problem</th><th>owner</th><th>attempt</th><th>lease until</th></tr>{running}</table>
+<table><tr><th>digest</th><th>kernel</th><th>device</th><th>problem</th><th>owner</th><th>attempt</th><th>lease until (UTC)</th></tr>{running}</table>
 <h2>Failed jobs</h2>
 <table><tr><th>kernel</th><th>device</th><th>problem</th><th>attempts</th><th>last error</th></tr>{failed}</table>
 <h2>Tuned configs (first {n_configs})</h2>
 <table><tr><th>digest</th><th>kernel</th><th>device</th><th>problem</th><th>config</th><th>ms</th><th>TFLOP/s</th><th>source</th></tr>{configs}</table>
-<p><a href="/docs">API docs</a> · <a href="/metrics">metrics</a> · <a href="/healthz">health</a></p>
+<form method="post" action="/logout"><a href="/docs">API docs</a> · <a href="/healthz">health</a> ·
+ <button type="submit">log out</button></form>
 </body></html>
 """
 
@@ -59,17 +85,110 @@ def _problem(p: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in p.items() if not str(k).startswith("gemm_"))
 
 
+# ---- who may see the dashboard: a token, as for every read, or anonymous reads ----------------
+# A browser cannot send an Authorization header by itself: a small form posts the token once,
+# and the page then reads it from an HttpOnly, SameSite=Strict cookie. Only the dashboard reads
+# that cookie (never the API, so no API route can be driven by another site through it).
+
+DASHBOARD_COOKIE = "tunecache_token"
+DASHBOARD_COOKIE_S = 12 * 3600
+# never framed (clickjacking), never kept by a proxy or the browser's cache
+_PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
+                 "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+
+_LOGIN = """<!doctype html>
+<html><head><meta charset="utf-8"><title>tunecache fleet</title>
+<style>body {{ font: 14px system-ui, sans-serif; margin: 2em; color: #222 }} input {{ width: 36em }}
+.err {{ color: #b00 }}</style></head><body>
+<h1>tunecache fleet</h1>
+<p>The dashboard needs a token; a <code>read</code> token is enough
+(<code>tunecache token create --scope read --name dashboard</code>).</p>{error}
+<form method="post" action="/login"><input type="password" name="token" placeholder="tc_..." required
+ autocomplete="current-password"> <button type="submit">show the dashboard</button></form>
+</body></html>
+"""
+
+
+def _login_page(error: str = "", *, forget: bool = False) -> HTMLResponse:
+    page = HTMLResponse(_LOGIN.format(error=f'\n<p class="err">{html.escape(error)}</p>' if error else ""),
+                        status_code=401, headers=_PAGE_HEADERS)
+    if forget:
+        page.delete_cookie(DASHBOARD_COOKIE, path="/")
+    return page
+
+
+def _dashboard_caller(request: Request) -> TokenRecord | None:
+    """The token in the Authorization header or the dashboard's cookie (401 if it is not
+    live), ANONYMOUS when none is sent and anonymous reads are on, else None."""
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    secret = secret.strip() if scheme.lower() == "bearer" else ""
+    secret = secret or request.cookies.get(DASHBOARD_COOKIE, "").strip()
+    if secret:
+        return authenticate(request, secret)
+    return anonymous(request) if request.app.state.anonymous_read else None
+
+
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-def dashboard(store: StoreDep) -> HTMLResponse:
+def dashboard(request: Request, store: StoreDep) -> HTMLResponse:
+    try:
+        caller = _dashboard_caller(request)
+    except HTTPException as exc:
+        if exc.status_code != 401:
+            raise
+        return _login_page("That token is invalid, expired or revoked.", forget=True)
+    if caller is None:
+        return _login_page()
+    page = _dashboard_page(store)
+    page.headers.update(_PAGE_HEADERS)
+    return page
+
+
+@router.post("/login", include_in_schema=False)
+async def login(request: Request) -> Response:
+    from urllib.parse import parse_qs
+
+    from starlette.concurrency import run_in_threadpool
+
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    secret = (form.get("token") or [""])[0].strip()
+    if not secret:
+        return _login_page("Paste a token.")
+    try:
+        await run_in_threadpool(authenticate, request, secret)
+    except HTTPException as exc:
+        if exc.status_code != 401:
+            raise
+        return _login_page("That token is invalid, expired or revoked.")
+    page = RedirectResponse("/", status_code=303, headers=_PAGE_HEADERS)
+    page.set_cookie(DASHBOARD_COOKIE, secret, max_age=DASHBOARD_COOKIE_S, path="/", httponly=True,
+                    samesite="strict", secure=request.url.scheme == "https")
+    return page
+
+
+@router.post("/logout", include_in_schema=False)
+def logout() -> Response:
+    page = RedirectResponse("/", status_code=303, headers=_PAGE_HEADERS)
+    page.delete_cookie(DASHBOARD_COOKIE, path="/")
+    return page
+
+
+def _dashboard_page(store) -> HTMLResponse:
     e = html.escape
     counts = store.counts()
     jobs = store.job_counts()
     cards = "".join(f'<div class="card"><div class="n">{n}</div>{e(label)}</div>' for label, n in (
         ("tuned configs", counts.get("tuned_configs", 0)), ("queued", jobs["queued"]),
-        ("running", jobs["running"]), ("done", jobs["done"]), ("failed", jobs["failed"])))
+        ("running", jobs["running"]), ("done", jobs["done"]), ("failed", jobs["failed"]),
+        ("quarantined", jobs["quarantined"])))
+    queued = "".join(
+        f"<tr><td><code>{j.digest[:12]}</code></td><td>{e(j.key.kernel)}</td><td>{e(f'{j.key.arch}:{j.key.sm_count}')}"
+        f"</td><td>{e(_problem(j.key.problem))}</td><td>{j.priority}</td><td>{j.attempts}/{j.max_attempts}</td>"
+        f"<td>{str(j.not_before or '')[:19]}</td><td><code>{e((j.last_error or '')[-300:])}</code></td></tr>"
+        for j in store.list_jobs(status="queued", limit=100))
     running = "".join(
-        f"<tr><td>{e(j.key.kernel)}</td><td>{e(str(j.key.device_class))}</td><td>{e(_problem(j.key.problem))}</td>"
-        f"<td>{e(j.lease_owner or '')}</td><td>{j.attempts}/{j.max_attempts}</td><td>{j.lease_expires_at}</td></tr>"
+        f"<tr><td><code>{j.digest[:12]}</code></td><td>{e(j.key.kernel)}</td><td>{e(f'{j.key.arch}:{j.key.sm_count}')}"
+        f"</td><td>{e(_problem(j.key.problem))}</td><td>{e(j.lease_owner or '')}</td><td>{j.attempts}/{j.max_attempts}"
+        f"</td><td>{str(j.lease_expires_at or '')[:19]}</td></tr>"
         for j in store.list_jobs(status="running", limit=100))
     failed = "".join(
         f"<tr><td>{e(j.key.kernel)}</td><td>{e(str(j.key.device_class))}</td><td>{e(_problem(j.key.problem))}</td>"
@@ -81,5 +200,5 @@ def dashboard(store: StoreDep) -> HTMLResponse:
         f"<td>{e(_problem(r.key.problem))}</td><td><code>{e(json.dumps(r.config, separators=(',', ':')))}</code></td>"
         f"<td>{r.median_ms:.4f}</td><td>{'' if r.tflops is None else f'{r.tflops:.1f}'}</td><td>{e(r.source)}</td></tr>"
         for r in configs)
-    return HTMLResponse(_PAGE.format(cards=cards, running=running, failed=failed, configs=rows,
+    return HTMLResponse(_PAGE.format(cards=cards, queued=queued, running=running, failed=failed, configs=rows,
                                      n_configs=len(configs)))

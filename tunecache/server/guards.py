@@ -1,0 +1,160 @@
+"""Limits on what one client may consume: requests per second (429 with Retry-After) and the
+time it may take to send a request's body (408).
+
+Rates are counted by the `limits` package in a moving window: a token may send BURST requests
+in any BURST/RATE seconds from one client address (so one busy host cannot starve the others
+that share its token, and a fleet that shares one token is not limited as a whole), and an
+address has a budget of its own for what costs the database without a valid token: anonymous
+reads, /healthz, /metrics, and secrets looked up and not found (a known miss is free: the
+token cache answers it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException, Request
+
+from ..store import TokenRecord
+
+
+@dataclass(frozen=True)
+class Rate:
+    """`amount` requests in any `window_s` seconds."""
+
+    amount: int
+    window_s: int
+
+    @classmethod
+    def of(cls, per_second: float, burst: int) -> "Rate | None":
+        """BURST requests in BURST/RATE seconds (rounded up to whole seconds, the window's
+        unit), the average kept at RATE; None when RATE is 0 (no limit)."""
+        if per_second <= 0:
+            return None
+        window = max(1, math.ceil(burst / per_second))
+        return cls(max(burst, math.ceil(per_second * window)), window)
+
+    def __str__(self) -> str:
+        return f"{self.amount} requests per {self.window_s} s"
+
+
+class RateLimits:
+    """The service's request rates, per (token, client address) and per address without a token."""
+
+    def __init__(self, per_token: Rate | None, per_address: Rate | None, storage_uri: str = "memory://") -> None:
+        from limits import RateLimitItemPerSecond, storage, strategies
+
+        self.per_token, self.per_address = per_token, per_address
+        self._limiter = strategies.MovingWindowRateLimiter(storage.storage_from_string(storage_uri))
+        self._token_item = per_token and RateLimitItemPerSecond(per_token.amount, per_token.window_s, "tc-token")
+        self._address_item = per_address and RateLimitItemPerSecond(per_address.amount, per_address.window_s,
+                                                                     "tc-addr")
+
+    @classmethod
+    def from_settings(cls) -> "RateLimits":
+        from .. import settings
+
+        return cls(Rate.of(*settings.rate_limit()), Rate.of(*settings.anon_rate_limit()),
+                   settings.rate_limit_storage())
+
+    def hit_token(self, token: TokenRecord, address: str) -> None:
+        """Count one request of this token from this address; 429 when over its rate."""
+        if self._token_item is not None and not self._limiter.hit(self._token_item, str(token.id), address):
+            raise self._too_many(self._token_item, (str(token.id), address),
+                                 f"token {token.name!r} may send {self.per_token} from one address "
+                                 f"(TUNECACHE_RATE_LIMIT, TUNECACHE_RATE_BURST)")
+
+    def hit_address(self, address: str) -> None:
+        """Count one request without a valid token from this address; 429 when over its rate."""
+        if self._address_item is not None and not self._limiter.hit(self._address_item, address):
+            raise self._too_many(self._address_item, (address,), self._address_words())
+
+    def check_address(self, address: str) -> None:
+        """429 if this address has no budget left, counting nothing: asked before a token the
+        cache does not know is looked up in the database."""
+        if self._address_item is not None and not self._limiter.test(self._address_item, address):
+            raise self._too_many(self._address_item, (address,), self._address_words())
+
+    def _address_words(self) -> str:
+        return (f"an address may send {self.per_address} without a valid token "
+                f"(TUNECACHE_ANON_RATE_LIMIT, TUNECACHE_ANON_RATE_BURST)")
+
+    def _too_many(self, item: Any, keys: tuple[str, ...], why: str) -> HTTPException:
+        reset = self._limiter.get_window_stats(item, *keys).reset_time
+        retry = max(1, math.ceil(reset - time.time()))
+        return HTTPException(429, f"too many requests: {why}; retry after {retry} s",
+                             headers={"Retry-After": str(retry)})
+
+
+def client_address(request: Request) -> str:
+    """The caller's address (behind a proxy, uvicorn's --forwarded-allow-ips makes it the client's)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+def rate_limited_address(request: Request) -> None:
+    """A dependency for routes without a token that still cost a query (/healthz, /metrics)."""
+    request.app.state.rate_limits.hit_address(client_address(request))
+
+
+class BodyDeadline:
+    """408 for a request whose body is not all received within `timeout_s` of its start.
+
+    uvicorn bounds the size of headers and the idle time between requests, not the time a
+    client takes to send a body: without this, connections that stall mid-body hold the
+    service's sockets and tasks for as long as they like, tokens or no tokens. The receive
+    channel is wrapped, so every reader of the body (BodyLimit, FastAPI) is bounded, and
+    nothing is buffered here."""
+
+    def __init__(self, app: Any, timeout_s: float, import_timeout_s: float) -> None:
+        self.app, self.timeout_s, self.import_timeout_s = app, timeout_s, import_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        timeout = self.import_timeout_s if scope["path"] == "/v1/import" else self.timeout_s
+        deadline = loop.time() + timeout
+        received = timed_out = started = False
+
+        async def timed_receive():
+            nonlocal received, timed_out
+            if received or timed_out:  # the body is in: what is left to hear is a disconnect
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                timed_out = True
+                if not started:
+                    await _reply(send, 408, f"the request body was not received within {timeout:g} s "
+                                            f"(TUNECACHE_BODY_TIMEOUT_S)")
+                return {"type": "http.disconnect"}  # the app stops reading, and its answer is dropped
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                received = True
+            return message
+
+        async def guarded_send(message) -> None:
+            nonlocal started
+            if timed_out:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, guarded_send)
+        except Exception:
+            if not timed_out:  # after a 408, whatever the app made of the cut-off body is moot
+                raise
+
+
+async def _reply(send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
