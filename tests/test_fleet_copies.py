@@ -131,3 +131,5 @@ def test_a_fleet_config_this_host_cannot_launch_is_reported(host, monkeypatch):
     (report,) = [t for t in fleet_store.trials(_key().digest) if t.status == "failed"]
     assert report.config == bad and "pruning refuses it" in report.error and "test-publish" in report.error
     assert fleet_store.get_config(_key().digest).config == bad, "a report never removes a winner by itself"
+    job = fleet_store.get_job(_key().digest)
+    assert job is not None and job.status == "queued" and job.retime, "the key is queued for re-timing"

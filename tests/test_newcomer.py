@@ -174,3 +174,22 @@ def test_doctor_checks_the_fleet_url_token_and_scopes(clean_fleet, db_url):
     assert bad.returncode == 1 and "refused (401)" in bad.stdout
     away = doctor(TUNECACHE_SERVER_URL="http://127.0.0.1:9", TUNECACHE_TOKEN="tc_x")
     assert away.returncode == 1 and "cannot reach http://127.0.0.1:9" in away.stdout
+
+
+def test_a_config_is_found_by_the_digest_prefix_ls_shows(clean_fleet):
+    from tunecache.key import TuneKey
+    from tunecache.store import ConfigRecord
+
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    recs = [ConfigRecord(key=TuneKey("matmul.portable", "v1", "3.9.0", "cpu", 0,
+                                     {"M": m, "N": 64, "K": 64, "dtype": "float32", "a_layout": "row",
+                                      "b_layout": "row"}), config=cfg, median_ms=1.0, source="worker")
+            for m in (64, 65)]
+    admin = {"Authorization": f"Bearer {clean_fleet.tokens['admin']}"}
+    with httpx.Client(base_url=clean_fleet.url, headers=admin, timeout=10) as api:
+        r = api.post("/v1/import", json={"format": "tunecache-configs/1", "configs": [x.to_json() for x in recs]})
+        assert r.json()["stored"] == 2, r.text
+        got = api.get(f"/v1/configs/{recs[0].digest[:12]}")
+        assert got.status_code == 200 and got.json()["digest"] == recs[0].digest
+        assert api.get(f"/v1/configs/{recs[0].digest[:7]}").status_code == 422  # too short to be useful
+        assert api.get("/v1/configs/00000000").status_code in (404, 409)

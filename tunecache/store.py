@@ -1105,6 +1105,24 @@ class Store:
                 job = None  # failed or quarantined: an operator's to retry
             return winner, sub.id, job
 
+    def report(self, digest: str, config: dict, error: str, reported_by: str) -> tuple[bool, JobRecord | None]:
+        """A host could not launch the winner's config: keep the report as a failed trial of the
+        key and, if it is about the current winner, queue the key's re-timing (once per winner,
+        as for a submission that beats it). Returns (whether there is a winner, the job)."""
+        with self._write() as s:
+            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == digest)
+                            .with_for_update()).scalar_one_or_none()
+            if row is None:
+                return False, None
+            key = _key_of(row)
+            self._add_trials(s, key, [TrialRecord(config=config, status="failed",
+                                                  error=f"reported by {reported_by}: {error}")], None)
+            if row.config != config or row.retime_queued_at is not None:
+                return True, None
+            row.retime_queued_at = utcnow()
+            job = self._queue_timing(s, key, retime=True)
+            return True, job if job.status in ("queued", "running") else None
+
     def _queue_timing(self, s: Session, key: TuneKey, *, retime: bool) -> JobRecord:
         """In the caller's transaction, the key's tuning job (one active job per digest): a new
         one, or a done one queued again; a queued or running one is kept (marked as a re-timing

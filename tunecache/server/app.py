@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +21,7 @@ from .. import settings
 from ..store import Store
 from . import audit, best, configs, identity, jobs, system
 from .deps import TokenCache, known_query_only
-from .guards import BodyDeadline, RateLimits
+from .guards import BodyDeadline, BodyLimit, RateLimits
 from .metrics import Metrics
 from .schemas import ErrorOut
 
@@ -124,60 +123,3 @@ def _plain(err: dict) -> dict:
     """A validation error as plain JSON (ctx may hold exceptions, input may be anything)."""
     return {"loc": [str(x) for x in err.get("loc", ())], "msg": str(err.get("msg", "")),
             "type": str(err.get("type", ""))}
-
-
-class BodyLimit:
-    """413 for a body over the limit, whether it says its length or is chunked."""
-
-    def __init__(self, app: Any, limit: int, import_limit: int) -> None:
-        self.app, self.limit, self.import_limit = app, limit, import_limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
-            await self.app(scope, receive, send)
-            return
-        limit = self.import_limit if scope["path"] == "/v1/import" else self.limit
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                await _reply(send, 400, "Content-Length is not a number")
-                return
-            if int(length) > limit:
-                await _reply(send, 413, f"body of {int(length)} bytes is over the limit of {limit}")
-                return
-            await self.app(scope, receive, send)
-            return
-        # no length given (chunked): read it here, within the limit, then hand it on
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _reply(send, 413, f"body is over the limit of {limit} bytes")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-async def _reply(send, status: int, detail: str) -> None:
-    import json
-
-    body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})

@@ -83,11 +83,23 @@ def out(rec: ConfigRecord) -> ConfigOut:
     return ConfigOut.model_validate(rec.to_json())
 
 
-@router.get("/configs/{digest}", response_model=ConfigOut, responses=NOT_FOUND, summary="Look up by digest")
-def get_config(digest: DigestPath, _: ReadToken, store: StoreDep, metrics: MetricsDep,
+DigestOrPrefix = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$",
+                                     description="the key's sha256 digest, or a unique prefix of 8 or more of "
+                                                 "its hex digits (what `tunecache ls` shows)")]
+
+
+@router.get("/configs/{digest}", response_model=ConfigOut, summary="Look up by digest (or a unique prefix)",
+            responses={**NOT_FOUND, 409: {"model": ErrorOut, "description": "the prefix matches several digests"}})
+def get_config(digest: DigestOrPrefix, _: ReadToken, store: StoreDep, metrics: MetricsDep,
                response: Response) -> ConfigOut:
     generation = {GENERATION_HEADER: str(store.generation())}
-    rec = store.get_config(digest)
+    if len(digest) < 64:
+        found = store.find_configs(digest)
+        if len(found) > 1:
+            raise HTTPException(409, f"{len(found)} digests start with {digest}: "
+                                     f"{', '.join(r.digest[:16] for r in found[:5])}; give more digits")
+        digest = found[0].digest if found else digest
+    rec = store.get_config(digest) if len(digest) == 64 else None
     metrics.lookup(rec is not None)
     if rec is None:
         raise HTTPException(404, f"no tuned config with digest {digest}", headers=generation)
@@ -117,17 +129,15 @@ def generation(_: ReadToken, store: StoreDep) -> GenerationOut:
 
 @router.post("/configs/{digest}/reports", response_model=ReportOut, responses=NOT_FOUND,
              summary="Report a config that a host could not launch",
-             description="Kept as a failed trial of the key, and a job to re-tune the key is queued if the "
-                         "reported config is the current winner. A report never removes a winner by itself: "
-                         "a worker re-times the key, and an admin may delete it.")
+             description="Kept as a failed trial of the key; if the reported config is the current winner, "
+                         "the key is queued for re-timing (once per winner, like a submission that beats it): a "
+                         "worker tunes it although a winner exists, and its measurement decides. A report never "
+                         "removes a winner by itself; an admin may delete it.")
 def report(digest: DigestPath, body: ReportIn, token: PublishToken, store: StoreDep) -> ReportOut:
-    rec = store.get_config(digest)
-    if rec is None:
+    found, job = store.report(digest, dict(body.config), body.error, token.name)
+    if not found:
         raise HTTPException(404, f"no tuned config with digest {digest}")
-    store.add_trials(rec.key, [TrialRecord(config=dict(body.config), status="failed",
-                                           error=f"reported by {token.name}: {body.error}")])
-    job = store.enqueue(rec.key).status if body.config == rec.config else None
-    return ReportOut(recorded=True, job=job)
+    return ReportOut(recorded=True, job=None if job is None else job.status)
 
 
 @router.get("/configs", response_model=list[ConfigOut], summary="List tuned configs")
