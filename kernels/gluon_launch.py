@@ -16,11 +16,11 @@ holds no tensor and keeps no memory alive.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Sequence
 
+from tunecache import settings
 
-DIRECT_LAUNCH = os.environ.get("TUNECACHE_GLUON_DIRECT_LAUNCH", "1") not in ("0", "false", "no")
+DIRECT_LAUNCH = settings.gluon_direct_launch()
 
 
 def direct_launch_enabled() -> bool:

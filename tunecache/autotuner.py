@@ -18,7 +18,6 @@ import hashlib
 import inspect
 import logging
 import math
-import os
 import statistics
 import time
 from functools import cached_property
@@ -29,6 +28,7 @@ from triton.runtime.autotuner import Autotuner as TritonAutotuner
 from triton.runtime.autotuner import Config
 from triton.runtime.jit import JITFunction
 
+from . import settings
 from .key import DeviceClass, TuneKey, canonical_json, cuda_device, interpreter_device, triton_version
 
 log = logging.getLogger("tunecache.autotune")
@@ -247,7 +247,7 @@ def _source_hash(fn: Callable) -> str:
 
 def current_device() -> DeviceClass:
     """The device Triton launches on: TUNECACHE_DEVICE if set, the interpreter, or the current GPU."""
-    override = os.environ.get("TUNECACHE_DEVICE")
+    override = settings.device_override()
     if override:
         return DeviceClass.parse(override)
     if knobs.runtime.interpret:

@@ -273,9 +273,9 @@ def compile_in_fresh_processes(jobs: list[tuple[ModuleType, dict, dict, int]], d
 
 
 def default_workers() -> int:
-    env = os.environ.get("TUNECACHE_COMPILE_WORKERS")
-    if env:
-        return max(1, int(env))
+    n = settings.compile_workers()
+    if n:
+        return n
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -61,7 +60,9 @@ def interpreter_device() -> DeviceClass:
 
 def device_of(tensor: Any) -> DeviceClass:
     """Device facts for the tensor's device: from TUNECACHE_DEVICE if set, else from torch."""
-    override = os.environ.get("TUNECACHE_DEVICE")
+    from . import settings
+
+    override = settings.device_override()
     if override:
         return DeviceClass.parse(override)
     if tensor.device.type != "cuda":

@@ -236,3 +236,61 @@ def metrics_address() -> tuple[str, int] | None:
     if n > 65535:
         raise ValueError(f"TUNECACHE_METRICS_PORT must be a port number, got {port!r}")
     return os.environ.get("TUNECACHE_METRICS_HOST", "").strip() or "127.0.0.1", n
+
+
+# ---- read elsewhere before: the service, the store's pool, devices, compiling, launching ----------
+
+SERVER_THREADS = 16
+MAX_BODY_BYTES = 1 << 20  # one published result with thousands of trials fits easily
+DB_POOL_SIZE = 16
+DB_MAX_OVERFLOW = 16
+
+
+def _flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {v!r}")
+
+
+def server_threads() -> int:
+    """TUNECACHE_SERVER_THREADS: requests the service runs at once per process (within the DB pool)."""
+    return int(_env_number("TUNECACHE_SERVER_THREADS", SERVER_THREADS, int, 1, strict=False))
+
+
+def anonymous_read() -> bool:
+    """TUNECACHE_ANONYMOUS_READ: the service answers reads without a token."""
+    return _flag("TUNECACHE_ANONYMOUS_READ", False)
+
+
+def max_body_bytes() -> int:
+    """TUNECACHE_MAX_BODY_BYTES: the largest request body the service reads (imports get 64 MiB)."""
+    return int(_env_number("TUNECACHE_MAX_BODY_BYTES", MAX_BODY_BYTES, int, 1024, strict=False))
+
+
+def db_pool() -> tuple[int, int]:
+    """TUNECACHE_DB_POOL_SIZE, TUNECACHE_DB_MAX_OVERFLOW: Postgres connections per process."""
+    return (int(_env_number("TUNECACHE_DB_POOL_SIZE", DB_POOL_SIZE, int, 1, strict=False)),
+            int(_env_number("TUNECACHE_DB_MAX_OVERFLOW", DB_MAX_OVERFLOW, int, 0, strict=False)))
+
+
+def device_override() -> str | None:
+    """TUNECACHE_DEVICE: device facts given by hand, `sm_90:132[:name]` (key for another class)."""
+    return os.environ.get("TUNECACHE_DEVICE") or None
+
+
+def compile_workers() -> int | None:
+    """TUNECACHE_COMPILE_WORKERS: compile processes (default: one per CPU core)."""
+    if not os.environ.get("TUNECACHE_COMPILE_WORKERS", "").strip():
+        return None
+    return int(_env_number("TUNECACHE_COMPILE_WORKERS", 1, int, 1, strict=False))
+
+
+def gluon_direct_launch() -> bool:
+    """TUNECACHE_GLUON_DIRECT_LAUNCH: the Hopper backends launch compiled kernels directly (on by
+    default; 0 goes through JITFunction.run every call)."""
+    return _flag("TUNECACHE_GLUON_DIRECT_LAUNCH", True)

@@ -503,8 +503,9 @@ def _make_engine(url: str, *, writable: bool = True) -> Engine:
         kwargs["connect_args"] = {"connect_timeout": 10}
         # the service runs up to 16 requests at once; connections opened past the pool size
         # are closed on return, and reconnecting on every request under load is slow
-        kwargs["pool_size"] = int(os.environ.get("TUNECACHE_DB_POOL_SIZE", "16"))
-        kwargs["max_overflow"] = int(os.environ.get("TUNECACHE_DB_MAX_OVERFLOW", "16"))
+        from . import settings
+
+        kwargs["pool_size"], kwargs["max_overflow"] = settings.db_pool()
     try:
         return create_engine(url, **kwargs)
     except (ImportError, ArgumentError) as e:

@@ -8,7 +8,6 @@ token; reads need one unless anonymous reads are switched on (TUNECACHE_ANONYMOU
 
 from __future__ import annotations
 
-import os
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -25,7 +24,6 @@ from .guards import BodyDeadline, BodyLimit, RateLimits
 from .metrics import Metrics
 from .schemas import ErrorOut
 
-MAX_BODY_BYTES = 1 << 20  # one published result with thousands of trials fits easily
 MAX_IMPORT_BYTES = 64 << 20
 
 _COMMON = {
@@ -41,16 +39,12 @@ _COMMON = {
 }
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def create_app(store_url: str | None = None, *, anonymous_read: bool | None = None,
                max_body_bytes: int | None = None, store: Store | None = None) -> FastAPI:
     """The service over the store at `store_url` (default TUNECACHE_DB_URL), migrated to head."""
     from importlib.metadata import version
 
-    threads = int(os.environ.get("TUNECACHE_SERVER_THREADS", "16"))
+    threads = settings.server_threads()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -80,8 +74,8 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
     app.state.rate_limits = RateLimits.from_settings()
     # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off
     app.state.metrics_address = settings.metrics_address()
-    app.state.anonymous_read = _env_flag("TUNECACHE_ANONYMOUS_READ") if anonymous_read is None else anonymous_read
-    limit = max_body_bytes or int(os.environ.get("TUNECACHE_MAX_BODY_BYTES", MAX_BODY_BYTES))
+    app.state.anonymous_read = settings.anonymous_read() if anonymous_read is None else anonymous_read
+    limit = max_body_bytes or settings.max_body_bytes()
 
     app.include_router(configs.router, responses=_COMMON)
     app.include_router(best.router, responses=_COMMON)
