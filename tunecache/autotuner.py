@@ -101,29 +101,18 @@ class Autotuner(TritonAutotuner):
 
     def _lookup(self, key: TuneKey, configs: list[Config]) -> tuple[Config, dict] | None:
         """The stored or fleet winner as one of `configs`, with its timings; None to benchmark."""
-        from tunecache_kernels.spaces import TritonConfigSchema
-
         from .config_cache import CACHE
+        from .launcher import in_space
 
-        def well_formed(config: dict) -> str | None:
-            try:
-                TritonConfigSchema().check(config)
-            except ValueError as e:
-                return str(e)
-            return None
-
-        rec = CACHE.get(key, well_formed)
+        rec = CACHE.get(key, in_space(self.kernel_name))  # this key's, and a well-formed triton.Config
         config = None if rec is None else self.live_config(rec, key, configs, rec.source)
         if config is None:
             return None
         return config, self._stored_timings(key, configs, config, rec.median_ms)
 
     def live_config(self, rec: Any, key: TuneKey, configs: Sequence[Config], where: str) -> Config | None:
-        """The candidate whose values are `rec.config`'s, or None (with a warning) if there is none."""
-        from .launcher import valid_record
-
-        if valid_record(self.kernel_name, rec, key, where) is None:
-            return None
+        """The candidate whose values are `rec.config`'s, or None (with a warning) if there is none.
+        `rec` is this key's, checked by the config cache (or the store's own faster result)."""
         wanted = canonical_json(rec.config)
         matches = [c for c in configs if _same_values(c, wanted)]
         if not matches:
@@ -144,7 +133,7 @@ class Autotuner(TritonAutotuner):
         timings: dict[Config, list[float]] = {}
         store = CACHE.store()
         if store is not None:
-            trials = CACHE._store_call("read trials", lambda: store.trials(key.digest), [])
+            trials = CACHE.store_call("read trials", lambda: store.trials(key.digest), [])
             by_values = {canonical_json(v): c for c in configs if (v := config_values(c)) is not None}
             for t in trials:
                 c = by_values.get(canonical_json(t.config))

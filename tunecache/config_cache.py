@@ -62,7 +62,7 @@ class ConfigCache:
 
         return fleet_client(url)
 
-    def _store_call(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
+    def store_call(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
         from .store import STORE_ERRORS, ReadOnlyStoreError
 
         try:
@@ -97,7 +97,7 @@ class ConfigCache:
     def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
         """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
         store = self.store()
-        rec = None if store is None else self._store_call("read", lambda: store.get_config(key.digest))
+        rec = None if store is None else self.store_call("read", lambda: store.get_config(key.digest))
         if rec is not None and rec.source == "fleet" and self._stale(rec):
             rec = self._recheck(store, key, rec)
         if rec is not None:
@@ -118,7 +118,7 @@ class ConfigCache:
             return None
         frec.source = "fleet"
         if store is not None:  # write-through: the next process on this host needs no network
-            self._store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+            self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
         return frec
 
     def _stale(self, rec: ConfigRecord) -> bool:
@@ -153,14 +153,14 @@ class ConfigCache:
             log.info("tunecache: the fleet no longer has %s %s: removing this host's copy", key.kernel,
                      key.digest[:12])
             if store is not None:
-                self._store_call("remove a fleet copy", lambda: store.delete_fleet_copy(key.digest))
+                self.store_call("remove a fleet copy", lambda: store.delete_fleet_copy(key.digest))
             return None
         frec.source = "fleet"
         if store is not None:
             if frec.config == rec.config:
-                self._store_call("mark a fleet copy", lambda: store.mark_fleet_checked(key.digest, fleet.generation))
+                self.store_call("mark a fleet copy", lambda: store.mark_fleet_checked(key.digest, fleet.generation))
             else:
-                self._store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+                self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
         return frec
 
     # ---- keep, drop, enqueue ----------------------------------------------------------------
@@ -173,7 +173,7 @@ class ConfigCache:
         store = self.store()
         kept, won = rec, True
         if store is not None:
-            kept, won = self._store_call("keep a tuning result", lambda: store.put_config(rec, trials, run_id),
+            kept, won = self.store_call("keep a tuning result", lambda: store.put_config(rec, trials, run_id),
                                          (rec, True))
         if won and publish:
             fleet = self.fleet()
@@ -192,7 +192,7 @@ class ConfigCache:
                 if rec is not None and rec.config == config:
                     store.delete_config(key.digest)
 
-            self._store_call("drop a bad config", delete)
+            self.store_call("drop a bad config", delete)
         fleet = self.fleet()
         if fleet is not None:
             fleet.report(key, config, reason)
@@ -200,7 +200,7 @@ class ConfigCache:
     def enqueue(self, key: TuneKey) -> None:
         store = self.store()
         if store is not None:
-            self._store_call("queue a tuning job", lambda: store.enqueue(key))
+            self.store_call("queue a tuning job", lambda: store.enqueue(key))
         fleet = self.fleet()
         if fleet is not None:
             fleet.enqueue(key)

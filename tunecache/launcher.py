@@ -159,39 +159,35 @@ def _entry(op: Op, raw: tuple, mod: ModuleType, problem: dict, device: DeviceCla
                  key=key, mod=mod, problem=problem, device=device, from_cache=not provisional, fallbacks=fallbacks)
 
 
-def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[[dict], str | None]:
-    """The check every config passes before it is launched: it lies in the kernel's space and
-    the backend's own pruning keeps it for this problem and device."""
+def in_space(kernel: str) -> Callable[[dict], str | None]:
+    """The check that a config lies in the kernel's space (for `triton:` kernels, that it is a
+    well-formed triton.Config): why not, or None."""
     from tunecache_kernels.spaces import space_for
 
     def check(config: dict) -> str | None:
         try:
-            space_for(mod.KERNEL).check(config)
+            space_for(kernel).check(config)
         except (KeyError, ValueError) as e:
             return str(e).strip("'\"")
-        if not mod.prune([config], problem, device):
-            return f"the backend's pruning refuses it for this problem on {device} (resources or shape)"
         return None
 
     return check
 
 
-def valid_record(kernel: str, rec: ConfigRecord | None, key: TuneKey, where: str) -> ConfigRecord | None:
-    """A record is launched only if it is this key's and its config lies in the kernel's space
-    (`@tunecache.autotune` checks what it reads through here)."""
-    if rec is None:
-        return None
-    from tunecache_kernels.spaces import space_for
+def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[[dict], str | None]:
+    """The check every config passes before it is launched: it lies in the kernel's space and
+    the backend's own pruning keeps it for this problem and device."""
+    space = in_space(mod.KERNEL)
 
-    if rec.key.digest != key.digest:
-        log.warning("tunecache: ignoring a %s entry for another key (%s)", where, rec.key.kernel)
+    def check(config: dict) -> str | None:
+        why = space(config)
+        if why is not None:
+            return why
+        if not mod.prune([config], problem, device):
+            return f"the backend's pruning refuses it for this problem on {device} (resources or shape)"
         return None
-    try:
-        space_for(kernel).check(rec.config)
-    except ValueError as e:
-        log.warning("tunecache: ignoring %s config of %s %s: %s", where, kernel, key.digest[:12], e)
-        return None
-    return rec
+
+    return check
 
 
 def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[..., None]:

@@ -125,7 +125,7 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
         if not force and k in _VERDICTS:
             return _VERDICTS[k]
         store = CACHE.store()
-        found = None if force or store is None else CACHE._store_call("read a self-check",
+        found = None if force or store is None else CACHE.store_call("read a self-check",
                                                                      lambda: store.get_selfcheck(*k))
         if found is not None:
             v = Verdict(mod.KERNEL, device, k[1], found[0], found[1] or "", stored=True)
@@ -133,7 +133,7 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
             log.info("tunecache: first contact of %s with %s: running its self-check", mod.KERNEL, device)
             v = run_check(mod, device, torch_device)
             if store is not None and not v.inconclusive:
-                CACHE._store_call("keep a self-check", lambda: store.put_selfcheck(
+                CACHE.store_call("keep a self-check", lambda: store.put_selfcheck(
                     *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name))
         _VERDICTS[k] = v
         return v

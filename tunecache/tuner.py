@@ -97,7 +97,7 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
     timed: list[tuple[float, dict]] = []
     for i, cfg in enumerate(candidates):
         if progress:
-            progress("time", i, len(candidates), min(timed)[0] if timed else None)
+            progress("time", i, len(candidates), min(ms for ms, _ in timed) if timed else None)
         res = runner.run(cfg, QUICK_TIMING if on_gpu else {"cpu_reps": 1})
         if res["status"] != "ok":
             trials.append(TrialRecord(cfg, res["status"], error=res.get("error")))
