@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import write_results
 
 
 def main() -> None:
@@ -27,9 +27,10 @@ def main() -> None:
 
     import torch
 
-    from tunecache import bench, registry
+    from tunecache import registry
     from tunecache.isolated import Worker
     from tunecache.key import cuda_device, interpreter_device
+    from tunecache.timing import time_ms
     from tunecache.tuner import QUICK_TIMING, TOLERANCE, Trials, make_key, relative_error
 
     on_gpu = torch.cuda.is_available()
@@ -79,7 +80,7 @@ def main() -> None:
         if on_gpu:
             torch.cuda.synchronize()
         assert relative_error(out, ref) <= TOLERANCE[problem["dtype"]]
-        bench.time_ms(lambda: mod.launch(config, *args_), on_gpu, **timing)
+        time_ms(lambda: mod.launch(config, *args_), on_gpu, **timing)
         inproc.append(time.perf_counter() - t0)
 
     med_rt_ms = statistics.median(rt) * 1e3

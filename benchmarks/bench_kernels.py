@@ -23,12 +23,13 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from tunecache.shapes import OPS
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,7 +46,6 @@ CONV_SHAPES = [
     ("r50_1x1_1024to256@14", 128, 14, 14, 1024, 256, 1, 1, 1, 0),
     ("seed_3x3_384@64", 128, 64, 64, 384, 384, 3, 3, 1, 1),
 ]
-OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad")
 
 
 def _pow2(n: int) -> int:
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from tunecache import bench
+    from tunecache import timing
+    from tunecache.errors import short
     from tunecache.key import cuda_device
     from tunecache.tuner import tune
 
@@ -184,13 +185,13 @@ def main(argv=None) -> int:
                     fns["portable_tuned"] = lambda: por.launch(pr.config, *args_)
                     row["portable_tuned"] = {"config": pr.config, "candidates": pr.candidates}
                 except Exception as e:  # the portable kernel is a reference point, not the subject
-                    row["portable_tuned"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                    row["portable_tuned"] = {"error": short(e, 500)}
             # every column timed in the same rounds, after all tuning, in turn: a clock that
             # drifts over the run (the GPU warms up while tuning) moves them all alike
             samples = {k: [] for k in fns}
             for _ in range(args.rounds):
                 for k, fn in fns.items():
-                    samples[k].append(bench.time_ms(fn, True))
+                    samples[k].append(timing.time_ms(fn, True))
             for k, ms_list in samples.items():
                 ms = statistics.median(ms_list)
                 row.setdefault(k, {}).update(ms=ms, tflops=fl / (ms * 1e-3) / 1e12)

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TUNECACHE_DB_URL", f"sqlite:///{tempfile.mkdtemp()}/bench.sqlite")
 
-from common import geomean, write_results  # noqa: E402
+from common import geomean, write_results
 
 SHAPES = [
     ("matmul", dict(M=4096, N=4096, K=4096, dtype="float16")),
@@ -36,7 +36,7 @@ def main() -> None:
 
     import torch
 
-    from tunecache import bench, registry
+    from tunecache import registry, timing
     from tunecache.shapes import canonical_problem
     from tunecache.key import cuda_device
     from tunecache.store import default_store
@@ -61,8 +61,8 @@ def main() -> None:
         for name, cfg in (("default", default), ("tuned", res.config)):
             err = relative_error(mod.launch(cfg, *inputs), ref)
             assert err < 2e-2, f"{op} {name} config {cfg} is wrong: relative error {err}"
-            out[name] = bench.time_ms(lambda: mod.launch(cfg, *inputs), True)
-        out["torch"] = bench.time_ms(lambda: mod.reference(*inputs), True)
+            out[name] = timing.time_ms(lambda: mod.launch(cfg, *inputs), True)
+        out["torch"] = timing.time_ms(lambda: mod.reference(*inputs), True)
         flops = mod.flops(p)
         tf = {k: flops / (v * 1e-3) / 1e12 for k, v in out.items()}
         speedup = out["default"] / out["tuned"]

@@ -16,6 +16,11 @@ Every backend module exposes the same contract, which the launcher and tuner rel
     compile_specs(problem, config, device) -> list[KernelSpec]   (Gluon backends) what to
                                  compile for an explicit target with no GPU
 
+The Gluon backends state their static rules in two functions named for which they are:
+`resources_ok(config, ...)`, what the compiler decides (shared and tensor memory, registers;
+prune() applies it and must agree with the compiler), and `worth_trying(config, problem, ...)`,
+whether the config could win on this problem (config_space() applies it).
+
 Config spaces are plain data in `spaces/` (no torch, no Triton): the service imports them.
 """
 

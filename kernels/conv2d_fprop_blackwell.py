@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
+from .geometry import is_pointwise
 from .gluon_blackwell import (
     TMEM_COLUMNS,
     WORKER_REGS,
@@ -150,13 +151,18 @@ def supports(p: dict, device) -> bool:
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space minus tiles far larger than the problem: a k-step covers one filter tap, so
-    channel blocks beyond the (padded) Ci only read zeros; wide N tiles beyond Co compute
-    padding."""
+    """The space less configs that cannot help on this problem (worth_trying). Resource limits
+    are left to prune(), which must agree with the compiler."""
+    return [c for c in SPACES[OP] if worth_trying(c, p)]
+
+
+def worth_trying(c: dict, p: dict) -> bool:
+    """The performance rule (config_space() applies it): no tile far larger than the problem. A
+    k-step covers one filter tap, so channel blocks beyond the (padded) Ci only read zeros; wide
+    N tiles beyond Co compute padding. Whether it fits the device is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    return [c for c in SPACES[OP]
-            if c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci)) and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
-            and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))]
+    return (c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci)) and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
+            and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"])))
 
 
 def epilogue_n(c: dict) -> int:
@@ -180,13 +186,14 @@ def tmem_columns(c: dict) -> int:
     return c["NUM_ACC"] * c["BLOCK_N"]
 
 
-def fits(c: dict, p: dict) -> bool:
-    """Hard limits only (pruning must agree with the compiler): shared and tensor memory."""
+def resources_ok(c: dict, p: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler): shared and
+    tensor memory."""
     return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if fits(c, p)]
+    return [c for c in configs if resources_ok(c, p)]
 
 
 def default_config(p: dict, device) -> dict:
@@ -196,18 +203,13 @@ def default_config(p: dict, device) -> dict:
     c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
          "num_warps": 4}
     space = config_space(p, device)
-    if c not in space or not fits(c, p):
+    if c not in space or not resources_ok(c, p):
         fitting = prune(space, p, device)
         c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"]))
     return c
 
 
 # ---- host side ---------------------------------------------------------------------------------
-
-
-def is_pointwise(p: dict) -> bool:
-    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
-    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:

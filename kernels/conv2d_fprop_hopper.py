@@ -30,6 +30,7 @@ from . import KernelSpec, problems
 from . import gluon_host as gh
 from . import gluon_hopper as ghop
 from . import gluon_launch as direct
+from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
 
@@ -179,10 +180,12 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or fits(c, p)]
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
 
 
 def resources_ok(c: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler): shared memory
+    and the accumulator's registers."""
     return ghop.wgmma_resources_ok(c, smem_bytes(c))
 
 
@@ -191,21 +194,17 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
     return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
 
 
-def fits(c: dict, p: dict | None = None) -> bool:
-    if smem_bytes(c) > gh.SMEM_LIMIT_BYTES:
-        return False
-    if c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) > 128:
-        return False
+def worth_trying(c: dict, p: dict) -> bool:
+    """The performance rule (config_space() applies it): could this config win on this problem?
+    Whether it fits the device is resources_ok()'s question."""
+    # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    if p is not None:
-        ci = gh.padded_channels(p["Ci"], p["dtype"])
-        # a k-step covers one filter tap: more channels than the tap has are zeros
-        if c["BLOCK_K"] > max(16, gh.pow2_at_least(ci)):
-            return False
-        if c["BLOCK_N"] > max(64, gh.pow2_at_least(p["Co"])) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["gemm_M"])):
-            return False
-    return True
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    # a k-step covers one filter tap: more channels than the tap has are zeros
+    if c["BLOCK_K"] > max(16, gh.pow2_at_least(ci)):
+        return False
+    return c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["Co"])) and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -223,7 +222,7 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    if not fits(c, p):
+    if not (resources_ok(c) and worth_trying(c, p)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
@@ -231,11 +230,6 @@ def default_config(p: dict, device) -> dict:
 
 
 # ---- host side -----------------------------------------------------------------------------------
-
-
-def is_pointwise(p: dict) -> bool:
-    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
-    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
+from .geometry import is_pointwise
 from .gluon_blackwell import (
     TMEM_COLUMNS,
     WORKER_REGS,
@@ -213,23 +214,24 @@ def output_tiles(p: dict, c: dict) -> int:
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space minus what cannot help on this problem: channel blocks wider than the tap's
-    channels, Co blocks beyond Co, more splits than the reduction has iterations (the same
-    launch as fewer), and splitting further once the output tiles alone fill every SM twice
-    (only adds reduction traffic)."""
+    """The space less configs that cannot help on this problem (worth_trying). Resource limits
+    are left to prune(), which must agree with the compiler."""
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
+
+
+def worth_trying(c: dict, p: dict, sms: int) -> bool:
+    """The performance rule (config_space() applies it): no channel block wider than the tap's
+    channels, no Co block beyond Co, no more splits than the reduction has iterations (the same
+    launch as fewer), and no splitting further once the output tiles alone fill every SM twice
+    (only adds reduction traffic). Whether it fits the device is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    sms = gh.sm_count_of(device, 148)
-    out = []
-    for c in SPACES[OP]:
-        if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
-            continue
-        active, _ = splits_of(p, c)
-        if active < c["SPLIT_K"]:
-            continue
-        if c["SPLIT_K"] > 1 and output_tiles(p, c) * c["SPLIT_K"] // 2 >= 2 * sms:
-            continue
-        out.append(c)
-    return out
+    if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
+        return False
+    active, _ = splits_of(p, c)
+    if active < c["SPLIT_K"]:
+        return False
+    return not (c["SPLIT_K"] > 1 and output_tiles(p, c) * c["SPLIT_K"] // 2 >= 2 * sms)
 
 
 # bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
@@ -248,18 +250,19 @@ def tmem_columns(c: dict) -> int:
     return c["NUM_ACC"] * c["BLOCK_N"]
 
 
-def fits(c: dict, p: dict) -> bool:
-    """Hard limits only (pruning must agree with the compiler): shared and tensor memory."""
+def resources_ok(c: dict, p: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler): shared and
+    tensor memory."""
     return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if fits(c, p)]
+    return [c for c in configs if resources_ok(c, p)]
 
 
 def default_config(p: dict, device) -> dict:
     """128 x 128 tiles, 4 stages, and enough splits to give every SM about two work items."""
-    sms = gh.sm_count_of(device, 148)
+    sms = gh.sm_count_of(device)
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 1,
          "num_warps": 4}
     space = config_space(p, device)
@@ -269,18 +272,13 @@ def default_config(p: dict, device) -> dict:
             c = candidate
             if output_tiles(p, c) * split >= 2 * sms:
                 break
-    if c not in space or not fits(c, p):
+    if c not in space or not resources_ok(c, p):
         fitting = prune(space, p, device)
         c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["NUM_BUFFERS"], -x["SPLIT_K"]))
     return c
 
 
 # ---- host side ---------------------------------------------------------------------------------
-
-
-def is_pointwise(p: dict) -> bool:
-    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
-    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:

@@ -35,6 +35,7 @@ from . import KernelSpec, problems
 from . import gluon_host as gh
 from . import gluon_hopper as ghop
 from . import gluon_launch as direct
+from .geometry import is_pointwise
 from .gluon_hopper import wgmma_acc_layout
 from .spaces.hopper import SPACES
 
@@ -247,10 +248,12 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles, splits past what fills the GPU). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or fits(c, p, gh.sm_count_of(device))]
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, gh.sm_count_of(device))]
 
 
 def resources_ok(c: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler): shared memory
+    and the accumulator's registers."""
     return ghop.wgmma_resources_ok(c, smem_bytes(c))
 
 
@@ -280,7 +283,7 @@ class Work:
             self.ctas = gh.persistent_grid(self.tiles * self.splits, sms)[0]
 
     @classmethod
-    def of(cls, p: dict, c: dict, sms: int = 132) -> "Work":
+    def of(cls, p: dict, c: dict, sms: int) -> "Work":
         ci = gh.padded_channels(p["Ci"], p["dtype"])
         return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
 
@@ -301,30 +304,25 @@ def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> 
     return min(s for s, t in costs.items() if t <= 1.02 * best)
 
 
-def fits(c: dict, p: dict | None = None, sms: int = 132) -> bool:
-    if smem_bytes(c) > gh.SMEM_LIMIT_BYTES:
-        return False
-    if c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) > 128:
-        return False
+def worth_trying(c: dict, p: dict, sms: int) -> bool:
+    """The performance rule (config_space() applies it): could this config win on this problem
+    on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
     # two warpgroups split a 64-row tile along N: only worth it on wide tiles
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    if p is not None:
-        ci = gh.padded_channels(p["Ci"], p["dtype"])
-        if c["BLOCK_N"] > max(16, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
-            return False
-        npq = p["N"] * p["P"] * p["Q"]
-        if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)):
-            return False
-        w = Work.of(p, c, sms)
-        if c["SPLIT_K"] > 0 and w.splits < c["SPLIT_K"]:
-            return False  # the same launch as a smaller SPLIT_K
-        # once the output tiles alone fill the GPU twice, splitting only adds reduction
-        if c["SPLIT_K"] > 1 and w.tiles >= 2 * sms:
-            return False
-        if w.stream and w.per < c["num_stages"]:
-            return False  # runs too short to fill the pipeline
-    return True
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    if c["BLOCK_N"] > max(16, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
+        return False
+    npq = p["N"] * p["P"] * p["Q"]
+    if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)):
+        return False
+    w = Work.of(p, c, sms)
+    if c["SPLIT_K"] > 0 and w.splits < c["SPLIT_K"]:
+        return False  # the same launch as a smaller SPLIT_K
+    # once the output tiles alone fill the GPU twice, splitting only adds reduction
+    if c["SPLIT_K"] > 1 and w.tiles >= 2 * sms:
+        return False
+    return not (w.stream and w.per < c["num_stages"])  # runs too short to fill the pipeline
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -340,7 +338,7 @@ def default_config(p: dict, device) -> dict:
     bn = min(128, max(16, gh.pow2_at_least(ci)))
     warps = 8 if bm == 128 and bn >= 128 else 4
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": warps, "num_stages": 4}
-    if not fits(c, p, sms):
+    if not (resources_ok(c) and worth_trying(c, p, sms)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], -abs(x["SPLIT_K"])))
@@ -348,11 +346,6 @@ def default_config(p: dict, device) -> dict:
 
 
 # ---- host side -----------------------------------------------------------------------------------
-
-
-def is_pointwise(p: dict) -> bool:
-    """1x1 filter, stride 1, no padding: im2col(x) is x itself."""
-    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:

@@ -35,6 +35,11 @@ def conv(N: int, H: int, W: int, Ci: int, Co: int, R: int, S: int, stride: tuple
     }
 
 
+def is_pointwise(p: dict) -> bool:
+    """A conv problem with a 1x1 filter, stride 1 and no padding: im2col(x) is x itself."""
+    return (p["R"], p["S"], p["stride_h"], p["stride_w"], p["pad_h"], p["pad_w"]) == (1, 1, 1, 1, 0, 0)
+
+
 def wgrad(p: dict) -> dict:
     """conv2d wgrad's problem from fprop's: [Co, R*S*Ci] = grad_out^T [Co, NPQ] @ im2col(x) [NPQ, R*S*Ci]."""
     return {**p, "gemm_M": p["Co"], "gemm_N": p["R"] * p["S"] * p["Ci"], "gemm_K": p["N"] * p["P"] * p["Q"]}

@@ -211,10 +211,18 @@ def num_sms(device: Any = None) -> int:
     return _sm_count(torch.cuda.current_device() if device is None else int(device))
 
 
-def sm_count_of(device: Any, usual: int = 132) -> int:
-    """The SM count a device class names, or the usual part's (132: H100 SXM; 148: B200) when
-    it names none (a compile for an explicit target)."""
-    return max(1, int(getattr(device, "sm_count", 0) or usual))
+# the SM count of the usual part of each architecture (by compute capability major): H100 SXM, B200
+USUAL_SM_COUNT = {9: 132, 10: 148}
+
+
+def sm_count_of(device: Any) -> int:
+    """The SM count a device class names, or, when it names none (0), the usual part's of its
+    architecture (USUAL_SM_COUNT): what the persistent grids and split counts are sized for."""
+    sms = int(getattr(device, "sm_count", 0) or 0)
+    if sms > 0:
+        return sms
+    cap = getattr(device, "capability", None)
+    return USUAL_SM_COUNT.get(cap[0] if cap else 9, USUAL_SM_COUNT[9])
 
 
 def persistent_grid(num_tiles: int, sms: int, ctas_per_sm: int = 1) -> tuple[int]:

@@ -137,10 +137,16 @@ def supports(p: dict, device) -> bool:
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space minus tiles far larger than the matrix (they compute mostly padding)."""
-    return [c for c in SPACES[OP]
-            if c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"])) and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
-            and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"]))]
+    """The space less configs that cannot help on this problem (worth_trying). Resource limits
+    are left to prune(), which must agree with the compiler."""
+    return [c for c in SPACES[OP] if worth_trying(c, p)]
+
+
+def worth_trying(c: dict, p: dict) -> bool:
+    """The performance rule (config_space() applies it): no tile far larger than the matrix
+    (it would compute mostly padding). Whether it fits the device is resources_ok()'s question."""
+    return (c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"])) and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
+            and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"])))
 
 
 def epilogue_n(c: dict) -> int:
@@ -165,17 +171,18 @@ def tmem_columns(c: dict) -> int:
     return c["NUM_ACC"] * c["BLOCK_N"]
 
 
-def fits(c: dict, p: dict) -> bool:
-    """Hard limits only (pruning must agree with the compiler): shared and tensor memory."""
+def resources_ok(c: dict, p: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler): shared and
+    tensor memory."""
     return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if fits(c, p)]
+    return [c for c in configs if resources_ok(c, p)]
 
 
 def default_config(p: dict, device) -> dict:
-    sms = gh.sm_count_of(device, 148)
+    sms = gh.sm_count_of(device)
     c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
          "num_warps": 4}
     if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 256) < sms:

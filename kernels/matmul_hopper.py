@@ -164,10 +164,12 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or fits(c, p)]
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
 
 
 def resources_ok(c: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler): shared memory
+    and the accumulator's registers."""
     return ghop.wgmma_resources_ok(c, smem_bytes(c))
 
 
@@ -176,23 +178,16 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
     return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
 
 
-def fits(c: dict, p: dict | None = None) -> bool:
-    """Static rules only: shared memory, accumulator registers, a useful pipeline."""
-    if smem_bytes(c) > gh.SMEM_LIMIT_BYTES:
-        return False
-    # fp32 accumulator per thread; past 128 the 255-register budget spills
-    if c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) > 128:
-        return False
+def worth_trying(c: dict, p: dict) -> bool:
+    """The performance rule (config_space() applies it): could this config win on this problem?
+    Whether it fits the device is resources_ok()'s question."""
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    if p is not None:
-        # tiles far larger than the matrix compute mostly padding
-        if c["BLOCK_M"] > max(64, gh.pow2_at_least(p["M"])) or c["BLOCK_N"] > max(64, gh.pow2_at_least(p["N"])):
-            return False
-        if c["BLOCK_K"] > max(32, gh.pow2_at_least(p["K"])):
-            return False
-    return True
+    # tiles far larger than the matrix compute mostly padding
+    if c["BLOCK_M"] > max(64, gh.pow2_at_least(p["M"])) or c["BLOCK_N"] > max(64, gh.pow2_at_least(p["N"])):
+        return False
+    return c["BLOCK_K"] <= max(32, gh.pow2_at_least(p["K"]))
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -210,7 +205,7 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
-    if not fits(c, p):
+    if not (resources_ok(c) and worth_trying(c, p)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))

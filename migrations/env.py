@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from tunecache.store import Base
+from tunecache.rows import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -31,7 +31,8 @@ def register(monkeypatch, *, preferred: bool = True) -> None:
 
     spaces.space_for("matmul.portable")  # load the spaces
     monkeypatch.setitem(spaces._SPACES, KERNEL, SPACE)
-    monkeypatch.setitem(registry.OPS, OP, (BACKEND, "portable") if preferred else registry.OPS[OP])
+    preference = (BACKEND, "portable") if preferred else registry.BACKENDS_BY_OP[OP]
+    monkeypatch.setitem(registry.BACKENDS_BY_OP, OP, preference)
     monkeypatch.setitem(registry._MODULES, (OP, BACKEND), sys.modules[__name__])
 
 

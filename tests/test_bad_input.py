@@ -83,7 +83,7 @@ def _tuned_key(db_url):
 
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     ops.matmul(a, b)
-    (entry,) = ops.OPS["matmul"].memo.values()
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     return default_store(), entry.key, (a, b)
 
 

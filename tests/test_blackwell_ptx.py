@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import canonical_problem, compile_in_fresh_processes, device_for  # noqa: E402
-from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell  # noqa: E402
-from tunecache_kernels import matmul_blackwell  # noqa: E402
+from tunecache.compile import canonical_problem, compile_in_fresh_processes, device_for
+from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell
+from tunecache_kernels import matmul_blackwell
 
 ARCH = "sm_100a"
 MODULES = {

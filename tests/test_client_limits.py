@@ -24,7 +24,7 @@ import pytest
 from tunecache import settings
 from tunecache.client import FleetClient, is_loopback, sends_token_in_clear
 from tunecache.key import TuneKey
-from tunecache.store import ConfigRecord
+from tunecache.records import ConfigRecord
 
 SLACK_S = 0.5
 KEY = TuneKey("matmul.portable", "v1", "3.9.0", "cpu", 0, {"M": 64, "N": 64, "K": 64, "dtype": "float32",

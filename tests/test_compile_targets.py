@@ -28,11 +28,11 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import ConfigReport, canonical_problem, compile_configs, device_for  # noqa: E402
-from tunecache_kernels.spaces import space_for  # noqa: E402
+from tunecache.compile import ConfigReport, canonical_problem, compile_configs, device_for
+from tunecache.shapes import OPS
+from tunecache_kernels.spaces import space_for
 
 TARGETS = {"blackwell": "sm_100a", "hopper": "sm_90a"}
-OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad")
 
 
 def _module(op: str, backend: str):

@@ -32,7 +32,7 @@ from tunecache.store import default_store
 a, b = torch.randn(40, 24), torch.randn(24, 36)
 try:
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
-    (entry,) = ops.OPS["matmul"].memo.values()
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     launched = entry.config
 except MissingConfig:
     launched = None

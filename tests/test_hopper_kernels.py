@@ -278,7 +278,7 @@ def test_conv2d_fprop_matches_torch(case):
         configs += [c for c in ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4,
                                  "num_stages": 2},
                                 {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
-                                 "num_stages": 3}) if fprop.fits(c)]
+                                 "num_stages": 3}) if fprop.resources_ok(c)]
     for c in configs:
         _poison(p["gemm_M"] * gh.round_up(Co, 8), torch.bfloat16)
         _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)

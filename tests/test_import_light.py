@@ -19,3 +19,11 @@ def test_config_spaces_import_neither_torch_nor_triton():
                  "print(sorted(m for m in ('torch', 'triton') if m in sys.modules), len(ks))")
     mods, n = out.stdout.split("]")
     assert mods.strip() == "[" and int(n) >= 3
+
+
+def test_the_fleet_client_imports_no_database_layer():
+    """A host that only talks to the fleet loads the client, the queue adapters and the plain
+    records (tunecache.records): none of them may drag in SQLAlchemy (nor torch or Triton)."""
+    out = run_py("import sys, tunecache.client, tunecache.job_queue, tunecache.records, tunecache.faults; "
+                 "print(sorted(m for m in ('torch', 'triton', 'sqlalchemy', 'alembic') if m in sys.modules))")
+    assert out.stdout.strip() == "[]"

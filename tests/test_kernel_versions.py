@@ -53,6 +53,10 @@ def copies(tmp_path_factory):
     ("gluon_blackwell.py", {"matmul.blackwell", "conv2d_fprop.blackwell", "conv2d_wgrad.blackwell"}),
     ("matmul_hopper.py", {"matmul.hopper"}),
     ("conv2d_fprop_hopper.py", {"conv2d_fprop.hopper"}),
+    # the Gluon convolutions run geometry.is_pointwise (it picks the IM2COL variant); the problem
+    # functions beside it shape the key's problem, not a kernel's code
+    ("geometry.py", {"conv2d_fprop.hopper", "conv2d_fprop.blackwell", "conv2d_wgrad.hopper",
+                     "conv2d_wgrad.blackwell"}),
 ])
 def test_an_edit_moves_exactly_the_versions_of_the_backends_that_run_it(copies, edited, moved):
     before, after = copies(None), copies(edited)

@@ -35,7 +35,7 @@ def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
     assert store.counts()["trials"] == 0, "policy default must not tune inline"
     (job,) = store.list_jobs()
     assert job.status == "queued"
-    (entry,) = ops.OPS["matmul"].memo.values()
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     assert entry.provisional
     # a worker tunes the queued key...
     mod = registry.module_for_kernel(job.key.kernel)
@@ -43,7 +43,7 @@ def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
     store.put_config(result.record(interpreter_device()), result.trials)
     # ...and the running process switches to the winner on its next call
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
-    (entry,) = ops.OPS["matmul"].memo.values()
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     assert not entry.provisional and entry.config == result.config
 
 

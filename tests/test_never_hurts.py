@@ -13,12 +13,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import crashy_backend as crashy  # noqa: E402
+import crashy_backend as crashy
 
-from tunecache import ops, selfcheck  # noqa: E402
-from tunecache.key import interpreter_device  # noqa: E402
-from tunecache.store import ConfigRecord, default_store  # noqa: E402
-from tunecache.tuner import make_key  # noqa: E402
+from tunecache import ops, selfcheck
+from tunecache.key import interpreter_device
+from tunecache.store import ConfigRecord, default_store
+from tunecache.tuner import make_key
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_a_config_that_raises_at_launch_falls_back_and_is_dropped(crashy_first, 
     torch.testing.assert_close(out, a @ b)
     assert "launching it raised RuntimeError" in caplog.text
     assert default_store().get_config(digest) is None, "the bad local row is dropped"
-    (entry,) = ops.OPS["matmul"].memo.values()
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     assert entry.config["behaviour"] == "ok"  # the default config, kept for the next calls
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
 
@@ -76,7 +76,7 @@ def test_a_backend_that_hangs_its_self_check_is_skipped_with_one_warning(crashy_
     assert len(warnings) == 1, warnings
     assert "matmul.crashy backend failed its self-check" in warnings[0] and "timed out" in warnings[0]
     assert "using matmul.portable instead" in warnings[0]
-    assert {e.kernel for e in ops.OPS["matmul"].memo.values()} == {"matmul.portable"}
+    assert {e.kernel for e in ops.OP_LAUNCHERS["matmul"].memo.values()} == {"matmul.portable"}
     # the verdict is kept: a later process does not run the check again
     from tunecache.registry import kernel_version
     from tunecache.key import triton_version
@@ -91,7 +91,7 @@ def test_a_backend_that_passes_its_self_check_is_used(crashy_first, monkeypatch)
     monkeypatch.setenv("TUNECACHE_SELFCHECK", "always")
     a, b = torch.randn(24, 16), torch.randn(16, 20)
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
-    assert {e.kernel for e in ops.OPS["matmul"].memo.values()} == {"matmul.crashy"}
+    assert {e.kernel for e in ops.OP_LAUNCHERS["matmul"].memo.values()} == {"matmul.crashy"}
     v = selfcheck.verdict(crashy, interpreter_device())
     assert v.ok and v.cases == 2
 
@@ -106,7 +106,7 @@ def test_when_no_backend_passes_pytorch_answers(crashy_first, monkeypatch):
                                       "num_stages": 1})  # not a power of two: it cannot compile
     a, b = torch.randn(24, 16), torch.randn(16, 20)
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
-    assert {e.kernel for e in ops.OPS["matmul"].memo.values()} == {"torch"}
+    assert {e.kernel for e in ops.OP_LAUNCHERS["matmul"].memo.values()} == {"torch"}
 
 
 def test_selftest_prints_a_table_of_verdicts(db_url):

@@ -126,7 +126,7 @@ def test_rest_by_shape_as_the_readme_shows_it(clean_fleet, db_url):
     import shlex
 
     from tunecache.key import DeviceClass
-    from tunecache.store import ConfigRecord
+    from tunecache.records import ConfigRecord
     from tunecache.tuner import make_key
     from tunecache_kernels import matmul_hopper as hop
     from tunecache.shapes import canonical_problem
@@ -178,7 +178,7 @@ def test_doctor_checks_the_fleet_url_token_and_scopes(clean_fleet, db_url):
 
 def test_a_config_is_found_by_the_digest_prefix_ls_shows(clean_fleet):
     from tunecache.key import TuneKey
-    from tunecache.store import ConfigRecord
+    from tunecache.records import ConfigRecord
 
     cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     recs = [ConfigRecord(key=TuneKey("matmul.portable", "v1", "3.9.0", "cpu", 0,
@@ -193,3 +193,39 @@ def test_a_config_is_found_by_the_digest_prefix_ls_shows(clean_fleet):
         assert got.status_code == 200 and got.json()["digest"] == recs[0].digest
         assert api.get(f"/v1/configs/{recs[0].digest[:7]}").status_code == 422  # too short to be useful
         assert api.get("/v1/configs/00000000").status_code in (404, 409)
+
+
+def test_a_worker_whose_token_cannot_claim_stops_and_says_which_scope(clean_fleet, tmp_path):
+    from fleet_support import host_env
+
+    for scope, words in (("read", "lacks the worker scope"), (None, "no valid token")):
+        env = host_env(tmp_path, f"w-{scope}", clean_fleet.url, clean_fleet.tokens[scope] if scope else "tc_nope")
+        proc = subprocess.run([sys.executable, "-m", "tunecache.cli", "worker", "--burst", "--poll-s", "0.1"],
+                              capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "200"})
+        assert proc.returncode == 2 and words in proc.stderr and "--scope worker" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_token_create_says_which_store_it_wrote_to(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNECACHE_")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), COLUMNS="300")
+    proc = subprocess.run([sys.executable, "-m", "tunecache.cli", "token", "create", "--scope", "read"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("tc_"), proc.stderr
+    assert "TUNECACHE_DB_URL is not set" in proc.stderr and str(tmp_path / "cache") in proc.stderr
+    assert "--db-url" in proc.stderr
+    named = subprocess.run([sys.executable, "-m", "tunecache.cli", "token", "create", "--scope", "read",
+                            "--name", "x", "--db-url", f"sqlite:///{tmp_path / 'fleet.sqlite'}"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert named.returncode == 0 and "is not set" not in named.stderr, named.stderr
+
+
+def test_the_service_logs_each_request(pg_url, tmp_path):
+    from fleet_support import Server
+
+    server = Server(pg_url, tmp_path / "server.log", args=("--log-level", "info")).start()
+    try:
+        httpx.get(f"{server.url}/v1/configs", params={"kernel": "x"}, timeout=10)
+    finally:
+        server.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert '"GET /healthz HTTP/1.1" 200' in log and '"GET /v1/configs?kernel=x HTTP/1.1" 401' in log, log[-2000:]

@@ -58,6 +58,39 @@ def test_two_publishes_keep_the_faster_and_record_both(clean_fleet):
     assert {s["submitted_by"] for s in subs} == {"test-worker"}
 
 
+def test_default_and_vendor_times_are_published_with_the_result(clean_fleet):
+    """A result's default_ms and vendor_ms (the untuned default config's and the vendor op's
+    times, from the same run) are kept with its submission; a worker's result that wins
+    carries them to the winner, and every answer about the winner returns them."""
+    from tunecache.client import FleetClient
+
+    body = result(1.0, default_ms=1.8, vendor_ms=0.9)
+    digest = key_of(body).digest
+    with client(clean_fleet, "publish") as api:  # a submission: recorded with its times, the key queued
+        claimed = api.post("/v1/configs", json=result(0.8, default_ms=2.5))
+        assert claimed.status_code == 200 and claimed.json()["status"] == "queued", claimed.text
+    with client(clean_fleet, "worker") as api:
+        r = api.post("/v1/configs", json=body)
+        assert r.status_code == 200 and r.json()["accepted"], r.text
+        assert (r.json()["kept"]["default_ms"], r.json()["kept"]["vendor_ms"]) == (1.8, 0.9)
+        stored = api.get(f"/v1/configs/{digest}").json()
+        looked_up = api.post("/v1/lookup", json={k: body[k] for k in ("kernel", "kernel_version", "triton_version",
+                                                                       "arch", "sm_count", "problem")}).json()
+        listed = api.get("/v1/configs").json()
+        exported = api.get("/v1/export").json()["configs"]
+        subs = api.get(f"/v1/configs/{digest}/submissions").json()
+    assert (stored["default_ms"], stored["vendor_ms"]) == (1.8, 0.9) and looked_up == stored
+    assert [(c["default_ms"], c["vendor_ms"]) for c in listed + exported] == [(1.8, 0.9)] * 2
+    assert [(s["median_ms"], s["default_ms"], s["vendor_ms"], s["accepted"]) for s in subs] == [
+        (0.8, 2.5, None, False), (1.0, 1.8, 0.9, True)]
+    rec = FleetClient(clean_fleet.url, clean_fleet.tokens["read"]).lookup(key_of(body))
+    assert rec is not None and (rec.default_ms, rec.vendor_ms) == (1.8, 0.9)
+    with client(clean_fleet, "worker") as api:  # a new winner that measured neither: null, not the old times
+        assert api.post("/v1/configs", json=result(0.5, dict(CONFIG, BLOCK_M=16))).json()["accepted"]
+        after = api.get(f"/v1/configs/{digest}").json()
+    assert (after["median_ms"], after["default_ms"], after["vendor_ms"]) == (0.5, None, None)
+
+
 def test_lookup_by_digest_and_by_key_fields(clean_fleet):
     with client(clean_fleet, "worker") as api:
         api.post("/v1/configs", json=result(1.0))
@@ -87,6 +120,10 @@ BAD_PUBLISHES = [
     ("config with an extra parameter", result(config=dict(CONFIG, EVIL=1)), "not a parameter"),
     ("negative time", result(median_ms=-1), "greater than 0"),
     ("NaN time", b'{"median_ms": NaN}', None),
+    ("zero default time", result(default_ms=0), "greater than 0"),
+    ("negative vendor time", result(vendor_ms=-1.5), "greater than 0"),
+    ("default time as a string", result(default_ms="1.5"), "default_ms"),
+    ("absurd vendor time", result(vendor_ms=1e300), "less than or equal"),
     ("NUL in a string", result(tuned_by="a\x00b"), "NUL"),
     ("bad arch", result(arch="gfx90a"), "arch"),
     ("digest of another key", result(digest="0" * 64), "does not match"),

@@ -136,3 +136,109 @@ def test_head_revision_agrees_with_alembic():
     script = ScriptDirectory.from_config(alembic_config())
     assert script.get_current_head() == head_revision()
     assert len(script.get_heads()) == 1, "revisions must form one line"
+
+
+def test_default_and_vendor_times_go_with_the_result(store, tmp_path):
+    """What tuning bought (the untuned default's time, the vendor op's) is kept with the winner
+    and with every submission, and goes where the winner goes: an export, a fleet copy."""
+    k = key(7)
+    kept, won = store.put_config(ConfigRecord(k, CFG, 1.0, default_ms=1.5, vendor_ms=0.8))
+    got = store.get_config(k.digest)
+    assert won and (got.default_ms, got.vendor_ms) == (1.5, 0.8)
+    assert [(r.default_ms, r.vendor_ms) for r in store.list_configs()] == [(1.5, 0.8)]
+    other = Store(f"sqlite:///{tmp_path / 'other.sqlite'}")
+    try:
+        assert import_configs(other, export_configs(store))["stored"] == 1
+        assert (other.get_config(k.digest).default_ms, other.get_config(k.digest).vendor_ms) == (1.5, 0.8)
+        assert other.delete_config(k.digest) and other.put_fleet_copy(store.get_config(k.digest), generation=3)
+        copy = other.get_config(k.digest)
+        assert copy.source == "fleet" and (copy.default_ms, copy.vendor_ms) == (1.5, 0.8)
+    finally:
+        other.close()
+    # a new winner brings its own times (none: not measured)
+    kept, won = store.put_config(ConfigRecord(k, dict(CFG, BLOCK_M=64), 0.5))
+    got = store.get_config(k.digest)
+    assert won and (got.default_ms, got.vendor_ms) == (None, None)
+    # the fleet's side: a publish is recorded as a submission, and a winning one carries them to the winner
+    kept, won, sid = store.publish(ConfigRecord(k, CFG, 0.25, default_ms=2.0, vendor_ms=0.3), submitted_by="w")
+    got = store.get_config(k.digest)
+    assert won and (got.default_ms, got.vendor_ms) == (2.0, 0.3)
+    _, sub_id, _ = store.submit(ConfigRecord(k, CFG, 0.2, default_ms=4.0), submitted_by="p")
+    subs = {s.id: s for s in store.submissions(k.digest)}
+    assert (subs[sid].default_ms, subs[sid].vendor_ms, subs[sid].accepted) == (2.0, 0.3, True)
+    assert (subs[sub_id].default_ms, subs[sub_id].vendor_ms, subs[sub_id].accepted) == (4.0, None, False)
+    assert store.get_config(k.digest).default_ms == 2.0, "a submission never changes the winner"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_db_url(request, tmp_path):
+    """An empty database of each engine, for migrations."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'old.sqlite'}"
+        return
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(request.getfixturevalue("pg_url"))
+    name = f"tc_old_{uuid.uuid4().hex[:10]}"
+    conn = psycopg.connect(host=base.host, port=base.port or 5432, user=base.username, dbname=base.database,
+                           autocommit=True)
+    conn.execute(f'CREATE DATABASE "{name}"')
+    yield base.set(database=name).render_as_string(hide_password=False)
+    conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    conn.close()
+
+
+def test_the_times_revision_upgrades_and_downgrades(empty_db_url):
+    """Revision 0005 adds default_ms and vendor_ms to winners and submissions (null for what was
+    stored before) and drops them again, keeping the rows and their indexes."""
+    from alembic import command
+    from sqlalchemy import create_engine, inspect
+    from sqlalchemy.exc import IntegrityError
+
+    from tunecache.migrate import alembic_config, upgrade
+
+    def downgrade(revision):
+        cfg = alembic_config()
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, revision)
+
+    def columns(table):
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+
+    engine = create_engine(empty_db_url)
+    upgrade(engine, "0004")
+    assert not {"default_ms", "vendor_ms"} & (columns("tuned_configs") | columns("submissions"))
+    upgrade(engine, "0005")
+    assert {"default_ms", "vendor_ms"} <= columns("tuned_configs") & columns("submissions")
+    store = Store(empty_db_url)
+    try:
+        store.publish(ConfigRecord(key(1), CFG, 1.0, default_ms=2.0, vendor_ms=0.5), submitted_by="w")
+        store.put_config(ConfigRecord(key(2), CFG, 1.0))
+    finally:
+        store.close()
+    downgrade("0004")
+    assert current_revision(engine) == "0004"
+    assert not {"default_ms", "vendor_ms"} & (columns("tuned_configs") | columns("submissions"))
+    assert {"ix_tuned_configs_digest", "ix_tuned_configs_kernel"} <= {i["name"] for i in
+                                                                      inspect(engine).get_indexes("tuned_configs")}
+    engine.dispose()
+    store = Store(empty_db_url)  # migrates to head again: the rows are kept, their times are gone
+    try:
+        assert current_revision(store.engine) == head_revision()
+        got = store.get_config(key(1).digest)
+        assert got.median_ms == 1.0 and (got.default_ms, got.vendor_ms) == (None, None)
+        assert [(s.median_ms, s.default_ms) for s in store.submissions(key(1).digest)] == [(1.0, None)]
+        assert len(store.list_configs()) == 2
+        with pytest.raises(IntegrityError):  # the digest is still unique
+            with store.engine.begin() as conn:
+                conn.exec_driver_sql("INSERT INTO tuned_configs (digest, kernel, kernel_version, triton_version, "
+                                     "arch, sm_count, device_name, problem, config, median_ms, candidates, "
+                                     "tuned_by, tuned_at, source) SELECT digest, kernel, kernel_version, "
+                                     "triton_version, arch, sm_count, device_name, problem, config, median_ms, "
+                                     "candidates, tuned_by, tuned_at, source FROM tuned_configs")
+    finally:
+        store.close()

@@ -24,7 +24,7 @@ gw = ops.conv2d_wgrad(x, g, 3, 3, stride=2, padding=1)
 assert torch.allclose(c, a @ b, atol=1e-4, rtol=1e-4)
 assert torch.allclose(y, P.conv2d_fprop_reference(x, w, 2, 1), atol=1e-4, rtol=1e-4)
 assert torch.allclose(gw, P.conv2d_wgrad_reference(x, g, 3, 3, 2, 1), atol=1e-4, rtol=1e-4)
-configs = {name: [e.config for e in op.memo.values()] for name, op in ops.OPS.items()}
+configs = {name: [e.config for e in op.memo.values()] for name, op in ops.OP_LAUNCHERS.items()}
 print(json.dumps({"configs": configs, "counts": default_store().counts(),
                   "sums": [float(c.sum()), float(y.sum()), float(gw.sum())]}))
 """

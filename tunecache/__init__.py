@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Bound eagerly: the module is light (it imports Triton only when a kernel is decorated).
+from .user_kernels import autotune, patch_triton, unpatch_triton
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -22,12 +25,7 @@ _LAZY = {
     "MissingConfig": ("tunecache.launcher", "MissingConfig"),
 }
 
-# Bound here, not lazily: the submodule `tunecache.autotune` shares the decorator's name, and
-# importing it after `import tunecache` would rebind `tunecache.autotune` to the module.
-# The module is light (it imports Triton only when a kernel is decorated).
-from .autotune import autotune, patch_triton, unpatch_triton  # noqa: E402
-
-__all__ = sorted([*_LAZY, "autotune", "patch_triton", "unpatch_triton"])
+__all__ = ["autotune", "patch_triton", "unpatch_triton", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

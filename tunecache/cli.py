@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .shapes import canonical_problem
+from .shapes import OPS, canonical_problem
 
 app = typer.Typer(help="A persistent, fleet-shared autotune cache for Triton/Gluon kernels.",
                   no_args_is_help=True, add_completion=False)
@@ -87,7 +87,7 @@ def tune(
     from rich.progress import Progress
 
     from . import registry, settings
-    from .key import cuda_device, interpreter_device
+    from .key import local_device, torch_device_for
     from .tuner import TuneError, make_key
     from .tuner import tune as run_tune
 
@@ -95,14 +95,11 @@ def tune(
         p = canonical_problem(op, parse_problem(problem))
     except (ValueError, TypeError) as e:
         _fail(str(e))
-    import torch
-
-    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    device = cuda_device(gpu) if on_gpu else interpreter_device()
+    device = local_device(gpu)
     try:
         mod = registry.backend_for(op, device, p, backend or settings.backend_override())
     except (KeyError, ValueError) as e:
-        _fail(str(e).strip("'\""))
+        _fail(str(e))
     from .config_cache import CACHE
     from .launcher import launchable
 
@@ -126,7 +123,7 @@ def tune(
                        best="" if best_ms is None else f"best so far {best_ms:.4f} ms")
 
         try:
-            result = run_tune(mod, p, device, torch_device=f"cuda:{gpu}" if on_gpu else "cpu",
+            result = run_tune(mod, p, device, torch_device=torch_device_for(device, gpu),
                               source="cli", progress=progress)
         except TuneError as e:
             _fail(str(e))
@@ -165,7 +162,7 @@ def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. m
                                                          "not this host's")) -> None:
     """List tuned configs in the store (fits 80 columns; --wide or --json for everything)."""
     if fleet:
-        from .store import ConfigRecord
+        from .records import ConfigRecord
 
         rows = [ConfigRecord.from_json(c) for c in _fleet_export(kernel, arch)["configs"][:limit]]
     else:
@@ -365,14 +362,6 @@ token_app = typer.Typer(help="API tokens of the fleet service (stored hashed in 
 app.add_typer(token_app, name="token")
 
 
-def _use_interpreter_without_gpu() -> None:
-    """Before Triton is imported: a host without CUDA runs the kernels on the interpreter."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 @app.command()
 def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for the fleet)"),
           port: int = typer.Option(8000),
@@ -383,7 +372,9 @@ def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 f
                                                      help="serve /metrics on this port instead of the API's "
                                                           "(then off there)"),
           metrics_host: str = typer.Option("127.0.0.1", help="address for --metrics-port"),
-          log_level: str = typer.Option("info")) -> None:
+          log_level: str = typer.Option("info"),
+          access_log: bool = typer.Option(True, help="log one line per request (client, method, path, status)")
+          ) -> None:
     """Run the fleet service (FastAPI on uvicorn) over the store; migrates it to head first."""
     import uvicorn
 
@@ -410,7 +401,7 @@ def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 f
     err.print(f"tunecache service on http://{host}:{port} over {store.safe_url} (docs at /docs)")
     store.close()
     uvicorn.run("tunecache.server.app:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level, access_log=log_level == "debug")
+                log_level=log_level, access_log=access_log)
 
 
 @app.command()
@@ -424,15 +415,18 @@ def worker(gpu: int = typer.Option(0, help="CUDA device index (ignored on the CP
     TUNECACHE_SERVER_URL is set, else the local store's)."""
     import logging
 
-    _use_interpreter_without_gpu()
+    from .key import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     for noisy in ("alembic", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from .client import Refused
     from .worker import run_worker
 
     try:
         outcomes = run_worker(gpu, lease_s=lease_s, poll_s=poll_s, burst=burst, source=source, max_jobs=max_jobs)
-    except ValueError as e:
+    except (ValueError, Refused) as e:
         _fail(str(e))
     counts: dict[str, int] = {}
     for o in outcomes:
@@ -450,7 +444,9 @@ def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a
             log_dir: Optional[Path] = typer.Option(None, help="write each worker's log here")) -> None:
     """Tune every shape of a manifest on the local GPUs, resumably: shapes with a stored config
     are skipped, an interrupted run picks up where it stopped."""
-    _use_interpreter_without_gpu()
+    from .key import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .pretune import ManifestError, load_manifest, plan
@@ -502,6 +498,25 @@ def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a
         raise typer.Exit(1)
 
 
+def _token_store(db_url: Optional[str]):
+    """The store whose tokens a `token` command works on, said aloud when it is this host's
+    own SQLite file: a fleet service over Postgres would never see a token made there."""
+    from . import settings
+    from .store import Store, StoreError
+
+    if db_url:
+        try:
+            return Store(db_url)
+        except StoreError as e:
+            _fail(str(e))
+    store = _store()
+    if not settings.db_url_given():
+        err.print(f"[yellow]note:[/yellow] TUNECACHE_DB_URL is not set: this works on this host's own store "
+                  f"({store.safe_url}), which only a `tunecache serve` on this host without TUNECACHE_DB_URL "
+                  f"reads. For a fleet service, pass --db-url (or set TUNECACHE_DB_URL) to the service's database.")
+    return store
+
+
 @token_app.command("create")
 def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, publish, worker or admin "
                                                  "(repeat or comma-separate)"),
@@ -512,12 +527,12 @@ def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, pub
                  db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")
                  ) -> None:
     """Create a token; the secret is printed once and only its hash is stored."""
-    from .store import Store, StoreError
+    from .store import StoreError
 
     scopes = [s.strip() for item in scope for s in item.split(",") if s.strip()]
     try:
         lifetime = None if expires_in is None else parse_duration(expires_in)
-        store = Store(db_url) if db_url else _store()
+        store = _token_store(db_url)
         secret, rec = store.create_token(name or "+".join(scopes), scopes, expires_in=lifetime)
         store.audit(cli_actor(), "token.create", f"token:{rec.id}",
                     {"name": rec.name, "scopes": list(rec.scopes), "expires_at": _iso(rec.expires_at)})
@@ -532,9 +547,9 @@ def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, pub
 @token_app.command("ls")
 def token_ls(db_url: Optional[str] = typer.Option(None)) -> None:
     """List tokens (names and scopes; secrets are not stored)."""
-    from .store import Store, utcnow
+    from .store import utcnow
 
-    store = Store(db_url) if db_url else _store()
+    store = _token_store(db_url)
     now = utcnow()
     table = Table("id", "name", "scopes", "created", "expires", "revoked")
     for t in store.list_tokens():
@@ -550,11 +565,9 @@ def token_revoke(name: Optional[str] = typer.Argument(None, help="the live token
                  token_id: Optional[int] = typer.Option(None, "--id", help="the token's id (`tunecache token ls`)"),
                  db_url: Optional[str] = typer.Option(None)) -> None:
     """Revoke a token by name or by id (the service notices within 10 s)."""
-    from .store import Store
-
     if (name is None) == (token_id is None):
         _fail("name the token to revoke, or give its --id (not both)")
-    store = Store(db_url) if db_url else _store()
+    store = _token_store(db_url)
     live = {t.id: t for t in store.list_tokens() if t.revoked_at is None}
     target = next((t for t in live.values() if t.name == name), None) if token_id is None else live.get(token_id)
     what = f"named {name!r}" if token_id is None else f"with id {token_id}"
@@ -579,7 +592,7 @@ def compile_(op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or c
         p = canonical_problem(op, parse_problem(problem)) if problem else None
         reports = compile_space(op, backend, arch, p, all_configs=all_configs, workers=workers)
     except (ValueError, TypeError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+        _fail(str(e))
     for line in report_lines(reports, kernel=f"{op}.{backend}"):
         sys.stdout.write(line + "\n")
 
@@ -594,22 +607,16 @@ def key(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad
     the canonical problem and its digest, as JSON (what `tunecache show`, the fleet's
     `GET /v1/configs/{digest}` and `POST /v1/lookup` take)."""
     from . import registry
-    from .key import DeviceClass, cuda_device, interpreter_device
+    from .key import DeviceClass, local_device
     from .tuner import make_key
 
     try:
         p = canonical_problem(op, parse_problem(problem))
-        if device:
-            dev = DeviceClass.parse(device)
-        else:
-            import torch
-
-            dev = cuda_device(0) if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
-                else interpreter_device()
+        dev = DeviceClass.parse(device) if device else local_device(0)
         mod = registry.backend_for(op, dev, p, backend)
         k = make_key(mod, p, dev)
     except (ValueError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+        _fail(str(e))
     console.print_json(json.dumps({**k.fields(), "digest": k.digest}))
 
 
@@ -662,22 +669,19 @@ def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (
     version on their own (a backend that fails is skipped for the next one); this runs it on
     demand and stores the verdicts. Exits 1 if any backend failed."""
     from . import registry, selfcheck
-    from .key import cuda_device, interpreter_device
+    from .key import local_device, torch_device_for
 
-    import torch
-
-    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    device = cuda_device(gpu) if on_gpu else interpreter_device()
-    ops_ = [op] if op else list(registry.OPS)
+    device = local_device(gpu)
+    ops_ = [op] if op else list(OPS)
     for name in ops_:
-        if name not in registry.OPS:
-            _fail(f"unknown op {name!r}; expected one of {sorted(registry.OPS)}")
+        if name not in OPS:
+            _fail(f"unknown op {name!r}; expected one of {', '.join(OPS)}")
     table = Table("op", "backend", "version", "verdict", "cases", "seconds", "detail",
                   title=f"backend self-checks on {device} ({device.name})")
     table.columns[-1].overflow = "fold"
     failed, elsewhere = 0, []
     for name in ops_:
-        for b in registry.OPS[name]:
+        for b in registry.BACKENDS_BY_OP[name]:
             if backend and b != backend:
                 continue
             try:
@@ -688,7 +692,7 @@ def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (
             if not mod.supports(probe, device):
                 elsewhere.append(mod.KERNEL)
                 continue
-            v = selfcheck.verdict(mod, device, force=force, torch_device=f"cuda:{gpu}" if on_gpu else "cpu")
+            v = selfcheck.verdict(mod, device, force=force, torch_device=torch_device_for(device, gpu))
             failed += not v.ok
             table.add_row(name, b, v.version[:8], "[green]ok[/green]" if v.ok else "[red]FAILED[/red]",
                           str(v.cases) if not v.stored else "-", f"{v.seconds:.1f}" if not v.stored else "stored",
@@ -844,9 +848,10 @@ def jobs_ls(status: Optional[str] = typer.Option(None, help="only jobs with this
             db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
     """List jobs: status, attempts, lease holder and until when, when a queued one may run, the
     last error. Quarantined jobs are rows that cannot be read (see their error)."""
+    from .errors import last_line
     from .job_queue import QueueError
     from .key import DeviceClass
-    from .store import JOB_STATUSES
+    from .records import JOB_STATUSES
 
     if status is not None and status not in JOB_STATUSES:
         _fail(f"--status must be one of {', '.join(JOB_STATUSES)}, got {status!r}")
@@ -875,7 +880,7 @@ def jobs_ls(status: Optional[str] = typer.Option(None, help="only jobs with this
         error = j.unreadable or (j.last_error or "")
         table.add_row(j.digest[:12], j.status, j.key.kernel, f"{j.key.arch}:{j.key.sm_count}",
                       shape_text(dict(j.key.problem)), f"{j.attempts}/{j.max_attempts}", j.lease_owner or "",
-                      str(when or "")[:19], (error.strip().splitlines() or [""])[-1][:120])
+                      str(when or "")[:19], last_line(error))
     console.print(table)
     counts: dict[str, int] = {}
     for j in jobs:

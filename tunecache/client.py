@@ -37,9 +37,10 @@ import httpcore
 import httpx
 
 from . import settings
+from .errors import short
 from .job_queue import ClaimedJob
 from .key import DeviceClass, TuneKey
-from .store import ConfigRecord, TrialRecord
+from .records import ConfigRecord, TrialRecord
 
 log = logging.getLogger("tunecache.client")
 
@@ -62,6 +63,11 @@ def _setting(read: Callable[[], T], default: T) -> T:
 
 class Unavailable(Exception):
     """The service could not be reached or answered something unusable."""
+
+
+class Refused(Exception):
+    """The service refused this client's token for a call it cannot do without (a worker's
+    claim): waiting will not change the answer, so the caller stops and says why."""
 
 
 class CircuitBreaker:
@@ -306,7 +312,7 @@ class FleetClient:
                                        "(TUNECACHE_SERVER_TIMEOUT_S)")
             return None
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RecursionError, Unavailable) as e:
-            self._failed(method, path, f"{type(e).__name__}: {str(e)[:300]}")
+            self._failed(method, path, short(e))
             return None
         self.breaker.success()
         return status, value
@@ -396,7 +402,7 @@ class FleetClient:
             self._failed(method, path, f"no whole answer within {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)")
             return None
         except (httpx.HTTPError, ValueError, RecursionError, Unavailable) as e:
-            self._failed(method, path, f"{type(e).__name__}: {str(e)[:300]}")
+            self._failed(method, path, short(e))
             return None
         self.breaker.success()
         return status, data if status == 200 else (data.get("detail") if isinstance(data, dict) else data)
@@ -479,6 +485,11 @@ class FleetClient:
                               retime=job.get("retime") is True)
 
         res = self._call("POST", f"{API}/jobs/claim", parse, json=body)
+        if res is not None and res[0] in (401, 403):
+            raise Refused(f"the fleet at {self.url} refused to hand out jobs ({res[0]}: "
+                          + ("no valid token: set TUNECACHE_TOKEN" if res[0] == 401 else
+                             "this token lacks the worker scope") +
+                          "); a worker needs a token made with `tunecache token create --scope worker`")
         return None if res is None else res[1]
 
     def _job_call(self, job_id: int, what: str, body: dict) -> bool | None:

@@ -30,9 +30,10 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, Mapping
 
 from . import settings
+from .errors import short
 from .key import DeviceClass
 
 # Explicit targets, named as `--arch` takes them. The Gluon backends use the arch-specific
@@ -206,7 +207,7 @@ def report_spec(spec: Any, arch: str) -> KernelReport:
     try:
         kernel = compile_spec(spec, arch)
     except Exception as e:  # a compile error is a result, not a failure of this tool
-        return KernelReport(name, False, seconds=time.perf_counter() - t0, error=_short(_describe(e)))
+        return KernelReport(name, False, seconds=time.perf_counter() - t0, error=short(_describe(e), _ERROR_CHARS))
     seconds = time.perf_counter() - t0
     md = kernel.metadata
     tmem = getattr(md, "tmem_size", None)
@@ -222,10 +223,6 @@ def _describe(e: BaseException) -> str:
         parts.append("".join(traceback.format_exception_only(type(e), e)).strip())
         e = e.__cause__ or (e.__context__ if not e.__suppress_context__ else None)
     return "\nCaused by: ".join(parts)
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS // 2] + "\n...\n" + text[-_ERROR_CHARS // 2:]
 
 
 # ---- the process pool --------------------------------------------------------------------------
@@ -282,23 +279,27 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> list[KernelReport]:
+def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> Iterator[tuple[int, KernelReport]]:
     """Compile each task in the warm compile workers (`tunecache.isolated`): processes with
     their own entry point, so any `__main__` can compile. A task that kills its worker (ptxas
-    or LLVM crashing, the OOM killer) or runs past TUNECACHE_COMPILE_TIMEOUT_S fails alone."""
+    or LLVM crashing, the OOM killer) or runs past TUNECACHE_COMPILE_TIMEOUT_S fails alone.
+    Yields (task index, report) as each one finishes."""
     if not tasks:
-        return []
+        return
+    from concurrent.futures import as_completed
+
     from .isolated import WorkerFailed, compile_pool
 
     pool = compile_pool(max(1, min(workers, len(tasks))), env)
-    msgs = [{"cmd": "compile", "task": list(t)} for t in tasks]
-    results = []
-    for t, answer in zip(tasks, pool.run(msgs, settings.compile_timeout_s())):
+    futures = {pool.submit({"cmd": "compile", "task": list(t)}, settings.compile_timeout_s()): i
+               for i, t in enumerate(tasks)}
+    for f in as_completed(futures):
+        i, answer = futures[f], f.result()
         if isinstance(answer, WorkerFailed):
-            results.append(KernelReport(f"spec {t[3]}", False, error=_short(f"compile worker: {answer.reason}")))
+            yield i, KernelReport(f"spec {tasks[i][3]}", False,
+                                  error=short(f"compile worker: {answer.reason}", _ERROR_CHARS))
         else:
-            results.append(KernelReport(**answer))
-    return results
+            yield i, KernelReport(**answer)
 
 
 # ---- configs -----------------------------------------------------------------------------------
@@ -308,6 +309,16 @@ def compile_configs(mod: ModuleType, problem: dict, configs: Iterable[dict], dev
                     *, workers: int | None = None, cache_dir: str | None = None) -> list[ConfigReport]:
     """Compile every kernel of every config for the device's target; one report per config,
     in order. Identical specs are compiled once (in parallel across `workers` processes)."""
+    configs = list(configs)
+    reports = dict(compile_configs_as_ready(mod, problem, configs, device, workers=workers, cache_dir=cache_dir))
+    return [reports[i] for i in range(len(configs))]
+
+
+def compile_configs_as_ready(mod: ModuleType, problem: dict, configs: Iterable[dict], device: DeviceClass | str,
+                             *, workers: int | None = None, cache_dir: str | None = None
+                             ) -> Iterator[tuple[int, ConfigReport]]:
+    """`compile_configs`, yielding (index, report) for each config as soon as all its kernels
+    are compiled: the tuner times one candidate while the others still compile."""
     arch = arch_of(device)
     if not isinstance(device, DeviceClass):
         device = device_for(arch)
@@ -319,7 +330,7 @@ def compile_configs(mod: ModuleType, problem: dict, configs: Iterable[dict], dev
         try:
             specs = mod.compile_specs(problem, cfg, device)
         except Exception as e:
-            plan.append(_short(f"compile_specs failed: {type(e).__name__}: {e}"))
+            plan.append(short(f"compile_specs failed: {type(e).__name__}: {e}", _ERROR_CHARS))
             continue
         entries = []
         for i, spec in enumerate(specs):
@@ -331,12 +342,27 @@ def compile_configs(mod: ModuleType, problem: dict, configs: Iterable[dict], dev
                 tasks.append((mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)))
                 entries.append((unique[k], False))
         plan.append(entries)
+    waiting: dict[int, set[int]] = {}  # task index -> configs that need it
+    left: dict[int, int] = {}  # config index -> tasks it still waits for
+    for c, entry in enumerate(plan):
+        if isinstance(entry, str) or not entry:
+            yield c, _config_report(configs[c], arch, entry, [])
+            continue
+        needed = {idx for idx, _ in entry}
+        left[c] = len(needed)
+        for idx in needed:
+            waiting.setdefault(idx, set()).add(c)
     env = {"TRITON_CACHE_DIR": cache_dir} if cache_dir else {}
-    results = _run_tasks(tasks, workers or default_workers(), env)
-    return [_config_report(cfg, arch, entry, results) for cfg, entry in zip(configs, plan)]
+    results: dict[int, KernelReport] = {}
+    for idx, report in _run_tasks(tasks, workers or default_workers(), env):
+        results[idx] = report
+        for c in sorted(waiting.get(idx, ())):
+            left[c] -= 1
+            if left[c] == 0:
+                yield c, _config_report(configs[c], arch, plan[c], results)
 
 
-def _config_report(cfg: dict, arch: str, entry, results: list[KernelReport]) -> ConfigReport:
+def _config_report(cfg: dict, arch: str, entry, results: Mapping[int, KernelReport]) -> ConfigReport:
     if isinstance(entry, str):
         return ConfigReport(cfg, arch, compiled=False, ok=False, error=entry)
     kernels = []

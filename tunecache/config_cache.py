@@ -21,11 +21,15 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import settings
+from .errors import short
 from .key import TuneKey
-from .store import ConfigRecord, Store, TrialRecord, utcnow
+from .records import ConfigRecord, TrialRecord, utcnow
+
+if TYPE_CHECKING:
+    from .store import Store
 
 log = logging.getLogger("tunecache")
 
@@ -81,7 +85,7 @@ class ConfigCache:
             path = sqlite_path(settings.db_url())
         except Exception:  # noqa: BLE001 - the words are then less precise, nothing more
             path = None
-        cause = describe_fault(e, path) or f"{type(e).__name__}: {str(e)[:300]}"
+        cause = describe_fault(e, path) or short(e)
         if cause in self._warned:
             return
         self._warned.add(cause)
@@ -94,12 +98,42 @@ class ConfigCache:
 
     # ---- get ----------------------------------------------------------------------------
 
+    def read_config(self, digest: str) -> ConfigRecord | None:
+        """The local store's winner for `digest` (None: none, or no store). A warm host's first
+        call reads it without opening the Store (`tunecache.quick_read`)."""
+        from . import quick_read
+
+        rec = quick_read.config(settings.db_url(), digest)
+        if rec is not quick_read.UNKNOWN:
+            return rec
+        store = self.store()
+        return None if store is None else self.store_call("read", lambda: store.get_config(digest))
+
+    def read_trials(self, digest: str) -> list[TrialRecord]:
+        """The local store's trials of `digest` (none without a store)."""
+        from . import quick_read
+
+        found = quick_read.trials(settings.db_url(), digest)
+        if found is not quick_read.UNKNOWN:
+            return found
+        store = self.store()
+        return [] if store is None else self.store_call("read trials", lambda: store.trials(digest), [])
+
+    def read_selfcheck(self, *k: Any) -> tuple[bool, str | None] | None:
+        """A backend's stored self-check verdict, as `Store.get_selfcheck` answers it."""
+        from . import quick_read
+
+        found = quick_read.selfcheck(settings.db_url(), *k)
+        if found is not quick_read.UNKNOWN:
+            return found
+        store = self.store()
+        return None if store is None else self.store_call("read a self-check", lambda: store.get_selfcheck(*k))
+
     def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
         """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
-        store = self.store()
-        rec = None if store is None else self.store_call("read", lambda: store.get_config(key.digest))
+        rec = self.read_config(key.digest)
         if rec is not None and rec.source == "fleet" and self._stale(rec):
-            rec = self._recheck(store, key, rec)
+            rec = self._recheck(self.store(), key, rec)
         if rec is not None:
             why = _why_not(rec, key, check)
             if why is None:
@@ -117,6 +151,7 @@ class ConfigCache:
             fleet.report(key, frec.config, why)
             return None
         frec.source = "fleet"
+        store = self.store()
         if store is not None:  # write-through: the next process on this host needs no network
             self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
         return frec

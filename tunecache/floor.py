@@ -11,7 +11,7 @@ The peaks are the vendors' figures for dense 16-bit tensor math, the fastest any
 shipped kernels runs (float32 goes through TF32 or FMA, at half of it or less), and for a
 device class shared by several products (sm_90 with 132 SMs: H100 SXM, H200, GH200) the
 highest of each figure, so the floor never refuses an honest measurement. Timings take the
-median over launches with L2 flushed between them (`tunecache.bench`), so bytes come from
+median over launches with L2 flushed between them (`tunecache.timing`), so bytes come from
 memory, not cache.
 """
 

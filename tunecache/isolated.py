@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 # environment variables that change what a worker computes: a worker started under other
 # values is replaced rather than reused
@@ -174,8 +174,10 @@ class CompilePool:
             self._idle.put(Worker("compile", env))
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunecache-compile")
 
-    def run(self, msgs: list[dict], timeout: float | None) -> list[dict | WorkerFailed]:
-        def one(msg: dict) -> dict | WorkerFailed:
+    def submit(self, msg: dict, timeout: float | None) -> "Future[dict | WorkerFailed]":
+        """Run `msg` on the next idle worker; the future holds its answer or its WorkerFailed."""
+
+        def one() -> dict | WorkerFailed:
             w = self._idle.get()
             try:
                 return w.call(msg, timeout)
@@ -184,7 +186,10 @@ class CompilePool:
             finally:
                 self._idle.put(w)
 
-        return list(self._threads.map(one, msgs))
+        return self._threads.submit(one)
+
+    def run(self, msgs: list[dict], timeout: float | None) -> list[dict | WorkerFailed]:
+        return [f.result() for f in [self.submit(m, timeout) for m in msgs]]
 
     def close(self) -> None:
         self._threads.shutdown(wait=False)

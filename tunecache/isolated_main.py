@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from typing import Any, Callable
 
 _STATE: dict[str, Any] = {}
@@ -28,8 +27,9 @@ def _die_with_parent() -> None:
 
 
 def _short(e: BaseException) -> str:
-    text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS // 2] + " ... " + text[-_ERROR_CHARS // 2:]
+    from tunecache.errors import short
+
+    return short(e, _ERROR_CHARS)
 
 
 def hello(msg: dict) -> dict:
@@ -93,7 +93,7 @@ def _cuda_broken() -> bool:
 
 def trial(msg: dict) -> dict:
     """Launch one config, check it against the reference, time it (quick or full)."""
-    from tunecache import bench
+    from tunecache import timing as bench
     from tunecache.tuner import relative_error
 
     if _STATE.get("digest") != msg["digest"]:
@@ -129,8 +129,23 @@ def trial(msg: dict) -> dict:
     return {"status": "ok", "median_ms": ms}
 
 
+def reference(msg: dict) -> dict:
+    """Time the reference op (torch's: cuBLAS / cuDNN on a GPU) on the same inputs."""
+    from tunecache import timing as bench
+
+    if _STATE.get("digest") != msg["digest"]:
+        return {"status": "failed", "error": "the trial runner lost the problem's inputs"}
+    mod, args = _STATE["mod"], _STATE["args"]
+    try:
+        ms = bench.time_ms(lambda: mod.reference(*args), _STATE["on_gpu"], **(msg.get("timing") or {}))
+    except Exception as e:
+        return {"status": "failed", "error": _short(e)}
+    return {"status": "ok", "median_ms": ms}
+
+
 HANDLERS: dict[str, Callable[[dict], dict]] = {
     "hello": hello, "compile": compile_spec, "asm": compile_asm, "setup": setup, "trial": trial,
+    "reference": reference,
 }
 
 

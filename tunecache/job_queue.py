@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
+from .faults import JobStateError
 from .key import DeviceClass, TuneKey
-from .store import STORE_ERRORS, ConfigRecord, JobRecord, JobStateError, Store, TrialRecord, whoami
+from .records import ConfigRecord, JobRecord, TrialRecord, whoami
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the fleet client loads neither; a StoreQueue is handed a store already open
     from .client import FleetClient
+    from .store import Store
 
 
 @dataclass
@@ -125,6 +127,8 @@ class StoreQueue:
 
     def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None
              ) -> list[JobRecord]:
+        from .engine import STORE_ERRORS
+
         try:
             return self.store.list_jobs(status=status, limit=limit, arch=device and device.arch,
                                         sm_count=device and device.sm_count)

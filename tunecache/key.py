@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -53,27 +55,19 @@ class DeviceClass:
         return f"{self.arch}:{self.sm_count}"
 
 
+# ---- which device: the one place that decides -------------------------------------------
+
+
 def interpreter_device() -> DeviceClass:
     """The Triton interpreter on the CPU: its own device class, never mixed with a GPU's."""
     return DeviceClass("cpu", 0, "triton-interpreter")
-
-
-def device_of(tensor: Any) -> DeviceClass:
-    """Device facts for the tensor's device: from TUNECACHE_DEVICE if set, else from torch."""
-    from . import settings
-
-    override = settings.device_override()
-    if override:
-        return DeviceClass.parse(override)
-    if tensor.device.type != "cuda":
-        return interpreter_device()
-    return cuda_device(tensor.device.index or 0)
 
 
 _CUDA_CACHE: dict[int, DeviceClass] = {}
 
 
 def cuda_device(index: int = 0) -> DeviceClass:
+    """The device class of CUDA device `index` (asked once per process)."""
     dc = _CUDA_CACHE.get(index)
     if dc is None:
         import torch
@@ -82,6 +76,63 @@ def cuda_device(index: int = 0) -> DeviceClass:
         dc = DeviceClass(f"sm_{p.major}{p.minor}", p.multi_processor_count, p.name)
         _CUDA_CACHE[index] = dc
     return dc
+
+
+def interpreting() -> bool:
+    """Whether kernels run on Triton's CPU interpreter here: TRITON_INTERPRET is on (Triton's own
+    knob once Triton is loaded: code may set it), or there is no CUDA GPU (see
+    `use_interpreter_without_gpu`)."""
+    import torch
+
+    from . import settings
+
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    on = knobs.runtime.interpret if knobs is not None else settings.triton_interpret()
+    return bool(on) or not torch.cuda.is_available()
+
+
+def use_interpreter_without_gpu() -> None:
+    """With no GPU the kernels can only run on Triton's CPU interpreter: choose it (unless
+    TRITON_INTERPRET says otherwise) before the first @jit is created, so that a fresh CPU-only
+    machine works without settings."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+def local_device(gpu: int | None = None) -> DeviceClass:
+    """This host's device class for kernels on CUDA device `gpu` (default: the current one), or
+    the interpreter's. The hardware's facts: TUNECACHE_DEVICE is `device_of`'s."""
+    if interpreting():
+        return interpreter_device()
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.current_device()
+    return cuda_device(gpu)
+
+
+def device_of(tensor: Any = None) -> DeviceClass:
+    """The device class a launch is keyed for: TUNECACHE_DEVICE if set, else the tensor's device
+    (no tensor: `local_device()`, where Triton launches)."""
+    from . import settings
+
+    override = settings.device_override()
+    if override:
+        return DeviceClass.parse(override)
+    if tensor is None:
+        return local_device()
+    if tensor.device.type != "cuda":
+        return interpreter_device()
+    return cuda_device(tensor.device.index or 0)
+
+
+def torch_device_for(device: DeviceClass, gpu: int | None = 0) -> str:
+    """Where a device class's candidates run: "cuda:N", or "cpu" for the interpreter (or when
+    there is no GPU index: the user's tensors are on the CPU)."""
+    return "cpu" if device.arch == "cpu" or gpu is None else f"cuda:{gpu}"
 
 
 def canonical_json(obj: Any) -> str:

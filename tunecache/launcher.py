@@ -12,13 +12,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import registry, selfcheck, settings
 from .config_cache import CACHE
-from .key import DeviceClass, TuneKey, device_of
-from .store import ConfigRecord, Store
-from .tuner import make_key, tune
+from .errors import short
+from .key import DeviceClass, TuneKey, device_of, torch_device_for, use_interpreter_without_gpu
+from .records import ConfigRecord
+from .tuner import TuneError, make_key, tune
+
+if TYPE_CHECKING:
+    from .store import Store
 
 log = logging.getLogger("tunecache")
 
@@ -63,11 +67,23 @@ class Op:
                 return entry
         problem = self.problem_fn(*args)  # raises errors naming the bad argument
         device = device_of(device_tensor)
+        if device.arch == "cpu":
+            use_interpreter_without_gpu()  # a CPU-only host: its kernels run on Triton's interpreter
+        if device.arch == "cpu" and not settings.triton_interpret() and not settings.device_override():
+            # CPU tensors in a process where Triton compiles for the GPU: Triton cannot run them
+            CACHE.warn_once("tunecache: CPU tensors run PyTorch's own ops in this process (Triton compiles for "
+                            "the GPU here; set TRITON_INTERPRET=1 before importing Triton to run its kernels "
+                            "on the CPU)")
+            with self._lock:
+                entry = self.memo[raw] = _reference_entry(registry.backends_for(self.name, device, problem)[0],
+                                                          problem, device)
+            return entry
         forced = settings.backend_override()
         with self._lock:  # one tune per shape per process, even under threads
             entry = self.memo.get(raw)
             if entry is None or entry.watch:
-                where = _torch_device(device_tensor, device)
+                on_gpu = device_tensor.device.type == "cuda"
+                where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
                 mods = every if forced else selfcheck.trusted(every, device, where)
                 entry = _decide(self, raw, mods, problem, device, where) if mods else \
@@ -97,7 +113,7 @@ class Op:
     def fall_back(self, raw: tuple, entry: Entry, error: BaseException, args: tuple) -> Any:
         """A launch raised: drop its config, then run the default config, the next backend, and
         at last the PyTorch reference, so that the user's call returns the right answer."""
-        reason = f"launching it raised {type(error).__name__}: {str(error)[:300]}"
+        reason = f"launching it raised {short(error)}"
         if entry.key is not None and entry.from_cache:
             CACHE.drop(entry.key, entry.config, reason, where="tuned")
         else:
@@ -112,8 +128,7 @@ class Op:
             try:
                 out = mod.launch(config, *args)
             except Exception as e:  # noqa: BLE001 - try the next one
-                log.warning("tunecache: fallback %s %s failed too: %s: %s", mod.KERNEL, config, type(e).__name__,
-                            str(e)[:300])
+                log.warning("tunecache: fallback %s %s failed too: %s", mod.KERNEL, config, short(e))
                 continue
             log.warning("tunecache: %s now runs %s %s for this shape", self.name, mod.KERNEL, config)
             self.memo[raw] = Entry(_bind(self, raw, mod, config), config, mod.KERNEL, mod=mod,
@@ -168,7 +183,7 @@ def in_space(kernel: str) -> Callable[[dict], str | None]:
         try:
             space_for(kernel).check(config)
         except (KeyError, ValueError) as e:
-            return str(e).strip("'\"")
+            return str(e)
         return None
 
     return check
@@ -212,13 +227,6 @@ def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[.
     return progress
 
 
-def _torch_device(tensor: Any, device: DeviceClass) -> str:
-    """Where candidates run: the GPU of the user's tensor ("cuda:1"), or the CPU interpreter."""
-    if device.arch == "cpu" or tensor.device.type != "cuda":
-        return "cpu"
-    return f"cuda:{tensor.device.index if tensor.device.index is not None else 0}"
-
-
 def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass,
             torch_device: str) -> Entry:
     mod, fallbacks = mods[0], tuple(mods[1:])
@@ -233,7 +241,12 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
             f"no tuned config for {mod.KERNEL} {problem} on {device} (digest {key.digest[:12]}) and "
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest")
     if policy == "tune":
-        result = tune(mod, problem, device, torch_device=torch_device, progress=_announce(mod, problem, device))
+        try:
+            result = tune(mod, problem, device, torch_device=torch_device,
+                          progress=_announce(mod, problem, device))
+        except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
+            log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(e))
+            return _reference_entry(mod, problem, device)
         kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id,
                              tune_seconds=result.seconds)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
@@ -254,7 +267,7 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
 _SIZE_FIELDS = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
 
 
-def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store: Store | None) -> dict | None:
+def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store: "Store | None") -> dict | None:
     """The config of the closest tuned problem of this kernel version and device class.
 
     Distance is in log space over the GEMM sizes; categorical fields (dtype, layouts, filter,

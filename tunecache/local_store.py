@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
+from .errors import short
 from .migrate import store_file_lock
 from .store import STORE_ERRORS, Store, describe_fault, fault_kind, sqlite_path, sqlite_url
 
@@ -53,7 +54,7 @@ def open_local_store(url: str | None = None) -> LocalStoreHandle:
         return LocalStoreHandle(Store(url))
     try:
         store = Store(url)
-    except Exception as e:  # noqa: BLE001 - only the store's faults; anything else is re-raised
+    except Exception as e:  # only the store's faults: anything else is re-raised
         if not _is_store_fault(e):
             raise
         fault: BaseException = e
@@ -76,7 +77,7 @@ def _is_store_fault(e: BaseException) -> bool:
 
 def _recover(url: str, path: Path, exc: BaseException) -> LocalStoreHandle:
     kind = fault_kind(exc)
-    cause = describe_fault(exc, path) or f"the store file {path} cannot be opened ({_short(exc)})"
+    cause = describe_fault(exc, path) or f"the store file {path} cannot be opened ({_driver_error(exc)})"
     if kind == "corrupt":
         return _replace_corrupt(url, path, cause)
     # read-only, full, locked, newer schema, or not known: read what is there, if anything
@@ -181,10 +182,10 @@ def _why(e: BaseException, path: Path) -> str:
         return words
     if "no such column" in str(e) or "no such table" in str(e):
         return "it lacks tables or columns this tunecache reads"
-    return _short(e)
+    return _driver_error(e)
 
 
-def _short(e: BaseException) -> str:
+def _driver_error(e: BaseException) -> str:
     """An unforeseen error, briefly: the driver's message rather than SQLAlchemy's with its SQL."""
     orig = getattr(e, "orig", None)
-    return f"{type(e).__name__}: {orig if isinstance(orig, BaseException) else e}"[:300]
+    return short(f"{type(e).__name__}: {orig if isinstance(orig, BaseException) else e}")

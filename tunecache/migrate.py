@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import re
 from pathlib import Path
 
 from sqlalchemy import inspect, text
@@ -24,17 +23,14 @@ def alembic_config(url: str | None = None):
     return cfg
 
 
-_REVISION_FILE = re.compile(r"^(\d{4})_\w+\.py$")
-
-
 def head_revision() -> str:
-    """The newest revision. Revisions are named NNNN_what_it_does.py with revision id NNNN
-    and form one line, so the head is the largest NNNN; reading file names instead of
-    loading Alembic keeps opening a store cheap (tests check this against Alembic's view)."""
-    import tunecache_migrations
+    """The newest revision (see `tunecache.quick_read.head_revision`: read from file names)."""
+    from .quick_read import head_revision as head
 
-    versions = Path(tunecache_migrations.__file__).parent / "versions"
-    return max(m.group(1) for f in versions.iterdir() if (m := _REVISION_FILE.match(f.name)))
+    found = head()
+    if found is None:
+        raise RuntimeError("no Alembic revisions found in tunecache_migrations/versions")
+    return found
 
 
 def current_revision(engine: Engine) -> str | None:

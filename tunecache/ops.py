@@ -17,7 +17,7 @@ _matmul = Op("matmul", problems.matmul_problem)
 _fprop = Op("conv2d_fprop", problems.conv2d_fprop_problem)
 _wgrad = Op("conv2d_wgrad", problems.conv2d_wgrad_problem)
 
-OPS = {op.name: op for op in (_matmul, _fprop, _wgrad)}
+OP_LAUNCHERS = {op.name: op for op in (_matmul, _fprop, _wgrad)}  # each op's memo and slow path
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,9 @@ def _hashable(v):
 
 
 def clear_memo() -> None:
-    """Forget every in-process decision (the store keeps them)."""
-    for op in OPS.values():
+    """Forget every in-process decision (the store keeps them), and the store's read handles."""
+    from . import quick_read
+
+    for op in OP_LAUNCHERS.values():
         op.clear()
+    quick_read.forget()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .key import DeviceClass, TuneKey
+from .shapes import OPS
 
 if TYPE_CHECKING:
     from .job_queue import JobQueue
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tunecache.pretune")
 
 MANIFEST_DIR = Path(__file__).parent / "manifests"
-OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad")
 
 
 class ManifestError(ValueError):
@@ -158,9 +158,9 @@ class Report:
 def local_gpus() -> list[int]:
     import torch
 
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return []
-    return list(range(torch.cuda.device_count()))
+    from .key import interpreting
+
+    return [] if interpreting() else list(range(torch.cuda.device_count()))
 
 
 def _spawn_worker(gpu: int, lease_s: float, poll_s: float, log_dir: Path | None) -> subprocess.Popen:

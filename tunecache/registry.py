@@ -5,54 +5,39 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import os
 import sys
 from types import ModuleType
 from typing import Any
 
-from .key import DeviceClass
+from tunecache_kernels.spaces import BACKENDS, UnknownKernel, may_run_on
 
-# Backends in order of preference: the first whose `supports(problem, device)` is true runs.
-OPS: dict[str, tuple[str, ...]] = {
-    "matmul": ("blackwell", "hopper", "portable"),
-    "conv2d_fprop": ("blackwell", "hopper", "portable"),
-    "conv2d_wgrad": ("blackwell", "hopper", "portable"),
-}
+from .key import DeviceClass, use_interpreter_without_gpu
+from .shapes import OPS
+
+# Backends in order of preference (BACKENDS): the first whose `supports(problem, device)` is true runs.
+BACKENDS_BY_OP: dict[str, tuple[str, ...]] = {op: BACKENDS for op in OPS}
 
 _MODULES: dict[tuple[str, str], ModuleType | None] = {}
 _VERSIONS: dict[str, str] = {}
 
 
-class UnknownKernel(KeyError):
-    pass
-
-
 def backend_module(op: str, backend: str) -> ModuleType:
-    """Import `tunecache_kernels.<op>_<backend>`; KeyError names an unknown op or backend."""
-    if op not in OPS:
-        raise UnknownKernel(f"unknown op {op!r}; known: {sorted(OPS)}")
-    if backend not in OPS[op]:
-        raise UnknownKernel(f"unknown backend {backend!r} for {op}; known: {list(OPS[op])}")
+    """Import `tunecache_kernels.<op>_<backend>`; UnknownKernel (a KeyError) names an unknown op or
+    backend."""
+    if op not in BACKENDS_BY_OP:
+        raise UnknownKernel(f"unknown op {op!r}; known: {sorted(BACKENDS_BY_OP)}")
+    if backend not in BACKENDS_BY_OP[op]:
+        raise UnknownKernel(f"unknown backend {backend!r} for {op}; known: {list(BACKENDS_BY_OP[op])}")
     mod = _load(op, backend)
     if mod is None:
         raise UnknownKernel(f"backend {backend!r} of {op} is not available in this build")
     return mod
 
 
-def _interpreter_without_gpu() -> None:
-    """With no GPU the kernels can only run on Triton's CPU interpreter: choose it before
-    the first @jit is created, so a fresh CPU-only machine works without settings."""
-    if "TRITON_INTERPRET" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-
-
 def _load(op: str, backend: str) -> ModuleType | None:
     k = (op, backend)
     if k not in _MODULES:
-        _interpreter_without_gpu()
+        use_interpreter_without_gpu()
         try:
             _MODULES[k] = importlib.import_module(f"tunecache_kernels.{op}_{backend}")
         except ModuleNotFoundError as e:
@@ -69,7 +54,7 @@ def module_for_kernel(kernel: str) -> ModuleType:
 
 
 def available_backends(op: str) -> list[str]:
-    return [b for b in OPS[op] if _load(op, b) is not None]
+    return [b for b in BACKENDS_BY_OP[op] if _load(op, b) is not None]
 
 
 def backends_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: str | None = None
@@ -78,7 +63,9 @@ def backends_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: 
     are the fallbacks of the first); only the forced one if a backend is forced."""
     if forced:
         return [backend_for(op, device, problem, forced)]
-    mods = [m for name in OPS[op] if (m := _load(op, name)) is not None and m.supports(problem, device)]
+    mods = [m for name in BACKENDS_BY_OP[op]
+            if may_run_on(name, device.capability) and (m := _load(op, name)) is not None
+            and m.supports(problem, device)]
     if not mods:
         raise ValueError(f"no backend of {op} supports {problem} on {device}")
     return mods
@@ -91,8 +78,8 @@ def backend_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: s
         if not mod.supports(problem, device):
             raise ValueError(f"backend {forced!r} (TUNECACHE_BACKEND) does not support {op} {problem} on {device}")
         return mod
-    for name in OPS[op]:
-        mod = _load(op, name)
+    for name in BACKENDS_BY_OP[op]:
+        mod = _load(op, name) if may_run_on(name, device.capability) else None
         if mod is not None and mod.supports(problem, device):
             return mod
     raise ValueError(f"no backend of {op} supports {problem} on {device}")

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import settings
-from .key import DeviceClass, triton_version
+from .errors import short
+from .key import DeviceClass, torch_device_for, triton_version
 
 log = logging.getLogger("tunecache")
 
@@ -82,7 +83,7 @@ def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = N
     from .registry import kernel_version
     from .tuner import TOLERANCE, Trials, make_key
 
-    torch_device = torch_device or ("cpu" if device.arch == "cpu" else "cuda:0")
+    torch_device = torch_device or torch_device_for(device)
     t0 = time.perf_counter()
     failures, cases, inconclusive = [], 0, False
     for problem in grid(mod.OP, device):
@@ -98,7 +99,7 @@ def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = N
             res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
             inconclusive = True
         if res["status"] != "ok":  # one failure is the verdict: no need to crash it again
-            failures.append(f"{_brief(problem)}: {res['status']}: {(res.get('error') or '')[:300]}")
+            failures.append(f"{_brief(problem)}: {res['status']}: {short(res.get('error') or '')}")
             break
     ok = cases > 0 and not failures
     detail = "; ".join(failures) if failures else ("no problem of the grid is supported" if not cases else "")
@@ -124,14 +125,13 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
     with _LOCK:
         if not force and k in _VERDICTS:
             return _VERDICTS[k]
-        store = CACHE.store()
-        found = None if force or store is None else CACHE.store_call("read a self-check",
-                                                                     lambda: store.get_selfcheck(*k))
+        found = None if force else CACHE.read_selfcheck(*k)
         if found is not None:
             v = Verdict(mod.KERNEL, device, k[1], found[0], found[1] or "", stored=True)
         else:
             log.info("tunecache: first contact of %s with %s: running its self-check", mod.KERNEL, device)
             v = run_check(mod, device, torch_device)
+            store = CACHE.store()
             if store is not None and not v.inconclusive:
                 CACHE.store_call("keep a self-check", lambda: store.put_selfcheck(
                     *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name))
@@ -154,7 +154,7 @@ def trusted(mods: list[ModuleType], device: DeviceClass, torch_device: str | Non
         nxt = mods[i + 1].KERNEL if i + 1 < len(mods) else "PyTorch"
         what = "could not run its self-check" if v.inconclusive else "failed its self-check"
         CACHE.warn_once(f"tunecache: the {mod.KERNEL} backend {what} on {device} "
-                        f"({v.detail[:500]}); using {nxt} instead. `tunecache selftest --force` checks it again.")
+                        f"({short(v.detail, 500)}); using {nxt} instead. `tunecache selftest --force` checks it again.")
     return []
 
 

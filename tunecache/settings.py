@@ -19,6 +19,11 @@ def db_url() -> str:
     return f"sqlite:///{path}"
 
 
+def db_url_given() -> bool:
+    """Whether TUNECACHE_DB_URL names a store (else db_url() is this host's own SQLite file)."""
+    return bool(os.environ.get("TUNECACHE_DB_URL"))
+
+
 def miss_policy() -> str:
     policy = os.environ.get("TUNECACHE_MISS_POLICY", "tune").strip().lower()
     if policy not in MISS_POLICIES:
@@ -281,6 +286,12 @@ def db_pool() -> tuple[int, int]:
 def device_override() -> str | None:
     """TUNECACHE_DEVICE: device facts given by hand, `sm_90:132[:name]` (key for another class)."""
     return os.environ.get("TUNECACHE_DEVICE") or None
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET, Triton's own variable, read as Triton reads it but without importing
+    Triton (it takes effect for @jit functions created after it is set)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
 def compile_workers() -> int | None:

@@ -1,533 +1,62 @@
-"""The store: tuned configs, tuning jobs and trials in SQLite (local) or Postgres (fleet).
+"""The store: `Store`, the one class that reads and writes a database of tuned configs, tuning
+jobs and trials, in SQLite (one host) or Postgres (the fleet, which also keeps every
+submission, its API tokens and the audit log there). `default_store()` opens the process's.
 
-This is the only module that speaks SQL. The schema is created and upgraded by the Alembic
-revisions in `tunecache_migrations`; a local SQLite file is migrated on first open.
+Beside this module, and re-exported from it (`from tunecache.store import ConfigRecord` works):
+- tunecache.records: the plain records the store takes and hands out (no SQLAlchemy: the
+  client and the service's schemas import only that module);
+- tunecache.rows: the tables as SQLAlchemy rows, and rows to records;
+- tunecache.engine: opening a database (URLs, engine set-up, ON CONFLICT) and STORE_ERRORS;
+- tunecache.faults: the store's exceptions, and a database's faults in words.
+
+The schema is created and upgraded by the Alembic revisions in `tunecache_migrations`; a
+local SQLite file is migrated on first open.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
-import json
 import logging
-import os
 import secrets
-import socket
-import sqlite3
 import threading
 import uuid
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
+from datetime import datetime, timedelta
 from typing import Any, Iterable, Iterator, Mapping
-from urllib.parse import quote, unquote
 
-from sqlalchemy import (JSON, Boolean, DateTime, Float, Index, Integer, String, Text, and_, case, create_engine,
-                        event, false, func, literal_column, or_, select, text, type_coerce, update)
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, SQLAlchemyError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy import DateTime, and_, case, false, func, literal_column, or_, select, type_coerce, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DatabaseError, IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
+from .engine import STORE_ERRORS, dialect_insert, insert_ignore, make_engine, sqlite_path, sqlite_url
+from .faults import JobStateError, NewerSchemaError, ReadOnlyStoreError, StoreError, describe_fault, fault_kind
 from .key import TuneKey
+from .records import (JOB_STATUSES, MAX_BACKOFF_S, MAX_LEASE_S, TOKEN_SCOPES, AuditRecord, ConfigRecord, JobRecord,
+                      PurgeReport, QueueWait, SubmissionRecord, TokenRecord, TrialRecord, hash_token, utcnow, whoami)
+from .rows import (ApiTokenRow, AuditRow, Base, FleetMetaRow, ResultColumns, SelfCheckRow, SubmissionRow,
+                   TrialRow, TunedConfigRow, TuningJobRow, config_record, job_record, key_of, result_values,
+                   submission_record, token_record)
+
+# the names this module has always offered: most now live in tunecache.records, .rows,
+# .engine and .faults, and are re-exported here
+__all__ = [
+    "JOB_STATUSES", "MAX_BACKOFF_S", "MAX_LEASE_S", "REPLACE_MARGIN", "STORE_ERRORS", "TOKEN_SCOPES", "ApiTokenRow",
+    "AuditRecord", "AuditRow", "Base", "ConfigRecord", "FleetMetaRow", "JobRecord", "JobStateError",
+    "NewerSchemaError", "PurgeReport", "QueueWait", "ReadOnlyStoreError", "ResultColumns", "SelfCheckRow", "Store",
+    "StoreError", "SubmissionRecord", "SubmissionRow", "TokenRecord", "TrialRecord", "TrialRow", "TunedConfigRow",
+    "TuningJobRow", "default_store", "describe_fault", "fault_kind", "hash_token", "sqlite_path", "sqlite_url",
+    "utcnow", "whoami",
+]
 
 log = logging.getLogger("tunecache.store")
 
 # A new result replaces a stored one only when it is this much faster: timing noise must
 # not flip the winner back and forth between hosts.
 REPLACE_MARGIN = 0.03
-# The queue's caps: a lease is held at most this long without a heartbeat, and a failed job
-# waits at most this long before its next attempt (the service refuses larger values with a
-# 422; the store clamps to them). A client must not park a job for a day.
-MAX_LEASE_S = 600.0
-MAX_BACKOFF_S = 3600.0
-
-
-class StoreError(RuntimeError):
-    """The store could not be opened or used; the message names the URL."""
-
-
-class ReadOnlyStoreError(StoreError):
-    """A write to a store opened read-only (by tunecache.local_store, which has already warned
-    once saying why). put_config and add_trials skip instead of raising this."""
-
-
-class JobStateError(ValueError):
-    """A queue operation that the job's state does not allow (retrying a running job); the
-    message says what to do instead."""
-
-
-class NewerSchemaError(StoreError):
-    """The store was migrated by a newer tunecache: this one must neither migrate nor write it."""
-
-    def __init__(self, message: str, revision: str, head: str) -> None:
-        super().__init__(message)
-        self.revision, self.head = revision, head
-
-
-# What a store call raises when the database itself fails: a full disk, a read-only, corrupt
-# or locked file, a newer schema, an unreachable server. Callers that must not fail catch
-# these and word them with describe_fault(); anything else is a bug and stays loud.
-STORE_ERRORS: tuple[type[BaseException], ...] = (StoreError, SQLAlchemyError, sqlite3.Error, OSError)
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class TunedConfigRow(Base):
-    __tablename__ = "tuned_configs"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    kernel: Mapped[str] = mapped_column(String(128), index=True)
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    triton_version: Mapped[str] = mapped_column(String(32))
-    arch: Mapped[str] = mapped_column(String(16))
-    sm_count: Mapped[int] = mapped_column(Integer)
-    device_name: Mapped[str] = mapped_column(String(128), default="")
-    problem: Mapped[Any] = mapped_column(JSON)
-    config: Mapped[Any] = mapped_column(JSON)
-    median_ms: Mapped[float] = mapped_column(Float)
-    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
-    candidates: Mapped[int] = mapped_column(Integer, default=0)
-    tuned_by: Mapped[str] = mapped_column(String(128), default="")
-    tuned_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    source: Mapped[str] = mapped_column(String(16), default="inline")
-    # a copy of a fleet winner (source "fleet"): when this host last checked it with the fleet,
-    # and the fleet's generation then (a host rechecks its copies after TUNECACHE_FLEET_TTL_S
-    # or when the generation moves, which it does whenever the fleet removes or replaces one)
-    fleet_checked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
-    fleet_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    # the fleet's own bookkeeping (see Store.publish, Store.submit): the submission that made
-    # this winner, and when a submission claiming to beat it queued its re-timing (once per winner)
-    submission_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    retime_queued_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
-
-
-class FleetMetaRow(Base):
-    """Named counters of the fleet's store; `generation` moves on every removed or replaced winner."""
-
-    __tablename__ = "fleet_meta"
-    name: Mapped[str] = mapped_column(String(32), primary_key=True)
-    value: Mapped[int] = mapped_column(Integer)
-
-
-class SelfCheckRow(Base):
-    """A backend's first-contact verdict on a device class (see tunecache.selfcheck)."""
-
-    __tablename__ = "selfchecks"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kernel: Mapped[str] = mapped_column(String(128))
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    triton_version: Mapped[str] = mapped_column(String(32))
-    arch: Mapped[str] = mapped_column(String(16))
-    sm_count: Mapped[int] = mapped_column(Integer)
-    ok: Mapped[bool] = mapped_column(Boolean)
-    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
-    seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
-    device_name: Mapped[str] = mapped_column(String(128), default="")
-    checked_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-
-
-class TuningJobRow(Base):
-    __tablename__ = "tuning_jobs"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    kernel: Mapped[str] = mapped_column(String(128))
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    triton_version: Mapped[str] = mapped_column(String(32))
-    arch: Mapped[str] = mapped_column(String(16), index=True)
-    sm_count: Mapped[int] = mapped_column(Integer)
-    problem: Mapped[Any] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
-    priority: Mapped[int] = mapped_column(Integer, default=0)
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
-    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
-    # the lease: its holder's name (for people: the dashboard, `jobs ls`), the sha256 of the
-    # secret its claim returned (what heartbeat, complete, fail and release must present), and
-    # when it runs out. Times of the queue come from the database's clock, never a replica's.
-    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    lease_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
-    not_before: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    # re-time a key that has a winner (a submission claimed to beat it): tune even so
-    retime: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-
-
-class TrialRow(Base):
-    __tablename__ = "trials"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), index=True)
-    run_id: Mapped[str] = mapped_column(String(32), index=True)
-    kernel: Mapped[str] = mapped_column(String(128))
-    config: Mapped[Any] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(16))  # ok | failed | wrong
-    median_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-
-
-# ---- plain records handed out of the store (never ORM objects) ---------------------------
-
-
-@dataclass
-class ConfigRecord:
-    key: TuneKey
-    config: dict
-    median_ms: float
-    tflops: float | None = None
-    candidates: int = 0
-    device_name: str = ""
-    tuned_by: str = ""
-    tuned_at: datetime | None = None
-    source: str = "inline"
-    # local bookkeeping of fleet copies (never sent or received)
-    fleet_checked_at: datetime | None = None
-    fleet_generation: int | None = None
-
-    @property
-    def digest(self) -> str:
-        return self.key.digest
-
-    def to_json(self) -> dict:
-        d = self.key.fields()
-        d.update(digest=self.digest, config=self.config, median_ms=self.median_ms, tflops=self.tflops,
-                 candidates=self.candidates, device_name=self.device_name, tuned_by=self.tuned_by,
-                 tuned_at=self.tuned_at.isoformat() if self.tuned_at else None, source=self.source)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "ConfigRecord":
-        """Inverse of to_json; raises ValueError/KeyError/TypeError on a malformed entry."""
-        key = TuneKey.from_fields(d)
-        if "digest" in d and d["digest"] != key.digest:
-            raise ValueError(f"digest {d['digest']!r} does not match the key's fields")
-        if not isinstance(d["config"], dict):
-            raise ValueError("config must be an object")
-        median = float(d["median_ms"])
-        if not median > 0:
-            raise ValueError(f"median_ms must be positive, got {median}")
-        tuned_at = d.get("tuned_at")
-        return cls(key=key, config=dict(d["config"]), median_ms=median,
-                   tflops=None if d.get("tflops") is None else float(d["tflops"]),
-                   candidates=int(d.get("candidates") or 0), device_name=str(d.get("device_name") or ""),
-                   tuned_by=str(d.get("tuned_by") or ""),
-                   tuned_at=datetime.fromisoformat(tuned_at) if tuned_at else None,
-                   source=str(d.get("source") or "import"))
-
-
-@dataclass
-class TrialRecord:
-    config: dict
-    status: str  # ok | failed | wrong
-    median_ms: float | None = None
-    error: str | None = None
-
-
-@dataclass
-class JobRecord:
-    """A tuning job. A row whose fields cannot be read has `unreadable` set (why), an empty
-    problem in `key`, and its stored `digest`; such a job is quarantined, never claimed."""
-
-    id: int
-    key: TuneKey
-    status: str
-    priority: int
-    attempts: int
-    max_attempts: int
-    lease_owner: str | None
-    lease_expires_at: datetime | None
-    last_error: str | None
-    digest: str = ""
-    not_before: datetime | None = None
-    created_at: datetime | None = None
-    unreadable: str | None = None
-    # the lease's secret: only in claim_job's answer (the store keeps its hash)
-    lease_secret: str | None = None
-    # a re-timing: the key has a winner, and a submission claimed to beat it; tune even so
-    retime: bool = False
-
-    def __post_init__(self) -> None:
-        self.digest = self.digest or self.key.digest
-
-
-class CorruptJSON(str):
-    """A JSON column whose text does not parse: reported and skipped, never launched."""
-
-
-def _safe_json_loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return CorruptJSON(text)
-
-
-def _key_of(row: TunedConfigRow | TuningJobRow) -> TuneKey:
-    problem = row.problem
-    if isinstance(problem, str):  # corrupt, or a row written by hand or by a foreign tool
-        problem = json.loads(problem)
-    if not isinstance(problem, dict):
-        raise ValueError(f"problem is a {type(problem).__name__}, not an object")
-    return TuneKey(row.kernel, row.kernel_version, row.triton_version, row.arch, row.sm_count, problem)
-
-
-def _config_record(row: TunedConfigRow) -> ConfigRecord:
-    config = row.config
-    if isinstance(config, str):
-        config = json.loads(config)
-    if not isinstance(config, dict):
-        raise ValueError(f"config is a {type(config).__name__}, not an object")
-    return ConfigRecord(key=_key_of(row), config=config, median_ms=row.median_ms, tflops=row.tflops,
-                        candidates=row.candidates, device_name=row.device_name, tuned_by=row.tuned_by,
-                        tuned_at=row.tuned_at, source=row.source, fleet_checked_at=row.fleet_checked_at,
-                        fleet_generation=row.fleet_generation)
-
-
-def _job_record(row: TuningJobRow, lease_secret: str | None = None) -> JobRecord:
-    """The row as a record; never raises: a row that cannot be read comes back `unreadable`."""
-    why = None
-    try:
-        key = _key_of(row)
-        if key.digest != row.digest:
-            why = f"its fields hash to {key.digest[:12]}, not to its digest"
-    except (ValueError, TypeError, KeyError) as e:
-        why = f"{type(e).__name__}: {str(e)[:200]}"
-    if why is not None:
-        key = TuneKey(str(row.kernel), str(row.kernel_version), str(row.triton_version), str(row.arch),
-                      int(row.sm_count or 0), {})
-    return JobRecord(id=row.id, key=key, status=row.status, priority=row.priority,
-                     attempts=row.attempts, max_attempts=row.max_attempts, lease_owner=row.lease_owner,
-                     lease_expires_at=row.lease_expires_at, last_error=row.last_error, digest=row.digest,
-                     not_before=row.not_before, created_at=row.created_at, unreadable=why,
-                     lease_secret=lease_secret, retime=bool(row.retime))
-
-
-def whoami() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-# ---- faults of the database, in words --------------------------------------------------
-
-# SQLite's primary result codes (the low byte of an extended code) that say what is wrong
-_SQLITE_FAULTS = {5: "locked", 6: "locked", 8: "read-only", 10: "io", 11: "corrupt", 13: "full",
-                  14: "cantopen", 26: "corrupt"}
-# the same, from an error's text (a driver without codes, or a message passed on as text)
-_TEXT_FAULTS = (("database or disk is full", "full"), ("disk i/o error", "io"),
-                ("readonly database", "read-only"), ("file is not a database", "corrupt"),
-                ("disk image is malformed", "corrupt"), ("is locked", "locked"),
-                ("unable to open database file", "cantopen"), ("can't locate revision", "newer"))
-_OS_FAULTS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only", errno.EACCES: "denied",
-              errno.EPERM: "denied", errno.EIO: "io"}
-# below this much free space, a disk I/O error is taken for a full disk (SQLite's shared
-# memory file, the first thing a reader writes, needs 32 KiB)
-_NEARLY_FULL_BYTES = 64 << 10
-
-
-def _error_chain(exc: BaseException) -> list[BaseException]:
-    """`exc`, the driver error a SQLAlchemy error wraps, and what it was raised from or during
-    (a StoreError raised `from None` still keeps its context)."""
-    out: list[BaseException] = []
-    todo = [exc]
-    while todo and len(out) < 16:
-        e = todo.pop(0)
-        if any(e is seen for seen in out):
-            continue
-        out.append(e)
-        todo += [x for x in (getattr(e, "orig", None), e.__cause__, e.__context__) if isinstance(x, BaseException)]
-    return out
-
-
-def fault_kind(exc: BaseException) -> str | None:
-    """What a store error says of the database: "full", "io", "read-only", "denied",
-    "corrupt", "locked", "cantopen" or "newer" (schema); None if none of these."""
-    chain = _error_chain(exc)
-    # the first error with a code decides: an error raised while handling another one keeps
-    # that one as its context, and must not be taken for it
-    for e in chain:
-        if isinstance(e, NewerSchemaError):
-            return "newer"
-        if isinstance(e, ReadOnlyStoreError):
-            return "read-only"
-        code = getattr(e, "sqlite_errorcode", None)
-        if isinstance(e, sqlite3.Error) and isinstance(code, int):
-            return _SQLITE_FAULTS.get(code & 0xFF)
-        if isinstance(e, OSError) and e.errno is not None:
-            return _OS_FAULTS.get(e.errno)
-    for e in chain:
-        text = str(e).lower()
-        kind = next((kind for needle, kind in _TEXT_FAULTS if needle in text), None)
-        if kind is not None:
-            return kind
-    return None
-
-
-def _existing_dir(path: Path) -> Path:
-    """The nearest directory at or above path's parent that exists."""
-    d = path.absolute().parent
-    while not d.is_dir() and d != d.parent:
-        d = d.parent
-    return d
-
-
-def _on_read_only_fs(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(_existing_dir(path)).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _nearly_full(path: Path) -> bool:
-    try:
-        st = os.statvfs(_existing_dir(path))
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < _NEARLY_FULL_BYTES
-
-
-def describe_fault(exc: BaseException, path: str | os.PathLike | None = None) -> str | None:
-    """The cause of a store error in words a user understands ("the disk holding
-    /x/y.sqlite is full"), or None if it is not a fault of the database (a bug, a bad
-    argument). `path` is the store's file (`Store.path`), checked to tell a read-only file
-    system or a full disk from other causes of the same SQLite error."""
-    kind = fault_kind(exc)
-    if kind is None:
-        return None
-    if kind == "newer":
-        newer = next((e for e in _error_chain(exc) if isinstance(e, NewerSchemaError)), None)
-        if newer is not None:
-            return str(newer)
-    p = Path(path) if path is not None else None
-    name = f"the store file {p}" if p is not None else "the store"
-    if p is not None and kind in ("read-only", "denied", "cantopen") and _on_read_only_fs(p):
-        return f"{name} is on a read-only file system"
-    if p is not None and kind == "io" and _nearly_full(p):
-        kind = "full"
-    if kind == "corrupt":
-        damaged = any((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF == 11 or "malformed" in str(e).lower()
-                      for e in _error_chain(exc))
-        return f"{name} is damaged (corrupt)" if damaged else f"{name} is not a SQLite database (corrupt)"
-    if kind == "locked":
-        from . import settings
-
-        return (f"{name} is locked by another process (it held a write lock past the busy timeout of "
-                f"{settings.db_busy_timeout_s():g} s)")
-    return {
-        "full": f"the disk holding {p if p is not None else 'the store'} is full",
-        "io": f"reading or writing {name} failed with a disk I/O error (the disk may be failing)",
-        "read-only": f"{name} is read-only",
-        "denied": f"{name} cannot be written (permission denied)",
-        "cantopen": f"{name} cannot be opened or created",
-        "newer": f"{name} was written by a newer tunecache (its schema revision is unknown to this one)",
-    }[kind]
-
-
-# ---- engine ------------------------------------------------------------------------------
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The file a SQLite URL opens (as SQLite sees it: relative to the working directory if
-    relative), or None: in memory, not SQLite, or not a valid URL."""
-    try:
-        u = make_url(url)
-    except ArgumentError:
-        return None
-    db = u.database
-    if u.get_backend_name() != "sqlite" or not db or u.query.get("mode") == "memory":
-        return None
-    if str(u.query.get("uri", "")).lower() in ("true", "1") and db.startswith("file:"):
-        db = unquote(db[len("file:"):])
-        if db.startswith("//"):  # file://localhost/abs or file:///abs
-            db = "/" + db[2:].partition("/")[2]
-    return None if db == ":memory:" else Path(db)
-
-
-def sqlite_url(path: str | os.PathLike, **params: str) -> str:
-    """A SQLAlchemy URL that opens `path` with SQLite URI parameters (mode="ro", immutable="1").
-    The path is quoted twice: SQLAlchemy's URL parsing undoes one, SQLite's URI parsing the other."""
-    query = "&".join(f"{k}={v}" for k, v in {**params, "uri": "true"}.items())
-    return f"sqlite:///file:{quote(quote(os.path.abspath(path)))}?{query}"
-
-
-def _make_engine(url: str, *, writable: bool = True) -> Engine:
-    try:
-        u = make_url(url)
-    except ArgumentError as e:
-        raise StoreError(f"store URL {url!r} (TUNECACHE_DB_URL) is not a valid SQLAlchemy URL: {e}") from None
-    if u.get_backend_name() == "sqlite":
-        from . import settings
-
-        file = sqlite_path(url)
-        if file is not None and writable:
-            path = file.expanduser()
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise StoreError(f"cannot create the store directory {path.parent} for {url!r}: {e}") from None
-        busy_s = settings.db_busy_timeout_s()
-        kwargs = {}
-        if u.query.get("mode") == "memory":
-            from sqlalchemy.pool import QueuePool
-
-            kwargs["poolclass"] = QueuePool  # a shared in-memory database: see Store.in_memory
-        engine = create_engine(url, connect_args={"timeout": busy_s, "check_same_thread": False},
-                               json_deserializer=_safe_json_loads, **kwargs)
-
-        @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn, _record):
-            # let SQLAlchemy, not pysqlite, decide when transactions begin (see _on_begin)
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            if writable:  # setting the journal mode writes the file's header
-                cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _on_begin(conn):
-            # Writers take the write lock up front: a deferred transaction that reads and
-            # then writes can fail with SQLITE_BUSY without waiting on the busy timeout.
-            mode = "IMMEDIATE" if conn.get_execution_options().get("tunecache_write") else "DEFERRED"
-            conn.exec_driver_sql(f"BEGIN {mode}")
-
-        return engine
-    kwargs: dict[str, Any] = {"pool_pre_ping": True, "json_deserializer": _safe_json_loads}
-    if u.get_backend_name() == "postgresql":
-        kwargs["connect_args"] = {"connect_timeout": 10}
-        # the service runs up to 16 requests at once; connections opened past the pool size
-        # are closed on return, and reconnecting on every request under load is slow
-        from . import settings
-
-        kwargs["pool_size"], kwargs["max_overflow"] = settings.db_pool()
-    try:
-        return create_engine(url, **kwargs)
-    except (ImportError, ArgumentError) as e:
-        raise StoreError(f"cannot open store URL {url!r} (TUNECACHE_DB_URL): {e}") from None
-
-
-def _dialect_insert(session: Session):
-    """The dialect's `insert`, which has ON CONFLICT."""
-    name = session.get_bind().dialect.name
-    if name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    elif name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        raise StoreError(f"unsupported database dialect {name!r}; use SQLite or PostgreSQL")
-    return insert
-
-
-def _insert_ignore(session: Session, table, values: dict) -> bool:
-    """INSERT ... ON CONFLICT DO NOTHING; True if the row was inserted."""
-    stmt = _dialect_insert(session)(table).values(**values).on_conflict_do_nothing().returning(table.c.id)
-    return session.execute(stmt).first() is not None
+# a claim passes over at most this many lapsed last attempts and unreadable rows per call
+CLAIM_SCAN = 100
+LEASE_PREFIX = "tcl_"
+TOKEN_PREFIX = "tc_"
 
 
 class Store:
@@ -544,7 +73,7 @@ class Store:
         self.writable = writable
         self.path = sqlite_path(self.url)  # the SQLite file; None in memory or on Postgres
         self._keepalive: Any = None
-        self.engine = _make_engine(self.url, writable=writable)
+        self.engine = make_engine(self.url, writable=writable)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write_maker = sessionmaker(self.engine.execution_options(tunecache_write=True),
                                          expire_on_commit=False)
@@ -622,7 +151,7 @@ class Store:
             if row is None:
                 return None
             try:
-                rec = _config_record(row)
+                rec = config_record(row)
             except (ValueError, TypeError, KeyError) as e:
                 log.warning("tunecache: skipping corrupt store row %s (%s)", digest[:12], e)
                 return None
@@ -640,21 +169,17 @@ class Store:
         if not self.writable:
             log.debug("tunecache: not keeping %s in the read-only store %s", rec.digest[:12], self.safe_url)
             return rec, True
-        values = dict(digest=rec.digest, **{k: v for k, v in rec.key.fields().items()},
-                      device_name=rec.device_name, config=rec.config, median_ms=rec.median_ms,
-                      tflops=rec.tflops, candidates=rec.candidates, tuned_by=rec.tuned_by or whoami(),
-                      tuned_at=rec.tuned_at or utcnow(), source=rec.source)
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
-            return self._keep_faster(s, rec, values)
+            return self._keep_faster(s, rec, result_values(rec))
 
     def _keep_faster(self, s: Session, rec: ConfigRecord, values: dict) -> tuple[ConfigRecord, bool]:
-        if _insert_ignore(s, TunedConfigRow.__table__, values):
+        if insert_ignore(s, TunedConfigRow.__table__, values):
             return rec, True
         row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
                         .with_for_update()).scalar_one()
         try:
-            old = _config_record(row)
+            old = config_record(row)
         except (ValueError, TypeError, KeyError):
             old = None  # a corrupt row loses to any valid result
         # a fleet copy's claimed time is the fleet's word, not a measurement of this host:
@@ -673,7 +198,7 @@ class Store:
 
     def _bump_generation(self, s: Session) -> None:
         table = FleetMetaRow.__table__
-        stmt = _dialect_insert(s)(table).values(name="generation", value=1)
+        stmt = dialect_insert(s)(table).values(name="generation", value=1)
         s.execute(stmt.on_conflict_do_update(index_elements=[table.c.name], set_={"value": table.c.value + 1}))
 
     def generation(self) -> int:
@@ -685,12 +210,10 @@ class Store:
     def put_fleet_copy(self, rec: ConfigRecord, generation: int | None) -> bool:
         """Keep (or refresh) this host's copy of the fleet's winner. A result of this host's own
         for the key is never overwritten; returns whether the copy was written."""
-        values = dict(digest=rec.digest, **rec.key.fields(), device_name=rec.device_name, config=rec.config,
-                      median_ms=rec.median_ms, tflops=rec.tflops, candidates=rec.candidates,
-                      tuned_by=rec.tuned_by or "", tuned_at=rec.tuned_at or utcnow(), source="fleet",
-                      fleet_checked_at=utcnow(), fleet_generation=generation)
+        values = dict(result_values(rec), tuned_by=rec.tuned_by or "", source="fleet", fleet_checked_at=utcnow(),
+                      fleet_generation=generation)
         with self._write() as s:
-            if _insert_ignore(s, TunedConfigRow.__table__, values):
+            if insert_ignore(s, TunedConfigRow.__table__, values):
                 return True
             row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
                             .with_for_update()).scalar_one()
@@ -768,7 +291,7 @@ class Store:
             out = []
             for row in s.execute(q).scalars():
                 try:
-                    out.append(_config_record(row))
+                    out.append(config_record(row))
                 except (ValueError, TypeError, KeyError) as e:
                     log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
             return out
@@ -777,7 +300,7 @@ class Store:
         """Rows whose digest starts with `prefix` (for `tunecache show`)."""
         with self._read() as s:
             q = select(TunedConfigRow).where(TunedConfigRow.digest.startswith(prefix)).limit(20)
-            return [_config_record(r) for r in s.execute(q).scalars()]
+            return [config_record(r) for r in s.execute(q).scalars()]
 
     def delete_config(self, digest: str) -> bool:
         with self._write() as s:
@@ -824,11 +347,11 @@ class Store:
         values = dict(digest=key.digest, **key.fields(), status="queued", priority=priority, attempts=0,
                       max_attempts=max_attempts, not_before=now, created_at=now, updated_at=now)
         with self._write() as s:
-            _insert_ignore(s, TuningJobRow.__table__, values)
+            insert_ignore(s, TuningJobRow.__table__, values)
             row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest)
                             .with_for_update()).scalar_one()
             changes: dict[str, Any] = {}
-            if _job_record(row).unreadable is not None:
+            if job_record(row).unreadable is not None:
                 changes.update(key.fields())  # the key hashes to this digest: its fields are the row's
             if row.status == "quarantined" or (row.status == "done" and s.execute(select(TunedConfigRow.id).where(
                     TunedConfigRow.digest == key.digest)).first() is None):
@@ -841,7 +364,7 @@ class Store:
                 s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**changes, updated_at=now)
                           .execution_options(synchronize_session=False))
                 s.refresh(row)
-            return _job_record(row)
+            return job_record(row)
 
     def claim_job(self, owner: str, arch: str | None = None, sm_count: int | None = None,
                   lease_s: float = 60.0, kernels: Iterable[str] | None = None, *,
@@ -882,7 +405,7 @@ class Store:
                 row = s.execute(q).scalar_one_or_none()
                 if row is None:
                     return None
-                rec = _job_record(row)
+                rec = job_record(row)
                 if rec.unreadable is not None:
                     log.warning("tunecache: job %d (%s) cannot be read (%s); quarantined", row.id, row.digest[:12],
                                 rec.unreadable)
@@ -897,7 +420,7 @@ class Store:
                     lease_expires_at=self._now_sql(lease_s), attempts=TuningJobRow.attempts + 1, updated_at=now)
                     .execution_options(synchronize_session=False))
                 s.refresh(row)
-                return _job_record(row, lease_secret=secret)
+                return job_record(row, lease_secret=secret)
             return None  # only unreadable rows so far; the next claim goes on
 
     def _device_class_filter(self, q: Any, arch: str | None, sm_count: int | None) -> Any:
@@ -979,7 +502,7 @@ class Store:
     def get_job(self, digest: str) -> JobRecord | None:
         with self._read() as s:
             row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest)).scalar_one_or_none()
-            return None if row is None else _job_record(row)
+            return None if row is None else job_record(row)
 
     def list_jobs(self, status: str | None = None, limit: int = 1000, *, arch: str | None = None,
                   sm_count: int | None = None) -> list[JobRecord]:
@@ -988,7 +511,7 @@ class Store:
             q = self._device_class_filter(select(TuningJobRow), arch, sm_count).order_by(TuningJobRow.id).limit(limit)
             if status:
                 q = q.where(TuningJobRow.status == status)
-            return [_job_record(r) for r in s.execute(q).scalars()]
+            return [job_record(r) for r in s.execute(q).scalars()]
 
     # ---- queue operations (operators: `tunecache jobs`, the admin routes, /healthz) ---------
 
@@ -1002,7 +525,7 @@ class Store:
                             ).scalar_one_or_none()
             if row is None:
                 return None
-            rec = _job_record(row)
+            rec = job_record(row)
             if rec.unreadable is not None:
                 raise JobStateError(f"job {digest[:12]} cannot be read ({rec.unreadable}): drop it, and enqueue "
                                     f"its key again to tune it")
@@ -1016,7 +539,7 @@ class Store:
                 status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
                 lease_expires_at=None, updated_at=now).execution_options(synchronize_session=False))
             s.refresh(row)
-            return _job_record(row)
+            return job_record(row)
 
     def drop_job(self, digest: str) -> bool:
         """Delete the job of this digest, in whatever state (a worker holding it loses its lease)."""
@@ -1054,7 +577,7 @@ class Store:
 
         Returns (the kept record, whether `rec` won, the submission's id). The service calls
         this for trusted results only (worker and admin tokens); others go to `submit`."""
-        values = _config_values(rec)
+        values = result_values(rec)
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
             kept, won = self._keep_faster(s, rec, values)
@@ -1077,7 +600,7 @@ class Store:
         failed job is left for an operator). A winner is re-timed once: later claims against it
         are recorded only, until a worker's result replaces it. Returns (the key's winner or
         None, the submission's id, the key's queued or running job or None)."""
-        values = _config_values(rec)
+        values = result_values(rec)
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
             sub = SubmissionRow(**values, submitted_by=submitted_by[:128], accepted=False,
@@ -1087,7 +610,7 @@ class Store:
             row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
                             .with_for_update()).scalar_one_or_none()
             try:
-                winner = None if row is None else _config_record(row)
+                winner = None if row is None else config_record(row)
             except (ValueError, TypeError, KeyError):
                 winner = None  # a corrupt row: as if there were none (a worker's result replaces it)
             job = None
@@ -1101,7 +624,7 @@ class Store:
                     job_row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == rec.digest)
                                         ).scalar_one_or_none()
                     if job_row is not None and job_row.status in ("queued", "running"):
-                        job = _job_record(job_row)
+                        job = job_record(job_row)
             if job is not None and job.status not in ("queued", "running"):
                 job = None  # failed or quarantined: an operator's to retry
             return winner, sub.id, job
@@ -1115,7 +638,7 @@ class Store:
                             .with_for_update()).scalar_one_or_none()
             if row is None:
                 return False, None
-            key = _key_of(row)
+            key = key_of(row)
             self._add_trials(s, key, [TrialRecord(config=config, status="failed",
                                                   error=f"reported by {reported_by}: {error}")], None)
             if row.config != config or row.retime_queued_at is not None:
@@ -1130,7 +653,7 @@ class Store:
         when `retime`: the key has a winner, tune it even so); a failed or quarantined one is
         left as it is (`tunecache jobs retry`)."""
         now = self._now_sql()
-        _insert_ignore(s, TuningJobRow.__table__, dict(
+        insert_ignore(s, TuningJobRow.__table__, dict(
             digest=key.digest, **key.fields(), status="queued", priority=0, attempts=0, max_attempts=3,
             not_before=now, created_at=now, updated_at=now, retime=retime))
         row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest).with_for_update()).scalar_one()
@@ -1144,7 +667,7 @@ class Store:
             s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**changes, updated_at=now)
                       .execution_options(synchronize_session=False))
             s.refresh(row)
-        return _job_record(row)
+        return job_record(row)
 
     def purge_token(self, name: str, *, dry_run: bool = False) -> PurgeReport:
         """Remove every winner that a submission of the token `name` made (of every token that
@@ -1160,7 +683,7 @@ class Store:
             with self._read() as s:
                 for row in s.execute(made_by_token).scalars():
                     try:
-                        removed.append(_config_record(row))
+                        removed.append(config_record(row))
                     except (ValueError, TypeError, KeyError):
                         jobs[row.digest] = "unreadable"
                 return PurgeReport(name, removed, jobs, s.execute(count_subs).scalar_one(), self.generation(),
@@ -1169,7 +692,7 @@ class Store:
             rows = s.execute(made_by_token.with_for_update(of=TunedConfigRow)).scalars().all()
             for row in rows:
                 try:
-                    removed.append(_config_record(row))
+                    removed.append(config_record(row))
                 except (ValueError, TypeError, KeyError):
                     jobs[row.digest] = "unreadable"  # removed; its key cannot be queued
                 s.delete(row)
@@ -1189,7 +712,7 @@ class Store:
             q = select(SubmissionRow).order_by(SubmissionRow.id).limit(limit)
             if digest:
                 q = q.where(SubmissionRow.digest == digest)
-            return [_submission_record(r) for r in s.execute(q).scalars()]
+            return [submission_record(r) for r in s.execute(q).scalars()]
 
     def create_token(self, name: str, scopes: Iterable[str], *,
                      expires_in: timedelta | None = None) -> tuple[str, TokenRecord]:
@@ -1218,7 +741,7 @@ class Store:
                                   expires_at=None if expires_in is None else now + expires_in)
                 s.add(row)
                 s.flush()
-                return secret, _token_record(row)
+                return secret, token_record(row)
         except IntegrityError:  # created at the same moment by someone else
             raise taken from None
 
@@ -1228,11 +751,11 @@ class Store:
             row = s.execute(select(ApiTokenRow).where(
                 ApiTokenRow.token_hash == hash_token(secret), ApiTokenRow.revoked_at.is_(None),
                 or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > utcnow()))).scalar_one_or_none()
-            return None if row is None else _token_record(row)
+            return None if row is None else token_record(row)
 
     def list_tokens(self) -> list[TokenRecord]:
         with self._read() as s:
-            return [_token_record(r) for r in s.execute(select(ApiTokenRow).order_by(ApiTokenRow.id)).scalars()]
+            return [token_record(r) for r in s.execute(select(ApiTokenRow).order_by(ApiTokenRow.id)).scalars()]
 
     def revoke_token(self, name: str | None = None, *, token_id: int | None = None) -> int:
         """Revoke the live token with this name (names of live tokens are unique), or with this
@@ -1327,11 +850,6 @@ class Store:
             out.update({status: n for status, n in s.execute(q)})
             return out
 
-    def get_job_by_id(self, job_id: int) -> JobRecord | None:
-        with self._read() as s:
-            row = s.get(TuningJobRow, job_id)
-            return None if row is None else _job_record(row)
-
     def job_statuses(self, digests: Iterable[str]) -> dict[str, str]:
         """{digest: status} of the jobs for these digests (absent: no job)."""
         digests = list(digests)
@@ -1379,166 +897,3 @@ def default_store() -> Store:
 
                 store = _DEFAULT[url] = open_local_store(url).store
     return store
-
-
-# ---- fleet tables: every published result, and the service's API tokens -----------------
-
-# quarantined: the row cannot be read (a claim met it); never claimed, kept for operators
-JOB_STATUSES = ("queued", "running", "done", "failed", "quarantined")
-# a claim passes over at most this many lapsed last attempts and unreadable rows per call
-CLAIM_SCAN = 100
-LEASE_PREFIX = "tcl_"
-
-
-@dataclass
-class QueueWait:
-    """One device class's queue as /healthz reports it."""
-
-    arch: str
-    sm_count: int
-    waiting: int = 0  # jobs a worker could claim now
-    oldest_wait_s: float = 0.0  # how long the oldest of them has waited (the database's clock)
-    running: int = 0  # live leases
-# what a token may do; a scope implies the ones listed with it
-TOKEN_SCOPES = {
-    "read": ("read",),
-    "publish": ("read", "publish"),
-    "worker": ("read", "publish", "worker"),
-    "admin": ("read", "publish", "worker", "admin"),
-}
-TOKEN_PREFIX = "tc_"
-
-
-class SubmissionRow(Base):
-    """One published result, kept whether or not it became the winner (for audit and noise)."""
-
-    __tablename__ = "submissions"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), index=True)
-    kernel: Mapped[str] = mapped_column(String(128))
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    triton_version: Mapped[str] = mapped_column(String(32))
-    arch: Mapped[str] = mapped_column(String(16))
-    sm_count: Mapped[int] = mapped_column(Integer)
-    device_name: Mapped[str] = mapped_column(String(128), default="")
-    problem: Mapped[Any] = mapped_column(JSON)
-    config: Mapped[Any] = mapped_column(JSON)
-    median_ms: Mapped[float] = mapped_column(Float)
-    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
-    candidates: Mapped[int] = mapped_column(Integer, default=0)
-    tuned_by: Mapped[str] = mapped_column(String(128), default="")
-    tuned_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    source: Mapped[str] = mapped_column(String(16), default="inline")
-    submitted_by: Mapped[str] = mapped_column(String(128), default="", index=True)
-    accepted: Mapped[bool] = mapped_column(Boolean, default=False)
-    tune_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-
-
-class ApiTokenRow(Base):
-    """A service token: only the sha256 of the secret is stored (secrets are 256-bit random,
-    so a plain hash is enough; there is nothing to brute-force)."""
-
-    __tablename__ = "api_tokens"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), index=True)
-    token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    scopes: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
-    expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
-    # one live token per name: `tunecache token revoke NAME` must mean one token
-    __table_args__ = (Index("uq_api_tokens_live_name", "name", unique=True, sqlite_where=text("revoked_at IS NULL"),
-                            postgresql_where=text("revoked_at IS NULL")),)
-
-
-class AuditRow(Base):
-    """One admin action: who (the token, or `cli:user@host`), what, on what, when, details."""
-
-    __tablename__ = "audit_log"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, index=True)
-    actor: Mapped[str] = mapped_column(String(128))
-    actor_token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    action: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str] = mapped_column(String(256), default="")
-    details: Mapped[Any] = mapped_column(JSON, nullable=True)
-
-
-@dataclass
-class SubmissionRecord:
-    id: int
-    key: TuneKey
-    config: dict
-    median_ms: float
-    tflops: float | None
-    candidates: int
-    device_name: str
-    tuned_by: str
-    source: str
-    submitted_by: str
-    accepted: bool
-    tune_seconds: float | None
-    created_at: datetime
-
-    @property
-    def digest(self) -> str:
-        return self.key.digest
-
-
-@dataclass
-class PurgeReport:
-    """What `Store.purge_token` removed (or would, with dry_run)."""
-
-    token_name: str
-    removed: list[ConfigRecord]  # the winners the token's submissions had made
-    jobs: dict[str, str]  # digest -> its tuning job's status now ("unreadable": a row that was removed as is)
-    submissions: int  # the token's submissions removed
-    generation: int  # the fleet's generation after
-    dry_run: bool = False
-
-
-@dataclass
-class TokenRecord:
-    id: int
-    name: str
-    scopes: tuple[str, ...]
-    created_at: datetime
-    revoked_at: datetime | None = None
-    expires_at: datetime | None = None
-
-    def allows(self, scope: str) -> bool:
-        return any(scope in TOKEN_SCOPES.get(sc, ()) for sc in self.scopes)
-
-
-@dataclass
-class AuditRecord:
-    id: int
-    at: datetime
-    actor: str
-    actor_token_id: int | None
-    action: str
-    target: str
-    details: Any
-
-
-def hash_token(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _config_values(rec: ConfigRecord) -> dict:
-    return dict(digest=rec.digest, **rec.key.fields(), device_name=rec.device_name, config=rec.config,
-                median_ms=rec.median_ms, tflops=rec.tflops, candidates=rec.candidates,
-                tuned_by=rec.tuned_by or whoami(), tuned_at=rec.tuned_at or utcnow(), source=rec.source)
-
-
-def _submission_record(row: SubmissionRow) -> SubmissionRecord:
-    return SubmissionRecord(id=row.id, key=_key_of(row), config=row.config, median_ms=row.median_ms,
-                            tflops=row.tflops, candidates=row.candidates, device_name=row.device_name,
-                            tuned_by=row.tuned_by, source=row.source, submitted_by=row.submitted_by,
-                            accepted=bool(row.accepted), tune_seconds=row.tune_seconds, created_at=row.created_at)
-
-
-def _token_record(row: ApiTokenRow) -> TokenRecord:
-    return TokenRecord(id=row.id, name=row.name, scopes=tuple(filter(None, row.scopes.split(","))),
-                       created_at=row.created_at, revoked_at=row.revoked_at, expires_at=row.expires_at)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .store import ConfigRecord, Store
+from .records import ConfigRecord
+
+if TYPE_CHECKING:
+    from .store import Store
 
 FORMAT = "tunecache-configs/1"
 
@@ -19,7 +22,7 @@ def export_configs(store: Store, kernel: str | None = None, arch: str | None = N
 
 def validate_entry(entry: Any) -> ConfigRecord:
     """A ConfigRecord whose kernel is known and whose config lies in its space; else ValueError."""
-    from tunecache_kernels.spaces import space_for
+    from tunecache_kernels.spaces import UnknownKernel, space_for
 
     if not isinstance(entry, dict):
         raise ValueError(f"entry is a {type(entry).__name__}, not an object")
@@ -29,8 +32,8 @@ def validate_entry(entry: Any) -> ConfigRecord:
         raise ValueError(f"malformed entry ({type(e).__name__}: {e})") from None
     try:
         space = space_for(rec.key.kernel)
-    except KeyError as e:
-        raise ValueError(str(e).strip("'\"")) from None
+    except UnknownKernel as e:
+        raise ValueError(str(e)) from None
     space.check(rec.config)
     return rec
 

@@ -12,21 +12,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import settings
 from .key import DeviceClass, TuneKey, triton_version
+from .records import ConfigRecord, TrialRecord, whoami
 from .registry import kernel_version
-from .store import ConfigRecord, TrialRecord, whoami
+from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders
 
 log = logging.getLogger("tunecache.tuner")
 
 # ‖out - ref‖ / ‖ref‖ allowed per dtype (float32 dots may run as tf32 on a GPU)
 TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 2e-2}
-# after a quick first timing, candidates slower than this multiple of the best are dropped
-LOSER_FACTOR = 1.5
-# the quick first round's timing (do_bench milliseconds); the second round uses do_bench's own
-QUICK_TIMING = {"warmup_ms": 5, "rep_ms": 20}
+# the quick round's timing (do_bench milliseconds); leaders are timed again with do_bench's own
+QUICK_TIMING = {"warmup_ms": QUICK_WARMUP_MS, "rep_ms": QUICK_REP_MS}
 
 
 class TuneError(RuntimeError):
@@ -44,12 +43,14 @@ class TuneResult:
     seconds: float = 0.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     source: str = "inline"
+    default_ms: float | None = None  # the backend's untuned default, same run
+    vendor_ms: float | None = None  # the vendor's op (torch's reference: cuBLAS / cuDNN on a GPU), same run
 
     def record(self, device: DeviceClass) -> ConfigRecord:
         """The winner as the store and the fleet keep it."""
         return ConfigRecord(key=self.key, config=self.config, median_ms=self.median_ms, tflops=self.tflops,
                             candidates=self.candidates, device_name=device.name, tuned_by=whoami(),
-                            source=self.source)
+                            source=self.source, default_ms=self.default_ms, vendor_ms=self.vendor_ms)
 
 
 def make_key(mod: ModuleType, problem: dict, device: DeviceClass) -> TuneKey:
@@ -74,6 +75,7 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
     """
     t0 = time.perf_counter()
     on_gpu = device.arch != "cpu"
+    default = mod.default_config(problem, device)
     torch_device = torch_device or ("cuda:0" if on_gpu else "cpu")
     key = make_key(mod, problem, device)
     space = mod.config_space(problem, device) if configs is None else configs
@@ -83,7 +85,6 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
         if cap is not None:
             candidates = candidates[:cap]
         # the untuned default always competes, so a tuned entry is never slower than no tuning
-        default = mod.default_config(problem, device)
         if default not in candidates and mod.prune([default], problem, device):
             candidates.append(default)
     if not candidates:
@@ -91,62 +92,67 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
     trials: list[TrialRecord] = []
     if progress:
         progress("compile", 0, len(candidates), None)
-    candidates = _precompile(mod, problem, device, candidates, trials)
     runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
 
-    timed: list[tuple[float, dict]] = []
-    for i, cfg in enumerate(candidates):
+    # quick round: each candidate is checked and timed as soon as its binary is ready, while
+    # the others still compile
+    quick: dict[int, float] = {}
+    for n, i in enumerate(_compiled(mod, problem, device, candidates, trials)):
         if progress:
-            progress("time", i, len(candidates), min(ms for ms, _ in timed) if timed else None)
-        res = runner.run(cfg, QUICK_TIMING if on_gpu else {"cpu_reps": 1})
+            progress("time", n, len(candidates), min(quick.values()) if quick else None)
+        res = runner.run(candidates[i], QUICK_TIMING if on_gpu else {"cpu_reps": 1})
         if res["status"] != "ok":
-            trials.append(TrialRecord(cfg, res["status"], error=res.get("error")))
+            trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
             continue
-        timed.append((res["median_ms"], cfg))
+        quick[i] = res["median_ms"]
     if progress:
-        progress("time", len(candidates), len(candidates), min(ms for ms, _ in timed) if timed else None)
-    if not timed:
+        progress("time", len(candidates), len(candidates), min(quick.values()) if quick else None)
+    if not quick:
         errors = "; ".join(f"{t.config}: {t.error}" for t in trials[:5])
         raise TuneError(f"{mod.KERNEL}: no config of {len(candidates)} ran correctly for {problem}: {errors}")
 
-    # second round: time the survivors properly, dropping clear losers of the quick round
-    best_quick = min(ms for ms, _ in timed)
-    for quick_ms, cfg in timed:
-        if quick_ms > LOSER_FACTOR * best_quick:
-            trials.append(TrialRecord(cfg, "ok", median_ms=quick_ms))
+    # settling round: the leaders (and the default, whose time the record keeps) timed properly
+    settle = set(leaders(quick)) | {i for i in quick if candidates[i] == default}
+    for i, quick_ms in sorted(quick.items()):
+        if i not in settle:
+            trials.append(TrialRecord(candidates[i], "ok", median_ms=quick_ms))
             continue
-        res = runner.run(cfg, {} if on_gpu else {"cpu_reps": 3}, check=False)
+        res = runner.run(candidates[i], {} if on_gpu else {"cpu_reps": 3}, check=False)
         if res["status"] != "ok":  # it passed the quick round: a crash now is still a failed trial
-            trials.append(TrialRecord(cfg, res["status"], error=res.get("error")))
+            trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
             continue
-        trials.append(TrialRecord(cfg, "ok", median_ms=res["median_ms"]))
+        trials.append(TrialRecord(candidates[i], "ok", median_ms=res["median_ms"]))
     ok = [t for t in trials if t.status == "ok"]
     if not ok:
         raise TuneError(f"{mod.KERNEL}: every config that passed the first round failed the second for {problem}")
-    best = min(ok, key=lambda t: t.median_ms)
+    settled = [t for t in ok if any(t.config == candidates[i] for i in settle)] or ok
+    best = min(settled, key=lambda t: t.median_ms)
     flops = mod.flops(problem)
     tflops = flops / (best.median_ms * 1e-3) / 1e12 if best.median_ms > 0 else None
+    default_ms = next((t.median_ms for t in ok if t.config == default), None)
     result = TuneResult(key, best.config, best.median_ms, tflops, len(candidates), trials,
-                        seconds=time.perf_counter() - t0, source=source)
+                        seconds=time.perf_counter() - t0, source=source, default_ms=default_ms,
+                        vendor_ms=runner.vendor_ms({} if on_gpu else {"cpu_reps": 3}))
     log.info("tunecache: tuned %s %s in %d candidates: %s (%.4f ms)", mod.KERNEL, problem, len(candidates),
              best.config, best.median_ms)
     return result
 
 
-def _precompile(mod: ModuleType, problem: dict, device: DeviceClass, candidates: list[dict],
-                trials: list[TrialRecord]) -> list[dict]:
-    """Compile Gluon candidates in parallel for the device's target; drop those that fail."""
+def _compiled(mod: ModuleType, problem: dict, device: DeviceClass, candidates: list[dict],
+              trials: list[TrialRecord]) -> Iterator[int]:
+    """Indices of the candidates whose binaries are ready, as they become ready: Gluon
+    candidates are compiled in parallel for the device's target (one that fails is a failed
+    trial); others compile at their first launch."""
     if device.arch == "cpu" or not hasattr(mod, "compile_specs"):
-        return candidates
-    from .compile import compile_configs
+        yield from range(len(candidates))
+        return
+    from .compile import compile_configs_as_ready
 
-    kept = []
-    for cfg, report in zip(candidates, compile_configs(mod, problem, candidates, device)):
+    for i, report in compile_configs_as_ready(mod, problem, candidates, device):
         if report.ok:
-            kept.append(cfg)
+            yield i
         else:
-            trials.append(TrialRecord(cfg, "failed", error=f"compile: {report.error}"))
-    return kept
+            trials.append(TrialRecord(candidates[i], "failed", error=f"compile: {report.error}"))
 
 
 class Trials:
@@ -191,3 +197,17 @@ class Trials:
             log.warning("tunecache: candidate %s of %s failed in isolation: %s", config, self.setup["module"],
                         e.reason)
             return {"status": "failed", "error": e.reason}
+
+    def vendor_ms(self, timing: dict) -> float | None:
+        """The reference op's time on the same inputs (what the user would call without
+        tunecache), for the record; None if it could not be timed."""
+        from .isolated import WorkerFailed
+
+        try:
+            self._ensure_setup()
+            res = self.worker.call({"cmd": "reference", "digest": self.setup["digest"], "timing": timing},
+                                   settings.candidate_timeout_s())
+        except (WorkerFailed, TuneError) as e:
+            log.info("tunecache: could not time the reference of %s: %s", self.setup["module"], e)
+            return None
+        return res.get("median_ms")

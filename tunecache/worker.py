@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .job_queue import ClaimedJob, JobQueue, default_queue
-from .key import DeviceClass, interpreter_device
+from .errors import last_line, short
+from .key import DeviceClass, interpreter_device, interpreting
+from .shapes import OPS
 from .store import MAX_LEASE_S, STORE_ERRORS, ConfigRecord, Store, TrialRecord, default_store
 
 log = logging.getLogger("tunecache.worker")
@@ -36,7 +38,7 @@ def worker_device(gpu: int) -> tuple[DeviceClass, str]:
     """(device class, torch device) for GPU `gpu`; the interpreter on a host without CUDA."""
     import torch
 
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if interpreting():
         return interpreter_device(), "cpu"
     from .key import cuda_device
 
@@ -52,7 +54,7 @@ def tunable_kernels(device: DeviceClass) -> dict[str, str]:
     from . import registry
 
     out = {}
-    for op in registry.OPS:
+    for op in OPS:
         for backend in registry.available_backends(op):
             if device.arch == "cpu" and backend != "portable":
                 continue  # the interpreter runs only plain triton.language kernels
@@ -180,7 +182,7 @@ class Worker:
                 result = tune(mod, dict(key.problem), self.device, torch_device=self.torch_device,
                               source=self.source)
             except Exception as e:
-                return self._fail(job, _short(e))
+                return self._fail(job, short("".join(traceback.format_exception(e)), 4000))
             seconds = time.perf_counter() - t0
             if lease.lost:
                 return Outcome(job.id, key.kernel, "lost", seconds, "lease lost while tuning; not published")
@@ -212,13 +214,9 @@ class Worker:
         return None
 
     def _fail(self, job: ClaimedJob, error: str) -> Outcome:
-        log.warning("tunecache: job %d (%s) failed: %s", job.id, job.key.kernel, error.splitlines()[-1][:300])
+        log.warning("tunecache: job %d (%s) failed: %s", job.id, job.key.kernel, last_line(error, 300))
         self.queue.fail(job, error)
         return Outcome(job.id, job.key.kernel, "failed", detail=error)
-
-
-def _short(e: BaseException) -> str:
-    return "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]
 
 
 def _ignore_signals() -> None:

@@ -14,6 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 
+class UnknownKernel(KeyError):
+    """No kernel (or op, or backend) by that name. A KeyError, as a failed lookup is; its text
+    is the message alone (a KeyError's own would quote it), so callers just use str(e)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass(frozen=True)
 class ConfigSpace:
     """A grid of meta-parameters: every config is one value per parameter."""
@@ -59,7 +67,16 @@ class ConfigSpace:
         return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-BACKENDS = ("blackwell", "hopper", "portable")
+BACKENDS = ("blackwell", "hopper", "portable")  # every backend, preferred first (tunecache.registry)
+# The GPU generations (compute capability majors) each backend is written for; None: any device,
+# the CPU interpreter included. A backend's own `supports()` decides the rest; this lets the
+# registry skip importing (and compiling the module of) a backend that cannot run here.
+BACKEND_MAJORS: dict[str, tuple[int, ...] | None] = {"blackwell": (10,), "hopper": (9,), "portable": None}
+
+
+def may_run_on(backend: str, capability: tuple[int, int] | None) -> bool:
+    majors = BACKEND_MAJORS.get(backend)
+    return majors is None or (capability is not None and capability[0] in majors)
 
 
 def _registry() -> dict[str, ConfigSpace]:
@@ -123,7 +140,7 @@ class TritonConfigSchema:
 
 def space_for(kernel: str) -> ConfigSpace | TritonConfigSchema:
     """The space of kernel "<op>.<backend>" (or the schema of a user kernel "triton:...");
-    KeyError names an unknown kernel."""
+    UnknownKernel (a KeyError) names an unknown kernel."""
     global _SPACES
     if kernel.startswith(USER_KERNEL_PREFIX) and len(kernel) > len(USER_KERNEL_PREFIX):
         return TritonConfigSchema()
@@ -132,7 +149,7 @@ def space_for(kernel: str) -> ConfigSpace | TritonConfigSchema:
     try:
         return _SPACES[kernel]
     except KeyError:
-        raise KeyError(f"unknown kernel {kernel!r}; known: {sorted(_SPACES)}") from None
+        raise UnknownKernel(f"unknown kernel {kernel!r}; known: {sorted(_SPACES)}") from None
 
 
 def kernels() -> list[str]:

@@ -15,6 +15,7 @@ import math
 from typing import Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query
+from tunecache_kernels.spaces import BACKENDS
 
 from ..key import DeviceClass
 from ..shapes import KEYS, canonical_problem
@@ -24,7 +25,6 @@ from .schemas import ConfigOut, ErrorOut
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
-BACKENDS = ("blackwell", "hopper", "portable")  # preference, as tunecache.registry.OPS
 _SIZES = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
 Shape = Optional[str]
 

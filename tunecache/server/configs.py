@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from .. import floor
 from ..key import TuneKey
-from ..store import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
+from ..records import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
 from ..transfer import FORMAT
 from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep
 from .schemas import (Arch, ConfigIn, ConfigOut, DeleteOut, ErrorOut, ExportOut, GenerationOut, ImportIn,
@@ -35,12 +35,12 @@ def key_of(body: KeyIn) -> TuneKey:
 
 def check_kernel_config(kernel: str, config: dict) -> None:
     """422 unless the kernel is known and the config lies in its space (plain data, no Triton)."""
-    from tunecache_kernels.spaces import space_for
+    from tunecache_kernels.spaces import UnknownKernel, space_for
 
     try:
         space = space_for(kernel)
-    except KeyError as e:
-        raise HTTPException(422, str(e).strip("'\"")) from None
+    except UnknownKernel as e:
+        raise HTTPException(422, str(e)) from None
     try:
         space.check(config)
     except ValueError as e:
@@ -61,7 +61,8 @@ def record_of(body: ConfigIn, source: str, provenance: dict | None = None) -> Co
         raise HTTPException(422, impossible)
     given = provenance or dict(tuned_by=body.tuned_by, device_name=body.device_name, tuned_at=body.tuned_at)
     return ConfigRecord(key=key, config=dict(body.config), median_ms=body.median_ms, tflops=body.tflops,
-                        candidates=body.candidates, source=source, **given)
+                        candidates=body.candidates, default_ms=body.default_ms, vendor_ms=body.vendor_ms,
+                        source=source, **given)
 
 
 def provenance(token: TokenRecord, body: ConfigIn) -> tuple[str, dict]:
@@ -177,9 +178,10 @@ def submissions(digest: DigestPath, _: ReadToken, store: StoreDep,
                 limit: int = Query(1000, ge=1, le=10000)) -> list[SubmissionOut]:
     rows = store.submissions(digest, limit=limit)
     return [SubmissionOut(**s.key.fields(), digest=s.digest, id=s.id, config=s.config, median_ms=s.median_ms,
-                          tflops=s.tflops, candidates=s.candidates, device_name=s.device_name, tuned_by=s.tuned_by,
-                          source=s.source, submitted_by=s.submitted_by, accepted=s.accepted,
-                          tune_seconds=s.tune_seconds, created_at=s.created_at) for s in rows]
+                          tflops=s.tflops, candidates=s.candidates, default_ms=s.default_ms, vendor_ms=s.vendor_ms,
+                          device_name=s.device_name, tuned_by=s.tuned_by, source=s.source,
+                          submitted_by=s.submitted_by, accepted=s.accepted, tune_seconds=s.tune_seconds,
+                          created_at=s.created_at) for s in rows]
 
 
 @router.delete("/configs/{digest}", response_model=DeleteOut, responses=NOT_FOUND, summary="Delete a config")

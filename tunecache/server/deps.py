@@ -9,7 +9,8 @@ from typing import Annotated, Any, Callable, Optional
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from ..store import Store, TokenRecord, hash_token, utcnow
+from ..records import TokenRecord, hash_token, utcnow
+from ..store import Store
 from .guards import client_address
 from .metrics import Metrics
 

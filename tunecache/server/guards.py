@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from ..store import TokenRecord
+from ..records import TokenRecord
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from ..store import TOKEN_SCOPES
+from ..records import TOKEN_SCOPES
 from .deps import ReadToken
 
 router = APIRouter(prefix="/v1", tags=["system"])

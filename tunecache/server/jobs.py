@@ -7,7 +7,8 @@ from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Path, Query
 
-from ..store import JOB_STATUSES, JobRecord, JobStateError
+from ..faults import JobStateError
+from ..records import JOB_STATUSES, JobRecord
 from .configs import DigestPath, key_of
 from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
 from .schemas import (INT32_MAX, Arch, ClaimIn, ClaimOut, CompleteIn, DeleteOut, EnqueueIn, ErrorOut, FailIn,
@@ -44,12 +45,12 @@ def _lost(job_id: int) -> HTTPException:
 @router.post("", response_model=JobOut, summary="Enqueue a tuning job",
              description="One active job per digest: enqueueing a queued or running key returns its job.")
 def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> JobOut:
-    from tunecache_kernels.spaces import space_for
+    from tunecache_kernels.spaces import UnknownKernel, space_for
 
     try:
         space_for(body.kernel)
-    except KeyError as e:
-        raise HTTPException(422, str(e).strip("'\"")) from None
+    except UnknownKernel as e:
+        raise HTTPException(422, str(e)) from None
     metrics.enqueued.inc()
     return job_out(store.enqueue(key_of(body), priority=body.priority, max_attempts=body.max_attempts))
 

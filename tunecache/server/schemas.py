@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       StringConstraints)
 
-from ..store import MAX_BACKOFF_S, MAX_LEASE_S
+from ..records import MAX_BACKOFF_S, MAX_LEASE_S
 
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
@@ -82,6 +82,8 @@ Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$"),
 Owner = _text(128, 1)
 Name = _text(128)
 FiniteNonNeg = Annotated[float, Field(strict=True, ge=0, le=1e12, allow_inf_nan=False)]
+# a measured time in milliseconds: positive and finite
+Millis = Annotated[float, Field(strict=True, gt=0, le=1e12, allow_inf_nan=False)]
 Scalar = Union[StrictBool, StrictInt, Annotated[float, Field(strict=True, allow_inf_nan=False)], StrictStr, None]
 Problem = Annotated[dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Scalar],
                     Field(max_length=64, description="the canonical problem: dtypes, layouts, sizes"),
@@ -128,14 +130,21 @@ class TrialIn(Model):
     error: Optional[_text(4000)] = None
 
 
+# what tuning bought: times measured in the same run as the tuned config's median_ms
+DEFAULT_MS = "the backend's untuned default config's time in ms, measured in the same tuning run (null: not measured)"
+VENDOR_MS = "the vendor op's time in ms (cuBLAS / cuDNN), measured in the same tuning run (null: not measured)"
+
+
 class ConfigIn(KeyIn):
     """A tuning result to publish. `digest`, when given, must match the key's fields."""
 
     digest: Optional[Digest] = None
     config: JsonObject = Field(description="the kernel's meta-parameters; checked against its config space")
-    median_ms: Annotated[float, Field(strict=True, gt=0, le=1e12, allow_inf_nan=False)]
+    median_ms: Millis
     tflops: Optional[FiniteNonNeg] = None
     candidates: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] = 0
+    default_ms: Optional[Millis] = Field(None, description=DEFAULT_MS)
+    vendor_ms: Optional[Millis] = Field(None, description=VENDOR_MS)
     # provenance: the service sets it from the token (see the trust model in docs/fleet.md)
     device_name: Name = Field("", description="the GPU it ran on: kept from a worker token only")
     tuned_by: Name = Field("", description="the host that tuned it: kept from a worker token only")
@@ -164,6 +173,8 @@ class ConfigOut(KeyOut):
     median_ms: float
     tflops: Optional[float] = None
     candidates: int
+    default_ms: Optional[float] = Field(None, description=DEFAULT_MS)
+    vendor_ms: Optional[float] = Field(None, description=VENDOR_MS)
     device_name: str
     tuned_by: str
     tuned_at: Optional[UtcTime] = None
@@ -206,6 +217,8 @@ class SubmissionOut(KeyOut):
     median_ms: float
     tflops: Optional[float] = None
     candidates: int
+    default_ms: Optional[float] = Field(None, description=DEFAULT_MS)
+    vendor_ms: Optional[float] = Field(None, description=VENDOR_MS)
     device_name: str
     tuned_by: str
     source: str

@@ -1,9 +1,8 @@
-"""/healthz, /metrics and the dashboard page."""
+"""/healthz, /metrics and the dashboard page (who may see it; dashboard.py draws it)."""
 
 from __future__ import annotations
 
 import html
-import json
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -56,35 +55,6 @@ def metrics(request: Request, store: StoreDep, m: MetricsDep) -> Response:
     return Response(m.render(store), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>tunecache fleet</title>
-<meta http-equiv="refresh" content="10">
-<style>
- body {{ font: 14px system-ui, sans-serif; margin: 2em; color: #222 }}
- table {{ border-collapse: collapse; margin-bottom: 2em }} td, th {{ border: 1px solid #ccc; padding: 3px 8px }}
- th {{ background: #f3f3f3; text-align: left }} code {{ font-size: 12px }}
- .n {{ font-size: 28px; font-weight: 600 }} .card {{ display: inline-block; margin-right: 2em }}
-</style></head><body>
-<h1>tunecache fleet</h1>
-<div>{cards}</div>
-<h2>Queued jobs</h2>
-<table><tr><th>digest</th><th>kernel</th><th>device</th><th>problem</th><th>priority</th><th>attempts</th><th>not before (UTC)</th><th>last error</th></tr>{queued}</table>
-<h2>Running jobs</h2>
-<table><tr><th>digest</th><th>kernel</th><th>device</th><th>problem</th><th>owner</th><th>attempt</th><th>lease until (UTC)</th></tr>{running}</table>
-<h2>Failed jobs</h2>
-<table><tr><th>kernel</th><th>device</th><th>problem</th><th>attempts</th><th>last error</th></tr>{failed}</table>
-<h2>Tuned configs (first {n_configs})</h2>
-<table><tr><th>digest</th><th>kernel</th><th>device</th><th>problem</th><th>config</th><th>ms</th><th>TFLOP/s</th><th>source</th></tr>{configs}</table>
-<form method="post" action="/logout"><a href="/docs">API docs</a> · <a href="/healthz">health</a> ·
- <button type="submit">log out</button></form>
-</body></html>
-"""
-
-
-def _problem(p: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in p.items() if not str(k).startswith("gemm_"))
-
-
 # ---- who may see the dashboard: a token, as for every read, or anonymous reads ----------------
 # A browser cannot send an Authorization header by itself: a small form posts the token once,
 # and the page then reads it from an HttpOnly, SameSite=Strict cookie. Only the dashboard reads
@@ -129,7 +99,7 @@ def _dashboard_caller(request: Request) -> TokenRecord | None:
 
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-def dashboard(request: Request, store: StoreDep) -> HTMLResponse:
+def dashboard(request: Request, store: StoreDep, m: MetricsDep) -> HTMLResponse:
     try:
         caller = _dashboard_caller(request)
     except HTTPException as exc:
@@ -138,9 +108,9 @@ def dashboard(request: Request, store: StoreDep) -> HTMLResponse:
         return _login_page("That token is invalid, expired or revoked.", forget=True)
     if caller is None:
         return _login_page()
-    page = _dashboard_page(store)
-    page.headers.update(_PAGE_HEADERS)
-    return page
+    from .dashboard import render_page
+
+    return HTMLResponse(render_page(store, m), headers=_PAGE_HEADERS)
 
 
 @router.post("/login", include_in_schema=False)
@@ -170,35 +140,3 @@ def logout() -> Response:
     page = RedirectResponse("/", status_code=303, headers=_PAGE_HEADERS)
     page.delete_cookie(DASHBOARD_COOKIE, path="/")
     return page
-
-
-def _dashboard_page(store) -> HTMLResponse:
-    e = html.escape
-    counts = store.counts()
-    jobs = store.job_counts()
-    cards = "".join(f'<div class="card"><div class="n">{n}</div>{e(label)}</div>' for label, n in (
-        ("tuned configs", counts.get("tuned_configs", 0)), ("queued", jobs["queued"]),
-        ("running", jobs["running"]), ("done", jobs["done"]), ("failed", jobs["failed"]),
-        ("quarantined", jobs["quarantined"])))
-    queued = "".join(
-        f"<tr><td><code>{j.digest[:12]}</code></td><td>{e(j.key.kernel)}</td><td>{e(f'{j.key.arch}:{j.key.sm_count}')}"
-        f"</td><td>{e(_problem(j.key.problem))}</td><td>{j.priority}</td><td>{j.attempts}/{j.max_attempts}</td>"
-        f"<td>{str(j.not_before or '')[:19]}</td><td><code>{e((j.last_error or '')[-300:])}</code></td></tr>"
-        for j in store.list_jobs(status="queued", limit=100))
-    running = "".join(
-        f"<tr><td><code>{j.digest[:12]}</code></td><td>{e(j.key.kernel)}</td><td>{e(f'{j.key.arch}:{j.key.sm_count}')}"
-        f"</td><td>{e(_problem(j.key.problem))}</td><td>{e(j.lease_owner or '')}</td><td>{j.attempts}/{j.max_attempts}"
-        f"</td><td>{str(j.lease_expires_at or '')[:19]}</td></tr>"
-        for j in store.list_jobs(status="running", limit=100))
-    failed = "".join(
-        f"<tr><td>{e(j.key.kernel)}</td><td>{e(str(j.key.device_class))}</td><td>{e(_problem(j.key.problem))}</td>"
-        f"<td>{j.attempts}</td><td><code>{e((j.last_error or '')[-300:])}</code></td></tr>"
-        for j in store.list_jobs(status="failed", limit=100))
-    configs = store.list_configs(limit=200)
-    rows = "".join(
-        f"<tr><td><code>{r.digest[:12]}</code></td><td>{e(r.key.kernel)}</td><td>{e(str(r.key.device_class))}</td>"
-        f"<td>{e(_problem(r.key.problem))}</td><td><code>{e(json.dumps(r.config, separators=(',', ':')))}</code></td>"
-        f"<td>{r.median_ms:.4f}</td><td>{'' if r.tflops is None else f'{r.tflops:.1f}'}</td><td>{e(r.source)}</td></tr>"
-        for r in configs)
-    return HTMLResponse(_PAGE.format(cards=cards, queued=queued, running=running, failed=failed, configs=rows,
-                                     n_configs=len(configs)))

@@ -1,4 +1,5 @@
-"""`@tunecache.autotune`: `triton.autotune` whose results are kept in the store and the fleet.
+"""Your own Triton kernels: `@tunecache.autotune`, `triton.autotune` whose results are kept in the
+store and the fleet, and `patch_triton()`, which makes it Triton's.
 
     @tunecache.autotune(configs=[triton.Config({"BLOCK_M": 64}, num_warps=4), ...], key=["M", "N", "K"])
     @triton.jit
@@ -10,7 +11,8 @@ has a winner; the winner and every candidate's timing are stored and published.
 `patch_triton()` routes existing `triton.autotune` uses through it without editing their code.
 
 This module imports neither Triton nor torch: `import tunecache` exports it and must stay
-light. The work is done by `tunecache.autotuner.Autotuner`, imported when a kernel is decorated.
+light. The work is done by `tunecache.triton_autotuner.Autotuner`, imported when a kernel is
+decorated.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def autotune(configs, key, prune_configs_by=None, reset_to_zero=None, restore_va
     """
 
     def decorator(fn):
-        from .autotuner import Autotuner
+        from .triton_autotuner import Autotuner
 
         return Autotuner(fn, fn.arg_names, configs, key, reset_to_zero, restore_value, pre_hook=pre_hook,
                          post_hook=post_hook, prune_configs_by=prune_configs_by, warmup=warmup, rep=rep,
@@ -78,8 +80,3 @@ def unpatch_triton() -> None:
             if module is not None and getattr(module, attr, None) is autotune:
                 setattr(module, attr, original)
         _ORIGINALS.clear()
-
-
-def triton_is_patched() -> bool:
-    triton = sys.modules.get("triton")
-    return triton is not None and getattr(triton, "autotune", None) is autotune

@@ -1,4 +1,5 @@
-"""The Autotuner behind `tunecache.autotune`: Triton's own, with its disk cache replaced.
+"""The Autotuner behind `@tunecache.autotune` (tunecache.user_kernels): Triton's own, with its
+disk cache replaced by the store and the fleet.
 
 Triton's `Autotuner.run` is inherited untouched, so a memo hit (`self.cache[key]`) costs
 exactly what it costs under `triton.autotune`: no hashing, no I/O. On a memo miss with more
@@ -18,7 +19,7 @@ import hashlib
 import inspect
 import logging
 import math
-import statistics
+import os
 import time
 from functools import cached_property
 from typing import Any, Callable, Sequence
@@ -28,8 +29,8 @@ from triton.runtime.autotuner import Autotuner as TritonAutotuner
 from triton.runtime.autotuner import Config
 from triton.runtime.jit import JITFunction
 
-from . import settings
-from .key import DeviceClass, TuneKey, canonical_json, cuda_device, interpreter_device, triton_version
+from .key import DeviceClass, TuneKey, canonical_json, device_of, triton_version
+from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders, wall_clock_bench
 
 log = logging.getLogger("tunecache.autotune")
 
@@ -45,6 +46,12 @@ class Autotuner(TritonAutotuner):
         self.cache_results = True  # the store is always on, under the interpreter too
         self.kernel_name = kernel_name(self.base_fn)
         self._call_kwargs: dict[str, Any] = {}
+        # the caller chose how to time (do_bench, warmup, rep, use_cuda_graph): time every
+        # candidate that way; else the quick round and the settling round below
+        self._own_timing = any(kwargs.get(k) for k in ("do_bench", "warmup", "rep", "use_cuda_graph"))
+        self._round: list[Config] | None = None  # candidates of the benchmark about to run
+        self._quick: dict[Config, Any] | None = None  # their quick-round timings
+        self._quick_mode = False
 
     @cached_property
     def kernel_version(self) -> str:
@@ -59,7 +66,55 @@ class Autotuner(TritonAutotuner):
         # The interpreter has no GPU driver to ask for a benchmarker (triton.autotune fails there).
         if self._do_bench is None and knobs.runtime.interpret:
             return wall_clock_bench
-        return TritonAutotuner.do_bench.func(self)
+        full = TritonAutotuner.do_bench.func(self)
+        if self._own_timing:
+            return full
+
+        def bench(kernel_call: Callable[[], None], quantiles: Any = None) -> Any:
+            if self._quick_mode:
+                from triton.testing import do_bench
+
+                return do_bench(kernel_call, warmup=QUICK_WARMUP_MS, rep=QUICK_REP_MS, quantiles=quantiles)
+            return full(kernel_call, quantiles=quantiles)
+
+        return bench
+
+    def _bench(self, *args: Any, config: Config, **meta: Any) -> Any:
+        """Triton's loop calls this per candidate. Its first call compiles every candidate at
+        once in threads (Triton's AsyncCompileMode: the compiler releases the GIL) and times
+        each in a quick round as soon as its binary is ready; the loop then reads those times."""
+        if self._round is not None:
+            todo, self._round = self._round, None
+            self._quick = self._quick_round(todo, args, meta)
+            self._settle_with = (args, meta)
+        if self._quick is not None and config in self._quick:
+            return self._quick[config]
+        return super()._bench(*args, config=config, **meta)
+
+    def _quick_round(self, configs: list[Config], args: tuple, meta: dict) -> dict[Config, Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+
+        from . import settings
+
+        workers = max(1, min(len(configs), settings.compile_workers() or os.cpu_count() or 1))
+        timings: dict[Config, Any] = {}
+        with ThreadPoolExecutor(workers, thread_name_prefix="tunecache-compile") as pool, \
+                AsyncCompileMode(pool, ignore_errors=True):
+            for config in configs:  # submit: each call returns at once with its binary's future
+                current = {**meta, **config.all_kwargs(), "warmup": True}
+                try:
+                    self.fn.run(*args, **current)
+                except Exception as e:  # noqa: BLE001 - the candidate's own round reports it
+                    log.debug("tunecache: %s %s does not compile: %s", self.kernel_name, config, e)
+            self._quick_mode = not self._own_timing
+            try:
+                for config in configs:  # each waits only for its own binary
+                    timings[config] = super()._bench(*args, config=config, **meta)
+            finally:
+                self._quick_mode = False
+        return timings
 
     def prune_configs(self, kwargs: dict) -> list[Config]:
         # Triton prunes right before it consults the cache; keep the call's keyword arguments,
@@ -83,9 +138,32 @@ class Autotuner(TritonAutotuner):
         if found is not None:
             self.cache[tuning_key], self.configs_timings = found
             return True
-        bench_fn()
+        parallel = not knobs.runtime.interpret and len(configs) > 1
+        self._round = list(configs) if parallel else None
+        t0 = time.perf_counter()
+        try:
+            bench_fn()
+            if parallel and not self._own_timing:
+                self._settle(tuning_key)
+        finally:
+            self._round, self._quick, self._settle_with = None, None, None
+        self.bench_time = time.perf_counter() - t0
         self._persist(key, device, tuning_key, configs)
         return False
+
+    def _settle(self, tuning_key: tuple) -> None:
+        """Time the quick round's leaders (`timing.leaders`) as Triton would (its do_bench
+        defaults); the fastest of those wins."""
+        args, meta = self._settle_with
+        settle = leaders({c: _median(t) for c, t in self.configs_timings.items()})
+        if not settle:
+            return
+        self._quick = None
+        for c in settle:
+            self.configs_timings[c] = TritonAutotuner._bench(self, *args, config=c, **meta)
+        winner = min(settle, key=lambda c: _median(self.configs_timings[c]))
+        self.cache[tuning_key] = winner
+        self.pre_hook({**self.nargs, **meta, **winner.all_kwargs()}, reset_only=True)
 
     def tune_key(self) -> tuple[TuneKey, DeviceClass]:
         """The store's key for the current call (`run` has set `self.nargs`)."""
@@ -94,7 +172,7 @@ class Autotuner(TritonAutotuner):
         for name, arg in args.items():  # as Triton keys its memo: every argument with a dtype
             if hasattr(arg, "dtype"):
                 problem[f"{name}.dtype"] = str(arg.dtype)
-        device = current_device()
+        device = device_of()  # where Triton launches (or TUNECACHE_DEVICE)
         key = TuneKey(self.kernel_name, self.kernel_version, triton_version(), device.arch, device.sm_count,
                       problem)
         return key, device
@@ -131,20 +209,17 @@ class Autotuner(TritonAutotuner):
         from .config_cache import CACHE
 
         timings: dict[Config, list[float]] = {}
-        store = CACHE.store()
-        if store is not None:
-            trials = CACHE.store_call("read trials", lambda: store.trials(key.digest), [])
-            by_values = {canonical_json(v): c for c in configs if (v := config_values(c)) is not None}
-            for t in trials:
-                c = by_values.get(canonical_json(t.config))
-                if c is not None:
-                    timings[c] = [t.median_ms if t.status == "ok" and t.median_ms is not None else math.inf]
+        by_values = {canonical_json(v): c for c in configs if (v := config_values(c)) is not None}
+        for t in CACHE.read_trials(key.digest):
+            c = by_values.get(canonical_json(t.config))
+            if c is not None:
+                timings[c] = [t.median_ms if t.status == "ok" and t.median_ms is not None else math.inf]
         timings[best] = [best_ms]
         return timings
 
     def _persist(self, key: TuneKey, device: DeviceClass, tuning_key: tuple, configs: list[Config]) -> None:
         """Store (and publish) what the benchmark just chose, with every candidate's timing."""
-        from .store import ConfigRecord, TrialRecord, whoami
+        from .records import ConfigRecord, TrialRecord, whoami
 
         best = self.cache[tuning_key]
         values = config_values(best)
@@ -232,39 +307,6 @@ def _source_hash(fn: Callable) -> str:
             if inspect.isfunction(inner) and type(callee).__name__ in ("InterpretedFunction", "JITFunction"):
                 todo.append(inner)
     return h.hexdigest()
-
-
-def current_device() -> DeviceClass:
-    """The device Triton launches on: TUNECACHE_DEVICE if set, the interpreter, or the current GPU."""
-    override = settings.device_override()
-    if override:
-        return DeviceClass.parse(override)
-    if knobs.runtime.interpret:
-        return interpreter_device()
-    from triton.runtime.driver import driver
-
-    return cuda_device(driver.active.get_current_device())
-
-
-def wall_clock_bench(fn: Callable[[], Any], quantiles: Sequence[float] | None = None, reps: int = 3) -> Any:
-    """`do_bench` for the interpreter: one untimed call, then the wall clock over `reps` calls."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    if quantiles is None:
-        return statistics.median(samples)
-    samples.sort()
-    return [_quantile(samples, q) for q in quantiles]
-
-
-def _quantile(sorted_samples: list[float], q: float) -> float:
-    pos = q * (len(sorted_samples) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_samples) - 1)
-    return sorted_samples[lo] + (sorted_samples[hi] - sorted_samples[lo]) * (pos - lo)
 
 
 def _median(timing: Any) -> float:

@@ -1,0 +1,130 @@
+"""What a host's first call costs when the config is already known (issue 14, items 3 and 4).
+
+Every case runs in a fresh process: `import torch`, CUDA initialised and the inputs made
+first (not counted), then the clock runs from `import tunecache` through the first call to
+its synchronised result. The store and Triton's cache were filled beforehand by a setup
+process (tuning with a few candidates), so the call finds its config and its binary: nothing
+should compile. The peer is `triton.autotune(cache_results=True)` on Triton's tutorial matmul,
+also warm, in the same run.
+
+    python benchmarks/bench_coldstart.py [--repeats 3] [--profile]
+
+Prints seconds per case and the ratio to the peer; writes JSON with a `summary` to
+benchmarks/results/coldstart-<device>.json. --profile adds each case's top functions by
+cumulative time (cProfile) to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import RESULTS, device_info, write_results  # noqa: E402
+
+PRELUDE = """
+import sys, time, json
+sys.path.insert(0, {here!r})
+import torch
+torch.cuda.init()
+torch.manual_seed(0)
+"""
+
+# case -> (inputs, timed body); the body's last value is `out`
+CASES = {
+    "ops.matmul": ("a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)\n"
+                   "b = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)",
+                   "import tunecache.ops\nout = tunecache.ops.matmul(a, b)"),
+    "ops.conv2d_fprop": ("x = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)\n"
+                         "w = torch.randn(64, 3, 3, 64, device='cuda', dtype=torch.bfloat16)",
+                         "import tunecache.ops\nout = tunecache.ops.conv2d_fprop(x, w, 1, 1)"),
+    "ops.conv2d_wgrad": ("x = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)\n"
+                         "g = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)",
+                         "import tunecache.ops\nout = tunecache.ops.conv2d_wgrad(x, g, 3, 3, 1, 1)"),
+    "tunecache.autotune": ("a = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)\n"
+                           "b = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)",
+                           "import tutorial_matmul as tm\n"
+                           "out = tm.launch(tm.autotuned('tunecache', tm.CONFIGS[:{n}]), a, b)"),
+    "triton.autotune(cache_results=True)": (
+        "a = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)\n"
+        "b = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)",
+        "import tutorial_matmul as tm\nout = tm.launch(tm.autotuned('triton-cached', tm.CONFIGS[:{n}]), a, b)"),
+}
+PEER = "triton.autotune(cache_results=True)"
+
+
+def child_code(case: str, n_configs: int, profile: bool) -> str:
+    inputs, body = CASES[case]
+    body = body.format(n=n_configs)
+    timed = textwrap.indent(body, "    ")
+    if profile:
+        run = ("import cProfile, pstats, io\npr = cProfile.Profile()\npr.enable()\n" + body +
+               "\ntorch.cuda.synchronize()\npr.disable()\n"
+               "s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative').print_stats(30)\n"
+               "print(json.dumps({'profile': s.getvalue()[-6000:]}))")
+        return PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n" + run
+    return (PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n"
+            "t0 = time.perf_counter()\nif True:\n" + timed + "\ntorch.cuda.synchronize()\n"
+            "print(json.dumps({'seconds': time.perf_counter() - t0}))")
+
+
+def run_child(code: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="fresh processes per case (the median is reported)")
+    ap.add_argument("--configs", type=int, default=8, help="configs of the tutorial kernel in both autotuners")
+    ap.add_argument("--setup-candidates", type=int, default=4, help="TUNECACHE_MAX_CANDIDATES when filling the store")
+    ap.add_argument("--profile", action="store_true", help="add a cProfile of each case to the JSON")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="tunecache-coldstart-"))
+    env = {**os.environ, "TUNECACHE_DB_URL": f"sqlite:///{tmp / 'store.sqlite'}",
+           "TRITON_CACHE_DIR": str(tmp / "triton-cache"), "PYTHONUNBUFFERED": "1"}
+    for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY"):
+        env.pop(k, None)
+    cases = [c for c in args.cases.split(",") if c]
+    setup_env = {**env, "TUNECACHE_MAX_CANDIDATES": str(args.setup_candidates)}
+    for case in cases:  # fill the store and Triton's cache (tuning happens here, not timed)
+        print(f"setup: {case} ...", flush=True)
+        run_child(child_code(case, args.configs, False), setup_env)
+
+    rows = {}
+    for case in cases:
+        times = [run_child(child_code(case, args.configs, False), env)["seconds"] for _ in range(args.repeats)]
+        rows[case] = {"seconds": statistics.median(times), "runs": times}
+        if args.profile:
+            rows[case]["profile"] = run_child(child_code(case, args.configs, True), env)["profile"]
+    peer = rows.get(PEER, {}).get("seconds")
+    print(f"\nfirst call on a warm host (beyond import torch and CUDA init), median of {args.repeats}:")
+    for case, r in rows.items():
+        ratio = f"{r['seconds'] / peer:5.2f}x the peer" if peer else ""
+        print(f"  {case:40s} {r['seconds']:7.3f} s  {ratio}")
+    ours = {c: r["seconds"] for c, r in rows.items() if c != PEER}
+    summary = {"seconds": ours, "peer": PEER, "peer_seconds": peer,
+               "ratio_to_peer": {c: s / peer for c, s in ours.items()} if peer else None,
+               "max_seconds": max(ours.values()) if ours else None, "goal_seconds": 0.3,
+               "device": device_info().get("device")}
+    name = args.out.stem if args.out else f"coldstart-{(summary['device'] or 'cpu').replace(' ', '_')}"
+    path = write_results(name, {"summary": summary, "cases": rows}, args.out.parent if args.out else RESULTS)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Timing a launch: CUDA events with an L2 flush on a GPU, the wall clock on the interpreter.
+
+`time_ms` times the ops' candidates (in the isolated trial runner) and the benchmarks;
+`wall_clock_bench` is `@tunecache.autotune`'s `do_bench` on the interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+# How candidates are timed when a tuning run chooses (the ops' tuner and the drop-in alike):
+# each in a quick round (short warm-up and repetition, enough to rank), then the leaders (within
+# LEADER_FACTOR of the quick best, at most MAX_LEADERS) again with do_bench's own defaults.
+QUICK_WARMUP_MS, QUICK_REP_MS = 5, 20
+LEADER_FACTOR = 1.10
+MAX_LEADERS = 8
+
+
+def leaders(quick_ms: Mapping[Hashable, float]) -> list:
+    """The candidates worth a full timing, fastest first, from their quick-round times."""
+    finite = {c: ms for c, ms in quick_ms.items() if math.isfinite(ms)}
+    if not finite:
+        return []
+    best = min(finite.values())
+    return sorted((c for c, ms in finite.items() if ms <= LEADER_FACTOR * best), key=finite.get)[:MAX_LEADERS]
+
+
+def time_ms(fn: Callable[[], object], on_gpu: bool, *, warmup_ms: float = 25, rep_ms: float = 100,
+            cpu_reps: int = 3) -> float:
+    """Median milliseconds of one call of `fn`."""
+    if on_gpu:
+        from triton.testing import do_bench
+
+        # do_bench times with CUDA events, clears L2 between runs, returns the median
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return statistics.median(wall_clock_ms(fn, cpu_reps))
+
+
+def wall_clock_ms(fn: Callable[[], object], reps: int) -> list[float]:
+    """Milliseconds of each of `reps` calls of `fn`, by the wall clock."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def wall_clock_bench(fn: Callable[[], Any], quantiles: Sequence[float] | None = None, reps: int = 3) -> Any:
+    """`triton.testing.do_bench` for the interpreter: one untimed call, then the wall clock over
+    `reps` calls; the median, or the `quantiles` Triton asks for."""
+    fn()
+    samples = wall_clock_ms(fn, reps)
+    if quantiles is None:
+        return statistics.median(samples)
+    samples.sort()
+    return [_quantile(samples, q) for q in quantiles]
+
+
+def _quantile(sorted_samples: list[float], q: float) -> float:
+    pos = q * (len(sorted_samples) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_samples) - 1)
+    return sorted_samples[lo] + (sorted_samples[hi] - sorted_samples[lo]) * (pos - lo)
