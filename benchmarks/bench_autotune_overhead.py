@@ -65,7 +65,7 @@ def main() -> None:
     n = args.n
     x = torch.randn(n, device=device)
     y = torch.empty_like(x)
-    grid = lambda META: (triton.cdiv(n, META["BLOCK"]), )  # noqa: E731 - as a user writes it
+    grid = lambda META: (triton.cdiv(n, META["BLOCK"]),)  # noqa: E731 - as a user writes it
 
     first_call_ms = {}
     for name, kernel in (("triton_autotune", by_triton), ("tunecache_autotune", by_tunecache)):
@@ -116,10 +116,14 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "n": n, "calls_per_round": args.calls, "rounds": args.rounds,
+        "n": n,
+        "calls_per_round": args.calls,
+        "rounds": args.rounds,
         "configs": [str(c) for c in configs],
-        "best_config": {"triton_autotune": str(by_triton.best_config),
-                        "tunecache_autotune": str(by_tunecache.best_config)},
+        "best_config": {
+            "triton_autotune": str(by_triton.best_config),
+            "tunecache_autotune": str(by_tunecache.best_config),
+        },
         "per_call_us": us,
         "per_call_us_min": {k: min(v) for k, v in samples.items()},
         "per_call_us_samples": samples,
@@ -131,12 +135,16 @@ def main() -> None:
     for k in variants:
         print(f"  {k:20s} {us[k]:7.2f} us/call (min {min(samples[k]):.2f})")
     print(f"  tunecache / triton: {ratio:.3f}x per call")
-    print(f"  over a plain jit launch: triton {over['triton_autotune']:+.2f} us, "
-          f"tunecache {over['tunecache_autotune']:+.2f} us")
-    print(f"  first call: triton {first_call_ms['triton_autotune']:.1f} ms (tunes), tunecache "
-          f"{first_call_ms['tunecache_autotune']:.1f} ms (opens the store, then tunes and stores, or finds a "
-          f"winner stored by an earlier run), a second decorator's store hit "
-          f"{first_call_ms['tunecache_store_hit']:.1f} ms")
+    print(
+        f"  over a plain jit launch: triton {over['triton_autotune']:+.2f} us, "
+        f"tunecache {over['tunecache_autotune']:+.2f} us"
+    )
+    print(
+        f"  first call: triton {first_call_ms['triton_autotune']:.1f} ms (tunes), tunecache "
+        f"{first_call_ms['tunecache_autotune']:.1f} ms (opens the store, then tunes and stores, or finds a "
+        f"winner stored by an earlier run), a second decorator's store hit "
+        f"{first_call_ms['tunecache_store_hit']:.1f} ms"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -41,23 +41,31 @@ torch.manual_seed(0)
 
 # case -> (inputs, timed body); the body's last value is `out`
 CASES = {
-    "ops.matmul": ("a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)\n"
-                   "b = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)",
-                   "import tunecache.ops\nout = tunecache.ops.matmul(a, b)"),
-    "ops.conv2d_fprop": ("x = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)\n"
-                         "w = torch.randn(64, 3, 3, 64, device='cuda', dtype=torch.bfloat16)",
-                         "import tunecache.ops\nout = tunecache.ops.conv2d_fprop(x, w, 1, 1)"),
-    "ops.conv2d_wgrad": ("x = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)\n"
-                         "g = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)",
-                         "import tunecache.ops\nout = tunecache.ops.conv2d_wgrad(x, g, 3, 3, 1, 1)"),
-    "tunecache.autotune": ("a = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)\n"
-                           "b = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)",
-                           "import tutorial_matmul as tm\n"
-                           "out = tm.launch(tm.autotuned('tunecache', tm.CONFIGS[:{n}]), a, b)"),
+    "ops.matmul": (
+        "a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)\n"
+        "b = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)",
+        "import tunecache.ops\nout = tunecache.ops.matmul(a, b)",
+    ),
+    "ops.conv2d_fprop": (
+        "x = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "w = torch.randn(64, 3, 3, 64, device='cuda', dtype=torch.bfloat16)",
+        "import tunecache.ops\nout = tunecache.ops.conv2d_fprop(x, w, 1, 1)",
+    ),
+    "ops.conv2d_wgrad": (
+        "x = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "g = torch.randn(32, 56, 56, 64, device='cuda', dtype=torch.bfloat16)",
+        "import tunecache.ops\nout = tunecache.ops.conv2d_wgrad(x, g, 3, 3, 1, 1)",
+    ),
+    "tunecache.autotune": (
+        "a = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)\n"
+        "b = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)",
+        "import tutorial_matmul as tm\nout = tm.launch(tm.autotuned('tunecache', tm.CONFIGS[:{n}]), a, b)",
+    ),
     "triton.autotune(cache_results=True)": (
         "a = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)\n"
         "b = torch.randn(2048, 2048, device='cuda', dtype=torch.float16)",
-        "import tutorial_matmul as tm\nout = tm.launch(tm.autotuned('triton-cached', tm.CONFIGS[:{n}]), a, b)"),
+        "import tutorial_matmul as tm\nout = tm.launch(tm.autotuned('triton-cached', tm.CONFIGS[:{n}]), a, b)",
+    ),
 }
 PEER = "triton.autotune(cache_results=True)"
 
@@ -67,14 +75,19 @@ def child_code(case: str, n_configs: int, profile: bool) -> str:
     body = body.format(n=n_configs)
     timed = textwrap.indent(body, "    ")
     if profile:
-        run = ("import cProfile, pstats, io\npr = cProfile.Profile()\npr.enable()\n" + body +
-               "\ntorch.cuda.synchronize()\npr.disable()\n"
-               "s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative').print_stats(30)\n"
-               "print(json.dumps({'profile': s.getvalue()[-6000:]}))")
+        run = (
+            "import cProfile, pstats, io\npr = cProfile.Profile()\npr.enable()\n"
+            + body
+            + "\ntorch.cuda.synchronize()\npr.disable()\n"
+            "s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative').print_stats(30)\n"
+            "print(json.dumps({'profile': s.getvalue()[-6000:]}))"
+        )
         return PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n" + run
-    return (PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n"
-            "t0 = time.perf_counter()\nif True:\n" + timed + "\ntorch.cuda.synchronize()\n"
-            "print(json.dumps({'seconds': time.perf_counter() - t0}))")
+    return (
+        PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n"
+        "t0 = time.perf_counter()\nif True:\n" + timed + "\ntorch.cuda.synchronize()\n"
+        "print(json.dumps({'seconds': time.perf_counter() - t0}))"
+    )
 
 
 def run_child(code: str, env: dict) -> dict:
@@ -95,8 +108,12 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tunecache-coldstart-"))
-    env = {**os.environ, "TUNECACHE_DB_URL": f"sqlite:///{tmp / 'store.sqlite'}",
-           "TRITON_CACHE_DIR": str(tmp / "triton-cache"), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TUNECACHE_DB_URL": f"sqlite:///{tmp / 'store.sqlite'}",
+        "TRITON_CACHE_DIR": str(tmp / "triton-cache"),
+        "PYTHONUNBUFFERED": "1",
+    }
     for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY"):
         env.pop(k, None)
     cases = [c for c in args.cases.split(",") if c]
@@ -117,10 +134,15 @@ def main() -> None:
         ratio = f"{r['seconds'] / peer:5.2f}x the peer" if peer else ""
         print(f"  {case:40s} {r['seconds']:7.3f} s  {ratio}")
     ours = {c: r["seconds"] for c, r in rows.items() if c != PEER}
-    summary = {"seconds": ours, "peer": PEER, "peer_seconds": peer,
-               "ratio_to_peer": {c: s / peer for c, s in ours.items()} if peer else None,
-               "max_seconds": max(ours.values()) if ours else None, "goal_seconds": 0.3,
-               "device": device_info().get("device")}
+    summary = {
+        "seconds": ours,
+        "peer": PEER,
+        "peer_seconds": peer,
+        "ratio_to_peer": {c: s / peer for c, s in ours.items()} if peer else None,
+        "max_seconds": max(ours.values()) if ours else None,
+        "goal_seconds": 0.3,
+        "device": device_info().get("device"),
+    }
     name = args.out.stem if args.out else f"coldstart-{(summary['device'] or 'cpu').replace(' ', '_')}"
     path = write_results(name, {"summary": summary, "cases": rows}, args.out.parent if args.out else RESULTS)
     print(f"wrote {path}")

@@ -37,8 +37,9 @@ def main() -> None:
     device = cuda_device(0) if on_gpu else interpreter_device()
     torch_device = "cuda:0" if on_gpu else "cpu"
     op_problem = {"M": 2048, "N": 2048, "K": 2048} if on_gpu else {"M": 64, "N": 64, "K": 64}
-    a = torch.randn(op_problem["M"], op_problem["K"], device=torch_device,
-                    dtype=torch.bfloat16 if on_gpu else torch.float32)
+    a = torch.randn(
+        op_problem["M"], op_problem["K"], device=torch_device, dtype=torch.bfloat16 if on_gpu else torch.float32
+    )
     b = torch.randn(op_problem["K"], op_problem["N"], device=torch_device, dtype=a.dtype)
     mod = registry.backend_for("matmul", device, registry.backend_module("matmul", "portable").problem(a, b))
     problem = mod.problem(a, b)
@@ -86,20 +87,33 @@ def main() -> None:
     med_rt_ms = statistics.median(rt) * 1e3
     med_iso, med_in = statistics.median(isolated) * 1e3, statistics.median(inproc) * 1e3
     summary = {
-        "kernel": mod.KERNEL, "problem": problem, "device": str(device),
-        "runner_start_s": round(start_s, 3), "first_candidate_s": round(first_s, 3),
+        "kernel": mod.KERNEL,
+        "problem": problem,
+        "device": str(device),
+        "runner_start_s": round(start_s, 3),
+        "first_candidate_s": round(first_s, 3),
         "round_trip_ms": round(med_rt_ms, 4),
-        "candidate_isolated_ms": round(med_iso, 3), "candidate_in_process_ms": round(med_in, 3),
+        "candidate_isolated_ms": round(med_iso, 3),
+        "candidate_in_process_ms": round(med_in, 3),
         "isolated_vs_in_process": round(med_iso / med_in, 4),
     }
     print(f"{mod.KERNEL} {op_problem} on {device}")
     print(f"  trial runner start (once per process): {start_s:.2f} s; set-up + first candidate {first_s:.2f} s")
     print(f"  round trip per candidate: {med_rt_ms:.3f} ms (median of {args.rounds})")
-    print(f"  one candidate (launch, check, quick timing): isolated {med_iso:.1f} ms, in process {med_in:.1f} ms "
-          f"-> {med_iso / med_in:.3f}x")
-    path = write_results("isolation", {"summary": summary, "round_trips_ms": [x * 1e3 for x in rt],
-                                       "isolated_ms": [x * 1e3 for x in isolated],
-                                       "in_process_ms": [x * 1e3 for x in inproc]}, args.out)
+    print(
+        f"  one candidate (launch, check, quick timing): isolated {med_iso:.1f} ms, in process {med_in:.1f} ms "
+        f"-> {med_iso / med_in:.3f}x"
+    )
+    path = write_results(
+        "isolation",
+        {
+            "summary": summary,
+            "round_trips_ms": [x * 1e3 for x in rt],
+            "isolated_ms": [x * 1e3 for x in isolated],
+            "in_process_ms": [x * 1e3 for x in inproc],
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -33,8 +33,14 @@ from tunecache.shapes import OPS
 
 HERE = Path(__file__).resolve().parent
 
-MATMUL_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 512), (2048, 2048, 2048),
-                 (16384, 1024, 4096), (128, 8192, 8192)]
+MATMUL_SHAPES = [
+    (8192, 8192, 8192),
+    (4096, 4096, 4096),
+    (8192, 8192, 512),
+    (2048, 2048, 2048),
+    (16384, 1024, 4096),
+    (128, 8192, 8192),
+]
 # (name, N, H, W, Ci, Co, R, S, stride, padding): ResNet-50's 3x3 layers and two 1x1 layers at
 # batch 128, and the seeds' 384-channel 64x64 3x3 layer
 CONV_SHAPES = [
@@ -70,9 +76,15 @@ def portable_candidates(mod, p: dict, device, n: int) -> list[dict]:
 
     pruned = [c for c in pruned if c.get("GROUP_M", 8) == 8 and c["num_stages"] in (3, 4)]
     if "SPLIT_K" in (pruned[0] if pruned else {}):
-        tiles = lambda c: -(-p["Co"] // c["BLOCK_M"]) * -(-p["gemm_N"] // c["BLOCK_N"])
-        pruned = [c for c in pruned if tiles(c) * c["SPLIT_K"] >= device.sm_count
-                  and tiles(c) * c["SPLIT_K"] <= 4 * device.sm_count]
+
+        def tiles(c):
+            return -(-p["Co"] // c["BLOCK_M"]) * -(-p["gemm_N"] // c["BLOCK_N"])
+
+        pruned = [
+            c
+            for c in pruned
+            if tiles(c) * c["SPLIT_K"] >= device.sm_count and tiles(c) * c["SPLIT_K"] <= 4 * device.sm_count
+        ]
     return sorted(pruned, key=score, reverse=True)[:n]
 
 
@@ -89,8 +101,9 @@ def torch_fn(op: str, args):
     x, g, R, S, st, pd = args
     xn, gn = x.permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
     wn = torch.empty((g.shape[3], R, S, x.shape[3]), device=x.device, dtype=x.dtype).permute(0, 3, 1, 2)
-    return lambda: torch.ops.aten.convolution_backward(gn, xn, wn, None, list(st), list(pd), [1, 1], False,
-                                                       [0, 0], 1, [False, True, False])
+    return lambda: torch.ops.aten.convolution_backward(
+        gn, xn, wn, None, list(st), list(pd), [1, 1], False, [0, 0], 1, [False, True, False]
+    )
 
 
 def problems_for(op: str, dtypes: list[str]):
@@ -152,13 +165,22 @@ def main(argv=None) -> int:
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    out_path = Path(args.out) if args.out else HERE / "results" / (
-        "hopper-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S") + ".json")
+    out_path = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / ("hopper-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S") + ".json")
+    )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "device": torch.cuda.get_device_name(0), "device_class": str(device), "triton": triton.__version__,
-        "torch": torch.__version__, "host": platform.node(), "mode": "full" if args.full else "quick",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": [], "geomean": {},
+        "device": torch.cuda.get_device_name(0),
+        "device_class": str(device),
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "mode": "full" if args.full else "quick",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "rows": [],
+        "geomean": {},
     }
     t_start = time.perf_counter()
     for op in ops:
@@ -174,8 +196,11 @@ def main(argv=None) -> int:
             if cands is not None and dflt not in cands:
                 cands.append(dflt)
             tr = tune(hop, p, device, configs=cands)
-            fns = {"torch": torch_fn(op, args_), "gluon_default": lambda: hop.launch(dflt, *args_),
-                   "gluon_tuned": lambda: hop.launch(tr.config, *args_)}
+            fns = {
+                "torch": torch_fn(op, args_),
+                "gluon_default": lambda: hop.launch(dflt, *args_),
+                "gluon_tuned": lambda: hop.launch(tr.config, *args_),
+            }
             row["gluon_default"] = {"config": dflt}
             row["gluon_tuned"] = {"config": tr.config, "candidates": tr.candidates, "tuner_ms": tr.median_ms}
             if not args.no_portable:
@@ -201,31 +226,42 @@ def main(argv=None) -> int:
                     row[k]["vs_torch"] = row[k]["tflops"] / tt
             row["seconds"] = round(time.perf_counter() - t0, 1)
             result["rows"].append(row)
-            print(f"{op:13s} {name:22s} {p['dtype']:8s} tuned {row['gluon_tuned']['tflops']:6.1f} "
-                  f"default {row['gluon_default']['tflops']:6.1f} "
-                  f"portable {row.get('portable_tuned', {}).get('tflops', float('nan')):6.1f} "
-                  f"torch {tt:6.1f}  tuned/torch {row['gluon_tuned']['vs_torch']:.3f}  "
-                  f"{tr.config}  ({row['seconds']}s)", flush=True)
+            print(
+                f"{op:13s} {name:22s} {p['dtype']:8s} tuned {row['gluon_tuned']['tflops']:6.1f} "
+                f"default {row['gluon_default']['tflops']:6.1f} "
+                f"portable {row.get('portable_tuned', {}).get('tflops', float('nan')):6.1f} "
+                f"torch {tt:6.1f}  tuned/torch {row['gluon_tuned']['vs_torch']:.3f}  "
+                f"{tr.config}  ({row['seconds']}s)",
+                flush=True,
+            )
             json.dump(result, open(out_path, "w"), indent=1)
-            del args_
+            args_ = fns = None  # fns["torch"] holds the inputs too: drop both before emptying the cache
             torch.cuda.empty_cache()
         rows = [r for r in result["rows"] if r["op"] == op]
-        result["geomean"][op] = {k: geomean([r.get(k, {}).get("vs_torch") for r in rows])
-                                 for k in ("gluon_tuned", "gluon_default", "portable_tuned")}
+        result["geomean"][op] = {
+            k: geomean([r.get(k, {}).get("vs_torch") for r in rows])
+            for k in ("gluon_tuned", "gluon_default", "portable_tuned")
+        }
         json.dump(result, open(out_path, "w"), indent=1)
 
-    print(f"\n{'op':13s} {'shape':22s} {'dtype':8s} {'tuned':>7s} {'default':>7s} {'portable':>8s} {'torch':>7s}"
-          f" {'tun/t':>6s} {'def/t':>6s} {'por/t':>6s}   (TFLOP/s)")
+    print(
+        f"\n{'op':13s} {'shape':22s} {'dtype':8s} {'tuned':>7s} {'default':>7s} {'portable':>8s} {'torch':>7s}"
+        f" {'tun/t':>6s} {'def/t':>6s} {'por/t':>6s}   (TFLOP/s)"
+    )
     for r in result["rows"]:
         pt = r.get("portable_tuned", {})
-        print(f"{r['op']:13s} {r['shape']:22s} {r['dtype']:8s} {r['gluon_tuned']['tflops']:7.1f} "
-              f"{r['gluon_default']['tflops']:7.1f} {pt.get('tflops', float('nan')):8.1f} {r['torch']['tflops']:7.1f} "
-              f"{r['gluon_tuned']['vs_torch']:6.3f} {r['gluon_default']['vs_torch']:6.3f} "
-              f"{pt.get('vs_torch', float('nan')):6.3f}")
+        print(
+            f"{r['op']:13s} {r['shape']:22s} {r['dtype']:8s} {r['gluon_tuned']['tflops']:7.1f} "
+            f"{r['gluon_default']['tflops']:7.1f} {pt.get('tflops', float('nan')):8.1f} {r['torch']['tflops']:7.1f} "
+            f"{r['gluon_tuned']['vs_torch']:6.3f} {r['gluon_default']['vs_torch']:6.3f} "
+            f"{pt.get('vs_torch', float('nan')):6.3f}"
+        )
     targets = {"matmul": 0.95, "conv2d_fprop": 0.9, "conv2d_wgrad": 0.9}
     for op, g in result["geomean"].items():
-        print(f"geomean {op:13s} tuned/torch {g['gluon_tuned']:.3f} (target {targets[op]})  "
-              f"default/torch {g['gluon_default']:.3f}  portable/torch {g['portable_tuned']:.3f}")
+        print(
+            f"geomean {op:13s} tuned/torch {g['gluon_tuned']:.3f} (target {targets[op]})  "
+            f"default/torch {g['gluon_default']:.3f}  portable/torch {g['portable_tuned']:.3f}"
+        )
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     json.dump(result, open(out_path, "w"), indent=1)
     print(f"wrote {out_path} ({result['seconds']}s)")

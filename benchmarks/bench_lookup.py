@@ -49,16 +49,25 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[i]
 
 
-async def _load(url: str, token: str, digests: list[str], misses: list[str], miss_rate: float,
-                concurrency: int, seconds: float, warmup_s: float) -> dict:
+async def _load(
+    url: str,
+    token: str,
+    digests: list[str],
+    misses: list[str],
+    miss_rate: float,
+    concurrency: int,
+    seconds: float,
+    warmup_s: float,
+) -> dict:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     latencies: list[float] = []
     status: dict[int, int] = {}
     kinds: dict[str, int] = {}
     errors = 0
     rng = random.Random(0)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits,
-                                 timeout=10) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=10
+    ) as client:
         t_start = time.perf_counter()
         t_measure = t_start + warmup_s
         t_end = t_measure + seconds
@@ -90,17 +99,33 @@ async def _load(url: str, token: str, digests: list[str], misses: list[str], mis
     latencies.sort()
     ms = [x * 1e3 for x in latencies]
     return {
-        "requests": len(latencies) + errors, "ok": len(latencies), "errors": errors,
-        "status_counts": {str(k): v for k, v in sorted(status.items())}, "client_errors": kinds,
-        "seconds": round(elapsed, 3), "requests_per_s": round(len(latencies) / elapsed, 1),
-        "latency_ms": {"p50": round(_percentile(ms, 50), 3), "p90": round(_percentile(ms, 90), 3),
-                       "p99": round(_percentile(ms, 99), 3), "max": round(ms[-1], 3) if ms else None,
-                       "mean": round(statistics.fmean(ms), 3) if ms else None},
+        "requests": len(latencies) + errors,
+        "ok": len(latencies),
+        "errors": errors,
+        "status_counts": {str(k): v for k, v in sorted(status.items())},
+        "client_errors": kinds,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        "latency_ms": {
+            "p50": round(_percentile(ms, 50), 3),
+            "p90": round(_percentile(ms, 90), 3),
+            "p99": round(_percentile(ms, 99), 3),
+            "max": round(ms[-1], 3) if ms else None,
+            "mean": round(statistics.fmean(ms), 3) if ms else None,
+        },
     }
 
 
-def _wrk(url: str, token: str, digests: list[str], misses: list[str], miss_rate: float, concurrency: int,
-         seconds: float, tmp: Path) -> dict:
+def _wrk(
+    url: str,
+    token: str,
+    digests: list[str],
+    misses: list[str],
+    miss_rate: float,
+    concurrency: int,
+    seconds: float,
+    tmp: Path,
+) -> dict:
     """The same mix of hits and misses, driven by wrk (C, epoll): the load generator then
     costs the shared cores far less than the Python one."""
     n_miss = int(len(digests) * miss_rate / max(1e-9, 1 - miss_rate))
@@ -109,10 +134,15 @@ def _wrk(url: str, token: str, digests: list[str], misses: list[str], miss_rate:
     script.write_text(
         "paths = {" + ",".join(f'"{p}"' for p in paths) + "}\n"
         f'headers = {{["Authorization"] = "Bearer {token}"}}\n'
-        "request = function() return wrk.format('GET', paths[math.random(#paths)], headers) end\n")
+        "request = function() return wrk.format('GET', paths[math.random(#paths)], headers) end\n"
+    )
     threads = max(1, min(2, concurrency))
-    out = subprocess.run(["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{int(seconds)}s", "--latency",
-                          "-s", str(script), url], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{int(seconds)}s", "--latency", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     units = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
     def ms(text: str) -> float:
@@ -126,24 +156,30 @@ def _wrk(url: str, token: str, digests: list[str], misses: list[str], miss_rate:
         parts = line.split()
         if len(parts) == 2 and parts[0] in ("50%", "75%", "90%", "99%"):
             lat["p" + parts[0].rstrip("%")] = ms(parts[1])
-    rps = float(next(l.split()[1] for l in out.splitlines() if l.startswith("Requests/sec")))
-    non2xx = next((int(l.split()[-1]) for l in out.splitlines() if "Non-2xx" in l), 0)
+    rps = float(next(ln.split()[1] for ln in out.splitlines() if ln.startswith("Requests/sec")))
+    non2xx = next((int(ln.split()[-1]) for ln in out.splitlines() if "Non-2xx" in ln), 0)
     return {"requests_per_s": rps, "latency_ms": lat, "non_2xx": non2xx, "errors": 0, "raw": out}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pg", default=os.environ.get("TUNECACHE_TEST_PG_URL",
-                                                   "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
-                    help="a Postgres URL; a fresh database is created next to it and dropped after")
+    ap.add_argument(
+        "--pg",
+        default=os.environ.get("TUNECACHE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+        help="a Postgres URL; a fresh database is created next to it and dropped after",
+    )
     ap.add_argument("--configs", type=int, default=1000, help="published results to look up")
     ap.add_argument("--miss-rate", type=float, default=0.1, help="share of lookups for unknown digests")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="in-flight requests")
     ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per concurrency")
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--server-workers", type=int, default=1, help="uvicorn worker processes")
-    ap.add_argument("--load-generator", choices=["httpx", "wrk"], default="httpx",
-                    help="wrk (if installed: apt-get install wrk) loads the shared cores far less")
+    ap.add_argument(
+        "--load-generator",
+        choices=["httpx", "wrk"],
+        default="httpx",
+        help="wrk (if installed: apt-get install wrk) loads the shared cores far less",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_lookup.json")
     args = ap.parse_args()
 
@@ -155,8 +191,14 @@ def main() -> None:
 
     base = make_url(args.pg)
     dbname = f"tc_bench_{uuid.uuid4().hex[:8]}"
-    admin = psycopg.connect(host=base.host, port=base.port or 5432, user=base.username, dbname=base.database,
-                            password=base.password, autocommit=True)
+    admin = psycopg.connect(
+        host=base.host,
+        port=base.port or 5432,
+        user=base.username,
+        dbname=base.database,
+        password=base.password,
+        autocommit=True,
+    )
     admin.execute(f'CREATE DATABASE "{dbname}"')
     url = base.set(database=dbname).render_as_string(hide_password=False)
     server = None
@@ -166,18 +208,37 @@ def main() -> None:
         config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
         digests = []
         for i in range(args.configs):
-            key = TuneKey("matmul.portable", "bench", "3.9.0", "sm_90", 132,
-                          {"M": 128 + i, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row",
-                           "b_layout": "row"})
+            key = TuneKey(
+                "matmul.portable",
+                "bench",
+                "3.9.0",
+                "sm_90",
+                132,
+                {"M": 128 + i, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"},
+            )
             store.put_config(ConfigRecord(key=key, config=config, median_ms=1.0 + i * 1e-3, source="import"))
             digests.append(key.digest)
         store.close()
         misses = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(1000)]
 
         port = _free_port()
-        server = subprocess.Popen([sys.executable, "-m", "tunecache.cli", "serve", "--port", str(port),
-                                   "--db-url", url, "--workers", str(args.server_workers), "--log-level", "warning"],
-                                  cwd=ROOT)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tunecache.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--db-url",
+                url,
+                "--workers",
+                str(args.server_workers),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+        )
         service = f"http://127.0.0.1:{port}"
         for _ in range(300):
             try:
@@ -193,16 +254,16 @@ def main() -> None:
             if args.load_generator == "wrk":
                 import tempfile
 
-                res = _wrk(service, token, digests, misses, args.miss_rate, c, args.seconds,
-                           Path(tempfile.mkdtemp()))
+                res = _wrk(service, token, digests, misses, args.miss_rate, c, args.seconds, Path(tempfile.mkdtemp()))
             else:
-                res = asyncio.run(_load(service, token, digests, misses, args.miss_rate, c, args.seconds,
-                                        args.warmup))
+                res = asyncio.run(_load(service, token, digests, misses, args.miss_rate, c, args.seconds, args.warmup))
             res["concurrency"] = c
             runs.append(res)
             lat = res["latency_ms"]
-            print(f"concurrency {c:4d}: {res['requests_per_s']:8.1f} req/s   p50 {lat['p50']:.2f} ms   "
-                  f"p90 {lat['p90']:.2f} ms   p99 {lat['p99']:.2f} ms   errors {res['errors']}")
+            print(
+                f"concurrency {c:4d}: {res['requests_per_s']:8.1f} req/s   p50 {lat['p50']:.2f} ms   "
+                f"p90 {lat['p90']:.2f} ms   p99 {lat['p99']:.2f} ms   errors {res['errors']}"
+            )
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -217,12 +278,23 @@ def main() -> None:
 
     out = {
         "benchmark": "lookup endpoint GET /v1/configs/{digest}, loopback",
-        "load_generator": ("wrk, closed loop, keep-alive" if args.load_generator == "wrk"
-                           else "httpx.AsyncClient, closed loop, keep-alive, one process"),
-        "configs": args.configs, "miss_rate": args.miss_rate, "server_workers": args.server_workers,
+        "load_generator": (
+            "wrk, closed loop, keep-alive"
+            if args.load_generator == "wrk"
+            else "httpx.AsyncClient, closed loop, keep-alive, one process"
+        ),
+        "configs": args.configs,
+        "miss_rate": args.miss_rate,
+        "server_workers": args.server_workers,
         "runs": runs,
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                 "fastapi": version("fastapi"), "uvicorn": version("uvicorn"), "httpx": version("httpx")},
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "fastapi": version("fastapi"),
+            "uvicorn": version("uvicorn"),
+            "httpx": version("httpx"),
+        },
         "note": "service, Postgres and load generator share the host's cores",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -37,8 +37,8 @@ def main() -> None:
     import torch
 
     from tunecache import registry, timing
-    from tunecache.shapes import canonical_problem
     from tunecache.key import cuda_device
+    from tunecache.shapes import canonical_problem
     from tunecache.store import default_store
     from tunecache.tuner import relative_error, tune
 
@@ -67,16 +67,31 @@ def main() -> None:
         tf = {k: flops / (v * 1e-3) / 1e12 for k, v in out.items()}
         speedup = out["default"] / out["tuned"]
         label = ",".join(f"{k}={v}" for k, v in given.items())
-        print(f"{op:14} {label:58} {tf['default']:9.1f} {tf['tuned']:9.1f} {tf['torch']:9.1f} "
-              f"{speedup:9.2f} {tune_s:7.1f}", flush=True)
-        rows.append(dict(op=op, problem=given, default_config=default, tuned_config=res.config,
-                         ms=out, tflops=tf, tuned_vs_default=speedup, tuned_vs_torch=out["torch"] / out["tuned"],
-                         candidates=res.candidates, tune_seconds=tune_s))
+        print(
+            f"{op:14} {label:58} {tf['default']:9.1f} {tf['tuned']:9.1f} {tf['torch']:9.1f} "
+            f"{speedup:9.2f} {tune_s:7.1f}",
+            flush=True,
+        )
+        rows.append(
+            dict(
+                op=op,
+                problem=given,
+                default_config=default,
+                tuned_config=res.config,
+                ms=out,
+                tflops=tf,
+                tuned_vs_default=speedup,
+                tuned_vs_torch=out["torch"] / out["tuned"],
+                candidates=res.candidates,
+                tune_seconds=tune_s,
+            )
+        )
     g = geomean([r["tuned_vs_default"] for r in rows])
     gt = geomean([r["tuned_vs_torch"] for r in rows])
     print(f"geomean tuned/default speedup: {g:.2f}x; tuned portable vs torch: {gt:.2f}x")
-    path = write_results("portable_tuning", {"rows": rows, "geomean_tuned_vs_default": g,
-                                             "geomean_tuned_vs_torch": gt}, args.out)
+    path = write_results(
+        "portable_tuning", {"rows": rows, "geomean_tuned_vs_default": g, "geomean_tuned_vs_torch": gt}, args.out
+    )
     print(f"wrote {path}")
 
 

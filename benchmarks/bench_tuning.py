@@ -31,12 +31,21 @@ from common import RESULTS, device_info, write_results  # noqa: E402
 
 
 def first_call(variant: str, size: int, tmp: Path) -> dict:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / f"triton-{variant}"),
-           "TUNECACHE_DB_URL": f"sqlite:///{tmp / f'store-{variant}.sqlite'}", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(tmp / f"triton-{variant}"),
+        "TUNECACHE_DB_URL": f"sqlite:///{tmp / f'store-{variant}.sqlite'}",
+        "PYTHONUNBUFFERED": "1",
+    }
     for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(HERE / "tutorial_matmul.py"), "--variant", variant, "--size", str(size)],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tutorial_matmul.py"), "--variant", variant, "--size", str(size)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -115,21 +124,34 @@ print(json.dumps({n: statistics.median(v) for n, v in ms.items()}))
 def ops_case(op: str, shape: dict, tmp: Path) -> dict:
     out = {}
     for name, cap in (("default", None), ("exhaustive", "0")):
-        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / f"triton-{op}-{name}"),
-               "TUNECACHE_DB_URL": f"sqlite:///{tmp / f'store-{op}-{name}.sqlite'}", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "TRITON_CACHE_DIR": str(tmp / f"triton-{op}-{name}"),
+            "TUNECACHE_DB_URL": f"sqlite:///{tmp / f'store-{op}-{name}.sqlite'}",
+            "PYTHONUNBUFFERED": "1",
+        }
         for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY", "TUNECACHE_MAX_CANDIDATES"):
             env.pop(k, None)
         if cap is not None:
             env["TUNECACHE_MAX_CANDIDATES"] = cap
-        proc = subprocess.run([sys.executable, "-c", OPS_CHILD, op, json.dumps(shape)], env=env, capture_output=True,
-                              text=True, timeout=1800)
+        proc = subprocess.run(
+            [sys.executable, "-c", OPS_CHILD, op, json.dumps(shape)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{op} {shape} ({name}) failed:\n{proc.stderr[-4000:]}")
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     configs = {n: r["config"] for n, r in out.items()}
-    proc = subprocess.run([sys.executable, "-c", SIDE_BY_SIDE, op, json.dumps(shape), out["default"]["kernel"],
-                           json.dumps(configs)], capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "TRITON_CACHE_DIR": str(tmp / f"triton-{op}-exhaustive")})
+    proc = subprocess.run(
+        [sys.executable, "-c", SIDE_BY_SIDE, op, json.dumps(shape), out["default"]["kernel"], json.dumps(configs)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp / f"triton-{op}-exhaustive")},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"timing the winners of {op} {shape} failed:\n{proc.stderr[-4000:]}")
     ms = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -157,13 +179,19 @@ def main() -> None:
             rows.append({"op": op, "shape": shape, **r})
             d, e = r["default"], r["exhaustive"]
             vendor = f"; {d['vendor_ms'] / d['median_ms']:.3f}x the vendor" if d.get("vendor_ms") else ""
-            print(f"{op} {text}: {d['seconds']:.1f} s cold ({d['candidates']} candidates, {d['timed']} timed); "
-                  f"whole space {e['seconds']:.1f} s ({e['candidates']}); winner {r['winner_vs_exhaustive']:.3f}x "
-                  f"the exhaustive best{vendor}")
+            print(
+                f"{op} {text}: {d['seconds']:.1f} s cold ({d['candidates']} candidates, {d['timed']} timed); "
+                f"whole space {e['seconds']:.1f} s ({e['candidates']}); winner {r['winner_vs_exhaustive']:.3f}x "
+                f"the exhaustive best{vendor}"
+            )
         secs = sorted(r["default"]["seconds"] for r in rows)
-        summary["ops"] = {"median_seconds": secs[len(secs) // 2], "max_seconds": secs[-1],
-                          "min_winner_vs_exhaustive": min(r["winner_vs_exhaustive"] for r in rows),
-                          "shapes": len(rows), "goal": {"median_seconds": 6, "max_seconds": 15, "winner": 0.98}}
+        summary["ops"] = {
+            "median_seconds": secs[len(secs) // 2],
+            "max_seconds": secs[-1],
+            "min_winner_vs_exhaustive": min(r["winner_vs_exhaustive"] for r in rows),
+            "shapes": len(rows),
+            "goal": {"median_seconds": 6, "max_seconds": 15, "winner": 0.98},
+        }
         payload["ops"] = rows
     if args.no_dropin:
         name = args.out.stem if args.out else f"tuning-ops-{(summary['device'] or 'cpu').replace(' ', '_')}"
@@ -179,9 +207,15 @@ def main() -> None:
     for v, r in runs.items():
         print(f"  {v:10s} first call {r['seconds']:7.2f} s  winner {ms[v]:.4f} ms  {r['config']}")
     print(f"  tunecache tunes {speedup:.2f}x faster than triton.autotune; its winner runs at {quality:.3f}x")
-    summary.update({"dropin_speedup_vs_triton_autotune": speedup, "dropin_winner_vs_triton_winner": quality,
-                    "seconds": {v: r["seconds"] for v, r in runs.items()}, "winner_ms": ms,
-                    "goal": {"speedup": 5.0, "winner": 0.98}})
+    summary.update(
+        {
+            "dropin_speedup_vs_triton_autotune": speedup,
+            "dropin_winner_vs_triton_winner": quality,
+            "seconds": {v: r["seconds"] for v, r in runs.items()},
+            "winner_ms": ms,
+            "goal": {"speedup": 5.0, "winner": 0.98},
+        }
+    )
     name = args.out.stem if args.out else f"tuning-{(summary['device'] or 'cpu').replace(' ', '_')}"
     path = write_results(name, {"summary": summary, "runs": runs, **payload}, args.out.parent if args.out else RESULTS)
     print(f"wrote {path}")

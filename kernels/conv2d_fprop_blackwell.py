@@ -64,8 +64,27 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m,
-                    Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL: gl.constexpr):
+def _load_partition(
+    x_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    num_pid_m,
+    num_pid_n,
+    group_m,
+    Ci,
+    RS,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    IM2COL: gl.constexpr,
+):
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -100,8 +119,26 @@ def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num
 
 
 @gluon.jit
-def conv2d_fprop_kernel(x_desc, w_desc, y_desc, M, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                        group_m, NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr, IM2COL: gl.constexpr):
+def conv2d_fprop_kernel(
+    x_desc,
+    w_desc,
+    y_desc,
+    M,
+    Co,
+    Ci,
+    RS,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    group_m,
+    NUM_BUFFERS: gl.constexpr,
+    NUM_ACC: gl.constexpr,
+    IM2COL: gl.constexpr,
+):
     """x_desc: im2col over x [N, H, W, Ci] (IM2COL) or tiles of x as [N*H*W, Ci];
     w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co] in [BLOCK_M, epilogue slice] blocks."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -125,13 +162,55 @@ def conv2d_fprop_kernel(x_desc, w_desc, y_desc, M, Co, Ci, RS, S, PQ, Q, stride_
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(Co, BLOCK_N)
     k_iters = RS * gl.cdiv(Ci, BLOCK_K)
-    gl.warp_specialize([
-        (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-        (mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
-                         num_pid_m * num_pid_n, num_pid_m * num_pid_n, k_iters, k_iters, False, True)),
-        (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m,
-                           Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL)),
-    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+    gl.warp_specialize(
+        [
+            (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+            (
+                mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    acc_tmem,
+                    acc_ready,
+                    acc_empty,
+                    num_pid_m * num_pid_n,
+                    num_pid_m * num_pid_n,
+                    k_iters,
+                    k_iters,
+                    False,
+                    True,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    x_desc,
+                    w_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    num_pid_m,
+                    num_pid_n,
+                    group_m,
+                    Ci,
+                    RS,
+                    S,
+                    PQ,
+                    Q,
+                    stride_h,
+                    stride_w,
+                    pad_h,
+                    pad_w,
+                    IM2COL,
+                ),
+            ),
+        ],
+        [1, 1],
+        [WORKER_REGS, WORKER_REGS],
+    )
 
     invalidate_ring(ready)
     invalidate_ring(empty)
@@ -161,8 +240,11 @@ def worth_trying(c: dict, p: dict) -> bool:
     k-step covers one filter tap, so channel blocks beyond the (padded) Ci only read zeros; wide
     N tiles beyond Co compute padding. Whether it fits the device is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    return (c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci)) and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
-            and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"])))
+    return (
+        c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci))
+        and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
+        and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))
+    )
 
 
 def epilogue_n(c: dict) -> int:
@@ -200,8 +282,7 @@ def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bk = min(64, max(32, gh.pow2_at_least(ci)))
     bn = 256 if p["Co"] >= 256 else 128 if p["Co"] >= 128 else 64
-    c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
-         "num_warps": 4}
+    c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "num_warps": 4}
     space = config_space(p, device)
     if c not in space or not resources_ok(c, p):
         fitting = prune(space, p, device)
@@ -242,8 +323,25 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     y_desc = gh.tiled_desc(y, y_blk)
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"])
     grid = gh.persistent_grid(tiles, gh.num_sms(x.device))
-    conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, M, Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw,
-                              config["GROUP_M"], num_warps=config["num_warps"], **_constexprs(config, im2col))
+    conv2d_fprop_kernel[grid](
+        x_desc,
+        w_desc,
+        y_desc,
+        M,
+        Co,
+        Ci,
+        R * S,
+        S,
+        P * Q,
+        Q,
+        sh,
+        sw,
+        ph,
+        pw,
+        config["GROUP_M"],
+        num_warps=config["num_warps"],
+        **_constexprs(config, im2col),
+    )
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
 
@@ -253,10 +351,22 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     x_blk, w_blk, y_blk = _blocks(config)
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
-    sig = {"x_desc": gh.im2col_desc_sig(dt, x_blk) if im2col else gh.desc_sig(dt, x_blk),
-           "w_desc": gh.desc_sig(dt, w_blk), "y_desc": gh.desc_sig(dt, y_blk)}
-    sig.update({k: "i32" for k in ("M", "Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                                   "group_m")})
+    sig = {
+        "x_desc": gh.im2col_desc_sig(dt, x_blk) if im2col else gh.desc_sig(dt, x_blk),
+        "w_desc": gh.desc_sig(dt, w_blk),
+        "y_desc": gh.desc_sig(dt, y_blk),
+    }
+    sig.update(
+        {k: "i32" for k in ("M", "Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m")}
+    )
     sig.update({k: "constexpr" for k in ce})
-    return [KernelSpec(fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
-                       num_stages=1, name="conv2d_fprop_kernel")]
+    return [
+        KernelSpec(
+            fn=conv2d_fprop_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            num_stages=1,
+            name="conv2d_fprop_kernel",
+        )
+    ]

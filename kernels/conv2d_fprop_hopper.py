@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
-from . import gluon_host as gh
 from . import gluon_hopper as ghop
+from . import gluon_host as gh
 from . import gluon_launch as direct
 from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
@@ -49,8 +49,22 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _tile_origin(t, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile_origin(
+    t,
+    pid,
+    nprog,
+    num_pid_m,
+    num_pid_n,
+    GROUP_M,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
     """This CTA's t-th tile -> (first output pixel, first output channel, and the pixel's window
     corner in the input: image, row, column). Divisions: once per tile, not per k-step."""
     pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
@@ -60,16 +74,36 @@ def _tile_origin(t, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, 
 
 
 @gluon.jit
-def _issue_load(step, total, m0, n0, img, h0, w0, c0, r, s, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready,
-                STAGES: gl.constexpr, IM2COL: gl.constexpr):
+def _issue_load(
+    step,
+    total,
+    m0,
+    n0,
+    img,
+    h0,
+    w0,
+    c0,
+    r,
+    s,
+    Ci,
+    S,
+    x_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    STAGES: gl.constexpr,
+    IM2COL: gl.constexpr,
+):
     """TMA-load k-step `step` (filter tap (r, s), channels c0...) of the tile at (m0, n0)."""
     pred = step < total
     slot = step % STAGES
     bar = ready.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
     if IM2COL:
-        tma.async_load_im2col(x_desc, [img, h0, w0, c0], [r.to(gl.int16), s.to(gl.int16)], bar, a_bufs.index(slot),
-                              pred)
+        tma.async_load_im2col(
+            x_desc, [img, h0, w0, c0], [r.to(gl.int16), s.to(gl.int16)], bar, a_bufs.index(slot), pred
+        )
     else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
         tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot), pred)
     tma.async_load(w_desc, [n0, (r * S + s) * Ci + c0], bar, b_bufs.index(slot), pred)
@@ -91,9 +125,29 @@ def _next_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
     return c0, r, s, done
 
 
-@gluon.jit(do_not_specialize=["GROUP_M", "M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w"])
-def conv2d_fprop_kernel(x_desc, w_desc, y_desc, M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                        GROUP_M, STAGES: gl.constexpr, IM2COL: gl.constexpr, num_warps: gl.constexpr):
+@gluon.jit(
+    do_not_specialize=["GROUP_M", "M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w"]
+)
+def conv2d_fprop_kernel(
+    x_desc,
+    w_desc,
+    y_desc,
+    M,
+    Co,
+    Ci,
+    R,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    GROUP_M,
+    STAGES: gl.constexpr,
+    IM2COL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """x_desc: im2col over x [N, H, W, Ci] (IM2COL) or tiles of x as [N*H*W, Ci] (a 1x1, stride-1,
     unpadded conv, where TMA's plain tiled mode is the cheaper way to the same tile);
     w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co]."""
@@ -123,37 +177,92 @@ def conv2d_fprop_kernel(x_desc, w_desc, y_desc, M, Co, Ci, R, S, PQ, Q, stride_h
 
     # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles
     pt = gl.to_tensor(0)
-    pm0, pn0, pimg, ph0, pw0 = _tile_origin(0, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w,
-                                            pad_h, pad_w, BLOCK_M, BLOCK_N)
+    pm0, pn0, pimg, ph0, pw0 = _tile_origin(
+        0, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N
+    )
     pc0 = gl.to_tensor(0)
     pr = gl.to_tensor(0)
     ps = gl.to_tensor(0)
     for i in gl.static_range(STAGES - 1):
-        _issue_load(i, total, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready,
-                    STAGES, IM2COL)
+        _issue_load(
+            i,
+            total,
+            pm0,
+            pn0,
+            pimg,
+            ph0,
+            pw0,
+            pc0,
+            pr,
+            ps,
+            Ci,
+            S,
+            x_desc,
+            w_desc,
+            a_bufs,
+            b_bufs,
+            ready,
+            STAGES,
+            IM2COL,
+        )
         pc0, pr, ps, done = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
         if done:
             pt += 1
-            pm0, pn0, pimg, ph0, pw0 = _tile_origin(pt, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h,
-                                                    stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N)
+            pm0, pn0, pimg, ph0, pw0 = _tile_origin(
+                pt, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N
+            )
 
     step = 0
     for t in range(my_tiles):
         for kk in range(k_tiles):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            _issue_load(step + STAGES - 1, total, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, Ci, S, x_desc, w_desc,
-                        a_bufs, b_bufs, ready, STAGES, IM2COL)
+            acc = warpgroup_mma(
+                a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True
+            )
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _issue_load(
+                step + STAGES - 1,
+                total,
+                pm0,
+                pn0,
+                pimg,
+                ph0,
+                pw0,
+                pc0,
+                pr,
+                ps,
+                Ci,
+                S,
+                x_desc,
+                w_desc,
+                a_bufs,
+                b_bufs,
+                ready,
+                STAGES,
+                IM2COL,
+            )
             pc0, pr, ps, done = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
             if done:
                 pt += 1
-                pm0, pn0, pimg, ph0, pw0 = _tile_origin(pt, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q,
-                                                        stride_h, stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N)
+                pm0, pn0, pimg, ph0, pw0 = _tile_origin(
+                    pt,
+                    pid,
+                    nprog,
+                    num_pid_m,
+                    num_pid_n,
+                    GROUP_M,
+                    PQ,
+                    Q,
+                    stride_h,
+                    stride_w,
+                    pad_h,
+                    pad_w,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
             step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
         out = acc.to(dtype)
         tma.store_wait(pendings=0)
@@ -240,8 +349,22 @@ class _Plan:
     """One (config, x/w shapes and strides, dtype, stride, padding, device) launch, precomputed:
     see gluon_host.DirectLauncher."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "x_desc", "w_desc", "y_blk", "ci", "pad_x", "pad_w",
-                 "y_shape", "Co", "co_pad", "out_shape")
+    __slots__ = (
+        "launcher",
+        "maps",
+        "grid0",
+        "tail",
+        "x_desc",
+        "w_desc",
+        "y_blk",
+        "ci",
+        "pad_x",
+        "pad_w",
+        "y_shape",
+        "Co",
+        "co_pad",
+        "out_shape",
+    )
 
     def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
         xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
@@ -253,7 +376,7 @@ class _Plan:
         wm = maps.get((1, pw)) or maps.put((1, pw), ld.expand_desc(1, self.w_desc(wp)))
         ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, gh.tiled_desc(y, self.y_blk)))
         ld(self.grid0, stream, [*xm, *wm, *ym, *self.tail])
-        y = y if self.co_pad == self.Co else y[:, :self.Co].contiguous()
+        y = y if self.co_pad == self.Co else y[:, : self.Co].contiguous()
         return y.view(self.out_shape)
 
 
@@ -287,9 +410,11 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
     if im2col:
+
         def x_desc_of(t):
             return gh.im2col_desc(t, [bm, bk], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
     else:
+
         def x_desc_of(t):
             return gh.tiled_desc(t.view(M, Ci), [bm, bk])
 
@@ -322,10 +447,22 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
-    sig = {"x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]), "w_desc": gh.desc_sig(dt, [bn, bk]),
-           "y_desc": gh.desc_sig(dt, [bm, bn])}
-    sig.update({k: "i32" for k in ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                                   "GROUP_M")})
+    sig = {
+        "x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
+        "w_desc": gh.desc_sig(dt, [bn, bk]),
+        "y_desc": gh.desc_sig(dt, [bm, bn]),
+    }
+    sig.update(
+        {k: "i32" for k in ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "GROUP_M")}
+    )
     sig.update({k: "constexpr" for k in ce})
-    return [KernelSpec(fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
-                       num_stages=config["num_stages"], name="conv2d_fprop_kernel")]
+    return [
+        KernelSpec(
+            fn=conv2d_fprop_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+            name="conv2d_fprop_kernel",
+        )
+    ]

@@ -21,10 +21,29 @@ flops = problems.conv2d_flops
 
 
 @triton.jit
-def conv2d_fprop_kernel(x_ptr, w_ptr, y_ptr, N, H, W, Ci, Co, P, Q, R, S,
-                        stride_h, stride_w, pad_h, pad_w,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+def conv2d_fprop_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    H,
+    W,
+    Ci,
+    Co,
+    P,
+    Q,
+    R,
+    S,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid = tl.program_id(0)
     M = N * P * Q
     # plain arithmetic, not tl.cdiv: an interpreted call of a @jit helper leaves
@@ -96,8 +115,29 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     y = torch.empty((N, P, Q, Co), device=x.device, dtype=x.dtype)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     grid = (triton.cdiv(N * P * Q, bm) * triton.cdiv(Co, bn),)
-    conv2d_fprop_kernel[grid](x, w, y, N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw,
-                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-                              num_warps=config["num_warps"],
-                              num_stages=config["num_stages"], UPCAST=rules.interpreter_upcast(x))
+    conv2d_fprop_kernel[grid](
+        x,
+        w,
+        y,
+        N,
+        H,
+        W,
+        Ci,
+        Co,
+        P,
+        Q,
+        R,
+        S,
+        sh,
+        sw,
+        ph,
+        pw,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        UPCAST=rules.interpreter_upcast(x),
+    )
     return y

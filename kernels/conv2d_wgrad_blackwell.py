@@ -78,9 +78,28 @@ def _tile_coords(tile, co_blocks, ci_blocks):
 
 
 @gluon.jit
-def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, num_work, tiles_per_split, total_k,
-                    k_per_split, co_blocks, ci_blocks, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                    IM2COL: gl.constexpr):
+def _load_partition(
+    g_desc,
+    x_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    num_work,
+    tiles_per_split,
+    total_k,
+    k_per_split,
+    co_blocks,
+    ci_blocks,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    IM2COL: gl.constexpr,
+):
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
@@ -114,8 +133,9 @@ def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, num_work, tile
 
 
 @gluon.jit
-def _epilogue_partition(out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks,
-                        ci_blocks, Co, Ci, RS):
+def _epilogue_partition(
+    out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks, ci_blocks, Co, Ci, RS
+):
     """Masked stores of each tile into out[split, Co, RS * Ci] (split 0 only: grad_w itself)."""
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
@@ -148,9 +168,27 @@ def _epilogue_partition(out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles
 
 
 @gluon.jit
-def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w,
-                        total_k, k_per_split, num_splits, NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr,
-                        IM2COL: gl.constexpr):
+def conv2d_wgrad_kernel(
+    g_desc,
+    x_desc,
+    out_ptr,
+    Co,
+    Ci,
+    RS,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    total_k,
+    k_per_split,
+    num_splits,
+    NUM_BUFFERS: gl.constexpr,
+    NUM_ACC: gl.constexpr,
+    IM2COL: gl.constexpr,
+):
     """g_desc: tiles of grad_out as [N*P*Q, Co] ([BLOCK_K, BLOCK_M] blocks); x_desc: im2col over
     x [N, H, W, Ci] (or tiles of x as [N*H*W, Ci]) in [BLOCK_K, BLOCK_N] blocks; out_ptr: grad_w
     [Co, R*S*Ci] (one split) or the fp32 workspace [num_splits, Co, R*S*Ci]. The reduction
@@ -176,14 +214,59 @@ def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, Co, Ci, RS, S, PQ, Q, stride_h,
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles_per_split = co_blocks * ci_blocks * RS
     num_work = tiles_per_split * num_splits
-    gl.warp_specialize([
-        (_epilogue_partition, (out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks,
-                               ci_blocks, Co, Ci, RS)),
-        (mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
-                         num_work, tiles_per_split, total_k, k_per_split, True, False)),
-        (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, num_work, tiles_per_split, total_k,
-                           k_per_split, co_blocks, ci_blocks, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL)),
-    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _epilogue_partition,
+                (out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks, ci_blocks, Co, Ci, RS),
+            ),
+            (
+                mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    acc_tmem,
+                    acc_ready,
+                    acc_empty,
+                    num_work,
+                    tiles_per_split,
+                    total_k,
+                    k_per_split,
+                    True,
+                    False,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    g_desc,
+                    x_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    num_work,
+                    tiles_per_split,
+                    total_k,
+                    k_per_split,
+                    co_blocks,
+                    ci_blocks,
+                    S,
+                    PQ,
+                    Q,
+                    stride_h,
+                    stride_w,
+                    pad_h,
+                    pad_w,
+                    IM2COL,
+                ),
+            ),
+        ],
+        [1, 1],
+        [WORKER_REGS, WORKER_REGS],
+    )
 
     invalidate_ring(ready)
     invalidate_ring(empty)
@@ -263,8 +346,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 def default_config(p: dict, device) -> dict:
     """128 x 128 tiles, 4 stages, and enough splits to give every SM about two work items."""
     sms = gh.sm_count_of(device)
-    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 1,
-         "num_warps": 4}
+    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 1, "num_warps": 4}
     space = config_space(p, device)
     for split in SPACES[OP].params["SPLIT_K"]:
         candidate = dict(c, SPLIT_K=split)
@@ -306,8 +388,26 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         x_desc = gh.tiled_desc(xp.view(npq, Ci), [bk, bn])
     tiles = triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn)
     grid = gh.persistent_grid(tiles * active, gh.num_sms(x.device))
-    conv2d_wgrad_kernel[grid](g_desc, x_desc, target, Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw, total_k, per,
-                              active, num_warps=config["num_warps"], **_constexprs(config, im2col))
+    conv2d_wgrad_kernel[grid](
+        g_desc,
+        x_desc,
+        target,
+        Co,
+        Ci,
+        R * S,
+        S,
+        P * Q,
+        Q,
+        sh,
+        sw,
+        ph,
+        pw,
+        total_k,
+        per,
+        active,
+        num_warps=config["num_warps"],
+        **_constexprs(config, im2col),
+    )
     if active > 1:
         gh.split_k_reduce(target, out)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
@@ -319,14 +419,42 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     active, _ = splits_of(p, config)
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
-    sig = {"g_desc": gh.desc_sig(dt, [bk, bm]),
-           "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
-           "out_ptr": "*fp32" if active > 1 else gh.ptr_sig(dt)}
-    sig.update({k: "i32" for k in ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                                   "total_k", "k_per_split", "num_splits")})
+    sig = {
+        "g_desc": gh.desc_sig(dt, [bk, bm]),
+        "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
+        "out_ptr": "*fp32" if active > 1 else gh.ptr_sig(dt),
+    }
+    sig.update(
+        {
+            k: "i32"
+            for k in (
+                "Co",
+                "Ci",
+                "RS",
+                "S",
+                "PQ",
+                "Q",
+                "stride_h",
+                "stride_w",
+                "pad_h",
+                "pad_w",
+                "total_k",
+                "k_per_split",
+                "num_splits",
+            )
+        }
+    )
     sig.update({k: "constexpr" for k in ce})
-    specs = [KernelSpec(fn=conv2d_wgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
-                        num_stages=1, name="conv2d_wgrad_kernel")]
+    specs = [
+        KernelSpec(
+            fn=conv2d_wgrad_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            num_stages=1,
+            name="conv2d_wgrad_kernel",
+        )
+    ]
     if active > 1:
         specs.append(gh.split_k_reduce_spec(dt))
     return specs

@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
-from . import gluon_host as gh
 from . import gluon_hopper as ghop
+from . import gluon_host as gh
 from . import gluon_launch as direct
 from .geometry import is_pointwise
 from .gluon_hopper import wgmma_acc_layout
@@ -54,8 +54,26 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _issue_load(slot, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs, ready,
-                PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL: gl.constexpr):
+def _issue_load(
+    slot,
+    m0,
+    co0,
+    ci0,
+    r,
+    s,
+    g_desc,
+    x_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    IM2COL: gl.constexpr,
+):
     """TMA-load pixels m0... of grad_out (channels co0...) and of im2col(x) at tap (r, s) into
     ring slot `slot`, completing on ready[slot]."""
     bar = ready.index(slot)
@@ -63,8 +81,13 @@ def _issue_load(slot, m0, co0, ci0, r, s, g_desc, x_desc, a_bufs, b_bufs, ready,
     tma.async_load(g_desc, [m0, co0], bar, a_bufs.index(slot))
     if IM2COL:
         pq = m0 % PQ
-        tma.async_load_im2col(x_desc, [m0 // PQ, (pq // Q) * stride_h - pad_h, (pq % Q) * stride_w - pad_w, ci0],
-                              [r.to(gl.int16), s.to(gl.int16)], bar, b_bufs.index(slot))
+        tma.async_load_im2col(
+            x_desc,
+            [m0 // PQ, (pq // Q) * stride_h - pad_h, (pq % Q) * stride_w - pad_w, ci0],
+            [r.to(gl.int16), s.to(gl.int16)],
+            bar,
+            b_bufs.index(slot),
+        )
     else:  # 1x1, stride 1, no padding: x as it lies, [N*H*W, Ci]
         tma.async_load(x_desc, [m0, ci0], bar, b_bufs.index(slot))
 
@@ -108,8 +131,29 @@ def _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h,
-                    pad_w, k_steps, per, num_splits, STREAM: gl.constexpr, IM2COL: gl.constexpr):
+def _load_partition(
+    g_desc,
+    x_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    Co,
+    Ci,
+    RS,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    k_steps,
+    per,
+    num_splits,
+    STREAM: gl.constexpr,
+    IM2COL: gl.constexpr,
+):
     """The loader warp: TMA loads of every piece of this CTA's work into the ring, each slot as
     soon as the WGMMA warps release it."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -127,14 +171,47 @@ def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S,
         for kk in range(k_from, k_to):
             slot = use % STAGES
             mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
-            _issue_load(slot, kk * BLOCK_K, co_blk * BLOCK_M, ci_blk * BLOCK_N, r, s, g_desc, x_desc, a_bufs, b_bufs,
-                        ready, PQ, Q, stride_h, stride_w, pad_h, pad_w, IM2COL)
+            _issue_load(
+                slot,
+                kk * BLOCK_K,
+                co_blk * BLOCK_M,
+                ci_blk * BLOCK_N,
+                r,
+                s,
+                g_desc,
+                x_desc,
+                a_bufs,
+                b_bufs,
+                ready,
+                PQ,
+                Q,
+                stride_h,
+                stride_w,
+                pad_h,
+                pad_w,
+                IM2COL,
+            )
             use += 1
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, k_steps, per, num_splits,
-                   STREAM: gl.constexpr, num_warps: gl.constexpr):
+def _mma_partition(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    out_ptr,
+    ws_ptr,
+    flags_ptr,
+    Co,
+    Ci,
+    RS,
+    k_steps,
+    per,
+    num_splits,
+    STREAM: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read it
     has retired; a piece's epilogue runs while the loader already fills the next piece's slots.
 
@@ -163,14 +240,15 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, flags_ptr, Co,
         for kk in range(k_from, k_to):
             slot = use % STAGES
             mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != k_from,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            acc = warpgroup_mma(
+                a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=kk != k_from, is_async=True
+            )
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # the previous k-step's WGMMA has retired: its slot goes back to the loader
             mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != k_from)
             use += 1
         # outside the k-loop: no WGMMA is in flight across the epilogue's branches
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES))
         if STREAM:
             if k_to < k_steps:
@@ -193,11 +271,47 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, flags_ptr, Co,
             gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@gluon.jit(do_not_specialize=["Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                              "k_steps", "per", "num_splits"])
-def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h,
-                        pad_w, k_steps, per, num_splits, STREAM: gl.constexpr, STAGES: gl.constexpr,
-                        IM2COL: gl.constexpr, num_warps: gl.constexpr):
+@gluon.jit(
+    do_not_specialize=[
+        "Co",
+        "Ci",
+        "RS",
+        "S",
+        "PQ",
+        "Q",
+        "stride_h",
+        "stride_w",
+        "pad_h",
+        "pad_w",
+        "k_steps",
+        "per",
+        "num_splits",
+    ]
+)
+def conv2d_wgrad_kernel(
+    g_desc,
+    x_desc,
+    out_ptr,
+    ws_ptr,
+    flags_ptr,
+    Co,
+    Ci,
+    RS,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    k_steps,
+    per,
+    num_splits,
+    STREAM: gl.constexpr,
+    STAGES: gl.constexpr,
+    IM2COL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """g_desc: tiles of grad_out [N*P*Q, Co]; x_desc: im2col over x [N, H, W, Ci].
     Split-K (STREAM False): out_ptr [num_splits, Co, RS*Ci] (fp32 partials, or grad_w itself
     with one split), `per` k-steps per split; ws_ptr and flags_ptr unused.
@@ -215,12 +329,58 @@ def conv2d_wgrad_kernel(g_desc, x_desc, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, flags_ptr, Co, Ci, RS, k_steps, per,
-                          num_splits, STREAM, num_warps)),
-        (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, Co, Ci, RS, S, PQ, Q, stride_h, stride_w,
-                           pad_h, pad_w, k_steps, per, num_splits, STREAM, IM2COL)),
-    ], [1], [40])
+    gl.warp_specialize(
+        [
+            (
+                _mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    out_ptr,
+                    ws_ptr,
+                    flags_ptr,
+                    Co,
+                    Ci,
+                    RS,
+                    k_steps,
+                    per,
+                    num_splits,
+                    STREAM,
+                    num_warps,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    g_desc,
+                    x_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    Co,
+                    Ci,
+                    RS,
+                    S,
+                    PQ,
+                    Q,
+                    stride_h,
+                    stride_w,
+                    pad_h,
+                    pad_w,
+                    k_steps,
+                    per,
+                    num_splits,
+                    STREAM,
+                    IM2COL,
+                ),
+            ),
+        ],
+        [1],
+        [40],
+    )
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -349,8 +509,12 @@ def default_config(p: dict, device) -> dict:
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:
-    return {"STREAM": c["SPLIT_K"] == STREAM_K, "STAGES": c["num_stages"], "IM2COL": im2col,
-            "num_warps": c["num_warps"]}
+    return {
+        "STREAM": c["SPLIT_K"] == STREAM_K,
+        "STAGES": c["num_stages"],
+        "IM2COL": im2col,
+        "num_warps": c["num_warps"],
+    }
 
 
 _FLAGS: dict = {}
@@ -371,8 +535,25 @@ class _Plan:
     """One (config, x/grad_out shapes and strides, dtype, filter, stride, padding, device) launch,
     precomputed: see gluon_host.DirectLauncher."""
 
-    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_desc", "x_desc", "ci", "pad_x", "pad_g",
-                 "ci_g", "out_shape", "mode", "ws_shape", "reduce_grid0", "reduce_tail", "Ci0")
+    __slots__ = (
+        "launcher",
+        "reduce",
+        "maps",
+        "grid0",
+        "tail",
+        "g_desc",
+        "x_desc",
+        "ci",
+        "pad_x",
+        "pad_g",
+        "ci_g",
+        "out_shape",
+        "mode",
+        "ws_shape",
+        "reduce_grid0",
+        "reduce_tail",
+        "Ci0",
+    )
 
     def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
         xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
@@ -394,7 +575,7 @@ class _Plan:
             self.reduce(self.reduce_grid0, stream, (ws, out, *self.reduce_tail))
         else:
             ld(self.grid0, stream, [*gm, *xm, out, out, out, *self.tail])
-        return out if self.ci == self.Ci0 else out[..., :self.Ci0].contiguous()
+        return out if self.ci == self.Ci0 else out[..., : self.Ci0].contiguous()
 
 
 _PLANS = direct.PlanCache()
@@ -406,8 +587,20 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
         if st is not None and pd is not None:
             dev, stream = direct.current_device_and_stream()
-            key = (direct.config_key(config), x.shape, x.stride(), grad_out.shape, grad_out.stride(), x.dtype,
-                   grad_out.dtype, R, S, st, pd, dev)
+            key = (
+                direct.config_key(config),
+                x.shape,
+                x.stride(),
+                grad_out.shape,
+                grad_out.stride(),
+                x.dtype,
+                grad_out.dtype,
+                R,
+                S,
+                st,
+                pd,
+                dev,
+            )
             plan = _PLANS.get(key)
             if plan is not None:
                 out = plan.run(x, grad_out, stream)
@@ -416,8 +609,9 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     return _launch_jit(config, x, grad_out, R, S, stride, padding, key)
 
 
-def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride, padding,
-                key) -> torch.Tensor:
+def _launch_jit(
+    config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride, padding, key
+) -> torch.Tensor:
     (sh, sw) = problems.pair(stride, "stride", minimum=1)
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
     N, H, W, Ci0 = x.shape
@@ -438,9 +632,11 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
 
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
     if im2col:
+
         def x_desc_of(t):
             return gh.im2col_desc(t, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
     else:
+
         def x_desc_of(t):
             return gh.tiled_desc(t.view(npq, Ci), [bk, bn])
 
@@ -467,7 +663,7 @@ def _launch_jit(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S
         if ld is not None and (mode != "split" or rd is not None):
             plan = _Plan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading):]
+            plan.tail = direct.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading) :]
             plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
             plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
             plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
@@ -484,17 +680,45 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     work = Work.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
-    sig = {"g_desc": gh.desc_sig(dt, [bk, bm]),
-           "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn])}
+    sig = {
+        "g_desc": gh.desc_sig(dt, [bk, bm]),
+        "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
+    }
     out_sig = gh.ptr_sig(dt) if work.stream or work.splits == 1 else "*fp32"
     sig["out_ptr"] = out_sig
     sig["ws_ptr"] = "*fp32" if work.stream else out_sig
     sig["flags_ptr"] = "*i32" if work.stream else out_sig
-    sig.update({k: "i32" for k in ("Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w",
-                                   "k_steps", "per", "num_splits")})
+    sig.update(
+        {
+            k: "i32"
+            for k in (
+                "Co",
+                "Ci",
+                "RS",
+                "S",
+                "PQ",
+                "Q",
+                "stride_h",
+                "stride_w",
+                "pad_h",
+                "pad_w",
+                "k_steps",
+                "per",
+                "num_splits",
+            )
+        }
+    )
     sig.update({k: "constexpr" for k in ce})
-    specs = [KernelSpec(fn=conv2d_wgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
-                        num_stages=config["num_stages"], name="conv2d_wgrad_kernel")]
+    specs = [
+        KernelSpec(
+            fn=conv2d_wgrad_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+            name="conv2d_wgrad_kernel",
+        )
+    ]
     if not work.stream and work.splits > 1:
         specs.append(gh.split_k_reduce_spec(dt))
     return specs

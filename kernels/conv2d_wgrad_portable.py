@@ -22,10 +22,29 @@ flops = problems.conv2d_flops
 
 
 @triton.jit
-def conv2d_wgrad_kernel(x_ptr, g_ptr, ws_ptr, N, H, W, Ci, Co, P, Q, R, S,
-                        stride_h, stride_w, pad_h, pad_w, k_per_split,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr):
+def conv2d_wgrad_kernel(
+    x_ptr,
+    g_ptr,
+    ws_ptr,
+    N,
+    H,
+    W,
+    Ci,
+    Co,
+    P,
+    Q,
+    R,
+    S,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid_m = tl.program_id(0)  # over Co
     pid_n = tl.program_id(1)  # over R*S*Ci
     pid_k = tl.program_id(2)  # split of N*P*Q
@@ -49,8 +68,9 @@ def conv2d_wgrad_kernel(x_ptr, g_ptr, ws_ptr, N, H, W, Ci, Co, P, Q, R, S,
         ih = ((pq // Q) * stride_h - pad_h)[:, None] + r[None, :]
         iw = ((pq % Q) * stride_w - pad_w)[:, None] + s[None, :]
         # A = grad_out^T tile [BLOCK_M (co), BLOCK_K (m)]
-        a = tl.load(g_ptr + m[None, :].to(tl.int64) * Co + offs_co[:, None],
-                    mask=co_ok[:, None] & m_ok[None, :], other=0.0)
+        a = tl.load(
+            g_ptr + m[None, :].to(tl.int64) * Co + offs_co[:, None], mask=co_ok[:, None] & m_ok[None, :], other=0.0
+        )
         # B = im2col(x) tile [BLOCK_K (m), BLOCK_N (r, s, c)]
         ok = m_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         xoff = ((n[:, None].to(tl.int64) * H + ih) * W + iw) * Ci + c[None, :]
@@ -79,8 +99,9 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
     configs = [c for c in configs if c["SPLIT_K"] * c["BLOCK_K"] <= max(c["BLOCK_K"], p["gemm_K"])]
     if device.arch == "cpu":
         configs = [c for c in configs if c["SPLIT_K"] in (1, 4)]
-    return rules.prune(configs, p, device, sizes, (p["gemm_M"], p["gemm_N"], p["gemm_K"]),
-                       gpu_extra=lambda c: _split_ok(c, p, device))
+    return rules.prune(
+        configs, p, device, sizes, (p["gemm_M"], p["gemm_N"], p["gemm_K"]), gpu_extra=lambda c: _split_ok(c, p, device)
+    )
 
 
 def _split_ok(c: dict, p: dict, device) -> bool:
@@ -97,8 +118,7 @@ def default_config(p: dict, device) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
 
 
-def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0
-           ) -> torch.Tensor:
+def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
     N, H, W, Ci = x.shape
     _, P, Q, Co = grad_out.shape
     (sh, sw), (ph, pw) = problems.pair(stride, "stride", minimum=1), problems.pair(padding, "padding", minimum=0)
@@ -108,9 +128,31 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     split = triton.cdiv(npq, k_per_split)  # no empty splits
     ws = torch.empty((split, Co, rsc), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(Co, bm), triton.cdiv(rsc, bn), split)
-    conv2d_wgrad_kernel[grid](x, grad_out, ws, N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw, k_per_split,
-                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=config["num_warps"],
-                              num_stages=config["num_stages"], UPCAST=rules.interpreter_upcast(x))
+    conv2d_wgrad_kernel[grid](
+        x,
+        grad_out,
+        ws,
+        N,
+        H,
+        W,
+        Ci,
+        Co,
+        P,
+        Q,
+        R,
+        S,
+        sh,
+        sw,
+        ph,
+        pw,
+        k_per_split,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        UPCAST=rules.interpreter_upcast(x),
+    )
     # the second pass: a fixed-order sum of the partials, so split-K stays deterministic
     gw = ws[0] if split == 1 else ws.sum(dim=0)
     return gw.to(x.dtype).view(Co, R, S, Ci)

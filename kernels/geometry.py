@@ -18,20 +18,44 @@ def matmul(M: int, N: int, K: int, dtype: str, a_layout: str, b_layout: str) -> 
     return {"M": M, "N": N, "K": K, "dtype": dtype, "a_layout": a_layout, "b_layout": b_layout}
 
 
-def conv(N: int, H: int, W: int, Ci: int, Co: int, R: int, S: int, stride: tuple[int, int],
-         padding: tuple[int, int], dtype: str) -> dict:
+def conv(
+    N: int,
+    H: int,
+    W: int,
+    Ci: int,
+    Co: int,
+    R: int,
+    S: int,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dtype: str,
+) -> dict:
     """conv2d fprop's problem: the geometry and the implicit GEMM the kernels tile."""
     (sh, sw), (ph, pw) = stride, padding
     P, Q = out_size(H, R, sh, ph), out_size(W, S, sw, pw)
     if P <= 0 or Q <= 0:
         raise ValueError(
             f"empty output: a {R}x{S} filter with stride {stride} and padding {padding} over a "
-            f"{H}x{W} input gives {P}x{Q}")
+            f"{H}x{W} input gives {P}x{Q}"
+        )
     return {
-        "N": N, "H": H, "W": W, "Ci": Ci, "Co": Co, "R": R, "S": S,
-        "stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw, "P": P, "Q": Q,
+        "N": N,
+        "H": H,
+        "W": W,
+        "Ci": Ci,
+        "Co": Co,
+        "R": R,
+        "S": S,
+        "stride_h": sh,
+        "stride_w": sw,
+        "pad_h": ph,
+        "pad_w": pw,
+        "P": P,
+        "Q": Q,
         "dtype": dtype,
-        "gemm_M": N * P * Q, "gemm_N": Co, "gemm_K": R * S * Ci,
+        "gemm_M": N * P * Q,
+        "gemm_N": Co,
+        "gemm_K": R * S * Ci,
     }
 
 

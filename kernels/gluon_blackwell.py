@@ -79,9 +79,21 @@ def split_k_range(work_id, tiles_per_split, total_k, k_per_split):
 
 
 @gluon.jit
-def mma_partition(a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
-                  num_work, tiles_per_split, total_k, k_per_split,
-                  A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+def mma_partition(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    num_work,
+    tiles_per_split,
+    total_k,
+    k_per_split,
+    A_TRANS: gl.constexpr,
+    B_TRANS: gl.constexpr,
+):
     """The MMA warp: for each work item, chain tcgen05 MMAs over its K range into the next
     free accumulator. Every MMA releases its operand stage (arrives on `empty`) when the
     tensor core is done with it; a commit after the last one hands the accumulator to the

@@ -71,7 +71,8 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
             tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
             fill = max(1, pow2_at_least(-(-max(1, sm_count) // tiles)))
             if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
-                    c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
+                c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128
+            ):
                 out.append(c)
         return out
     for c in configs:

@@ -156,8 +156,15 @@ def conv_geometry_ok(p: dict) -> bool:
     return im2col_ok(p["H"], p["W"], p["P"], p["Q"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
 
 
-def im2col_desc(x: torch.Tensor, block_shape: Sequence[int], *, stride: Sequence[int],
-                padding: Sequence[int], out_hw: Sequence[int], layout=None) -> TensorDescriptorIm2Col:
+def im2col_desc(
+    x: torch.Tensor,
+    block_shape: Sequence[int],
+    *,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    out_hw: Sequence[int],
+    layout=None,
+) -> TensorDescriptorIm2Col:
     """TMA im2col descriptor over NHWC `x`: a load at coord [n, p*sh - ph, q*sw - pw, c] with
     offsets [r, s] fills a [pixels, channels] block with the (r, s) filter tap's inputs for
     `pixels` consecutive output positions, zeros where the window hangs over the padding."""
@@ -168,9 +175,16 @@ def im2col_desc(x: torch.Tensor, block_shape: Sequence[int], *, stride: Sequence
         layout = shared_layout(block_shape, x.dtype)
     lower, upper = im2col_pixel_box(H, W, P, Q, stride, padding)
     return TensorDescriptorIm2Col(
-        base=x, shape=list(x.shape), strides=list(x.stride()), block_shape=block_shape, layout=layout,
-        padding="zero", element_strides=[1, int(stride[0]), int(stride[1]), 1],
-        pixel_box_lower_corner=lower, pixel_box_upper_corner=upper)
+        base=x,
+        shape=list(x.shape),
+        strides=list(x.stride()),
+        block_shape=block_shape,
+        layout=layout,
+        padding="zero",
+        element_strides=[1, int(stride[0]), int(stride[1]), 1],
+        pixel_box_lower_corner=lower,
+        pixel_box_upper_corner=upper,
+    )
 
 
 def desc_sig(dtype: Any, block_shape: Sequence[int], layout=None) -> str:
@@ -186,8 +200,10 @@ def im2col_desc_sig(dtype: Any, block_shape: Sequence[int], layout=None, input_r
     block_shape = list(block_shape)
     if layout is None:
         layout = shared_layout(block_shape, dtype)
-    return (f"tensordesc_im2col<{SIG_DTYPE[dtype_name(dtype)]}[{','.join(map(str, block_shape))}],"
-            f"input_rank={input_rank},{layout!r}>")
+    return (
+        f"tensordesc_im2col<{SIG_DTYPE[dtype_name(dtype)]}[{','.join(map(str, block_shape))}],"
+        f"input_rank={input_rank},{layout!r}>"
+    )
 
 
 def ptr_sig(dtype: Any) -> str:
@@ -276,8 +292,9 @@ def split_k_reduce_jit(ws: torch.Tensor, out: torch.Tensor):
     assert out.is_contiguous() and ws.is_contiguous()
     numel = out.numel()
     assert ws.numel() == ws.shape[0] * numel
-    return split_k_reduce_kernel[split_k_reduce_grid(numel)](ws, out, numel, ws.shape[0], BLOCK=SPLIT_K_REDUCE_BLOCK,
-                                                             num_warps=SPLIT_K_REDUCE_WARPS)
+    return split_k_reduce_kernel[split_k_reduce_grid(numel)](
+        ws, out, numel, ws.shape[0], BLOCK=SPLIT_K_REDUCE_BLOCK, num_warps=SPLIT_K_REDUCE_WARPS
+    )
 
 
 def split_k_reduce_grid(numel: int) -> tuple[int]:
@@ -293,10 +310,19 @@ def split_k_reduce_spec(out_dtype: Any) -> KernelSpec:
     """The reduction's compile, for CPU-only checks of a backend's compile_specs."""
     return KernelSpec(
         fn=split_k_reduce_kernel,
-        signature={"ws_ptr": "*fp32", "out_ptr": ptr_sig(out_dtype), "numel": "i64", "splits": "i32",
-                   "BLOCK": "constexpr", "num_warps": "constexpr"},
+        signature={
+            "ws_ptr": "*fp32",
+            "out_ptr": ptr_sig(out_dtype),
+            "numel": "i64",
+            "splits": "i32",
+            "BLOCK": "constexpr",
+            "num_warps": "constexpr",
+        },
         constexprs={"BLOCK": SPLIT_K_REDUCE_BLOCK, "num_warps": SPLIT_K_REDUCE_WARPS},
-        num_warps=SPLIT_K_REDUCE_WARPS, num_stages=1, name="split_k_reduce")
+        num_warps=SPLIT_K_REDUCE_WARPS,
+        num_stages=1,
+        name="split_k_reduce",
+    )
 
 
 # ---- candidate order ------------------------------------------------------------------------

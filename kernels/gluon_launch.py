@@ -76,8 +76,18 @@ class DirectLauncher:
     descriptor metadata); callers then stay on the JIT path.
     """
 
-    __slots__ = ("compiled", "function", "packed", "coop", "pdl", "annotations", "kernel_signature", "desc_meta",
-                 "n_args", "_launch")
+    __slots__ = (
+        "compiled",
+        "function",
+        "packed",
+        "coop",
+        "pdl",
+        "annotations",
+        "kernel_signature",
+        "desc_meta",
+        "n_args",
+        "_launch",
+    )
 
     @classmethod
     def of(cls, compiled) -> "DirectLauncher | None":
@@ -121,10 +131,27 @@ class DirectLauncher:
 
     def __call__(self, grid0: int, stream: int, args) -> None:
         if len(args) != self.n_args:
-            raise RuntimeError(f"{self.compiled.name}: {len(args)} launch arguments, the launcher expects "
-                               f"{self.n_args}")
-        self._launch(grid0, 1, 1, stream, self.function, self.coop, self.pdl, self.packed, None, None, None, None,
-                     None, self.annotations, self.kernel_signature, args)
+            raise RuntimeError(
+                f"{self.compiled.name}: {len(args)} launch arguments, the launcher expects {self.n_args}"
+            )
+        self._launch(
+            grid0,
+            1,
+            1,
+            stream,
+            self.function,
+            self.coop,
+            self.pdl,
+            self.packed,
+            None,
+            None,
+            None,
+            None,
+            None,
+            self.annotations,
+            self.kernel_signature,
+            args,
+        )
 
 
 class _Unsupported(Exception):
@@ -198,4 +225,4 @@ def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
     """`fn`'s arguments in parameter order, as JITFunction.run binds them: `positional` first,
     then each remaining parameter from `constexprs` (KeyError if one is missing)."""
     names = fn.arg_names
-    return tuple(positional) + tuple(constexprs[n] for n in names[len(positional):])
+    return tuple(positional) + tuple(constexprs[n] for n in names[len(positional) :])

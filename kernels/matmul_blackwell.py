@@ -57,8 +57,20 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, k_iters, group_m,
-                    A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+def _load_partition(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    num_pid_m,
+    num_pid_n,
+    k_iters,
+    group_m,
+    A_TRANS: gl.constexpr,
+    B_TRANS: gl.constexpr,
+):
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if A_TRANS else a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if A_TRANS else a_desc.block_type.shape[1]
@@ -87,10 +99,22 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num
 
 
 @gluon.jit
-def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, group_m,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr,
-                  A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+def matmul_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    group_m,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    NUM_ACC: gl.constexpr,
+    A_TRANS: gl.constexpr,
+    B_TRANS: gl.constexpr,
+):
     """a_desc tiles a [M, K] ([K, M] storage when A_TRANS), b_desc b [K, N] ([N, K] when
     B_TRANS), c_desc c [M, N] in [BLOCK_M, epilogue slice] blocks."""
     dtype: gl.constexpr = a_desc.dtype
@@ -111,13 +135,48 @@ def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, group_m,
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_iters = gl.cdiv(K, BLOCK_K)
-    gl.warp_specialize([
-        (tma_store_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-        (mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
-                         num_pid_m * num_pid_n, num_pid_m * num_pid_n, k_iters, k_iters, A_TRANS, B_TRANS)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, k_iters, group_m,
-                           A_TRANS, B_TRANS)),
-    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+    gl.warp_specialize(
+        [
+            (tma_store_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+            (
+                mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    acc_tmem,
+                    acc_ready,
+                    acc_empty,
+                    num_pid_m * num_pid_n,
+                    num_pid_m * num_pid_n,
+                    k_iters,
+                    k_iters,
+                    A_TRANS,
+                    B_TRANS,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    a_desc,
+                    b_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    num_pid_m,
+                    num_pid_n,
+                    k_iters,
+                    group_m,
+                    A_TRANS,
+                    B_TRANS,
+                ),
+            ),
+        ],
+        [1, 1],
+        [WORKER_REGS, WORKER_REGS],
+    )
 
     invalidate_ring(ready)
     invalidate_ring(empty)
@@ -145,8 +204,11 @@ def config_space(p: dict, device) -> list[dict]:
 def worth_trying(c: dict, p: dict) -> bool:
     """The performance rule (config_space() applies it): no tile far larger than the matrix
     (it would compute mostly padding). Whether it fits the device is resources_ok()'s question."""
-    return (c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"])) and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
-            and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"])))
+    return (
+        c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"]))
+        and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
+        and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"]))
+    )
 
 
 def epilogue_n(c: dict) -> int:
@@ -183,8 +245,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 def default_config(p: dict, device) -> dict:
     sms = gh.sm_count_of(device)
-    c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8,
-         "num_warps": 4}
+    c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "num_warps": 4}
     if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 256) < sms:
         # too few big tiles to fill the SMs: smaller tiles, deeper ring
         c.update(BLOCK_N=128, NUM_BUFFERS=5)
@@ -205,8 +266,15 @@ def _block_shapes(c: dict, trans_a: bool, trans_b: bool):
 
 
 def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
-    return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"],
-            "NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "A_TRANS": trans_a, "B_TRANS": trans_b}
+    return {
+        "BLOCK_M": c["BLOCK_M"],
+        "BLOCK_N": c["BLOCK_N"],
+        "BLOCK_K": c["BLOCK_K"],
+        "NUM_BUFFERS": c["NUM_BUFFERS"],
+        "NUM_ACC": c["NUM_ACC"],
+        "A_TRANS": trans_a,
+        "B_TRANS": trans_b,
+    }
 
 
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -226,8 +294,17 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c_desc = gh.tiled_desc(c, c_blk)
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
     grid = gh.persistent_grid(tiles, gh.num_sms(a.device))
-    matmul_kernel[grid](a_desc, b_desc, c_desc, M, N, K, config["GROUP_M"],
-                        num_warps=config["num_warps"], **_constexprs(config, trans_a, trans_b))
+    matmul_kernel[grid](
+        a_desc,
+        b_desc,
+        c_desc,
+        M,
+        N,
+        K,
+        config["GROUP_M"],
+        num_warps=config["num_warps"],
+        **_constexprs(config, trans_a, trans_b),
+    )
     return c if n_pad == N else c[:, :N].contiguous()
 
 
@@ -236,8 +313,23 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
     a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
     ce = _constexprs(config, trans_a, trans_b)
-    sig = {"a_desc": gh.desc_sig(dt, a_blk), "b_desc": gh.desc_sig(dt, b_blk), "c_desc": gh.desc_sig(dt, c_blk),
-           "M": "i32", "N": "i32", "K": "i32", "group_m": "i32"}
+    sig = {
+        "a_desc": gh.desc_sig(dt, a_blk),
+        "b_desc": gh.desc_sig(dt, b_blk),
+        "c_desc": gh.desc_sig(dt, c_blk),
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "group_m": "i32",
+    }
     sig.update({k: "constexpr" for k in ce})
-    return [KernelSpec(fn=matmul_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
-                       num_stages=1, name="matmul_kernel")]
+    return [
+        KernelSpec(
+            fn=matmul_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            num_stages=1,
+            name="matmul_kernel",
+        )
+    ]

@@ -26,8 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
-from . import gluon_host as gh
 from . import gluon_hopper as ghop
+from . import gluon_host as gh
 from . import gluon_launch as direct
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
@@ -47,8 +47,21 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _issue_load(step, total, off_m, off_n, k, a_desc, b_desc, a_bufs, b_bufs, ready,
-                TRANS_A: gl.constexpr, TRANS_B: gl.constexpr, STAGES: gl.constexpr):
+def _issue_load(
+    step,
+    total,
+    off_m,
+    off_n,
+    k,
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    TRANS_A: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """TMA-load the operands of flat k-step `step` of this CTA into ring slot step % STAGES."""
     pred = step < total
     slot = step % STAGES
@@ -65,8 +78,19 @@ def _issue_load(step, total, off_m, off_n, k, a_desc, b_desc, a_bufs, b_bufs, re
 
 
 @gluon.jit(do_not_specialize=["M", "N", "K", "GROUP_M"])
-def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M,
-                  TRANS_A: gl.constexpr, TRANS_B: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def matmul_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    GROUP_M,
+    TRANS_A: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """a_desc tiles a [M, K] ([K, M] when TRANS_A), b_desc b [K, N] ([N, K] when TRANS_B)."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -123,9 +147,10 @@ def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M,
             acc = warpgroup_mma(a, b, acc, use_acc=kk != 0, is_async=True)
             # the previous step's WGMMA has retired: its slot is free for the next load, which
             # runs on into the next tile's k-steps near the end of this one
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            _issue_load(step + STAGES - 1, total, pm, pn, pk, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A,
-                        TRANS_B, STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _issue_load(
+                step + STAGES - 1, total, pm, pn, pk, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A, TRANS_B, STAGES
+            )
             pk += BLOCK_K
             wrap = pk >= K
             pk = gl.where(wrap, 0, pk)
@@ -137,7 +162,7 @@ def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M,
             step += 1
         # epilogue outside the k-loop: no WGMMA is in flight across a branch, so ptxas keeps
         # the accumulator in place instead of serializing the WGMMAs
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
         out = acc.to(dtype)
         tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
@@ -228,8 +253,22 @@ class _Plan:
     """One (config, a/b shapes and strides, dtype, device) launch, precomputed: see
     gluon_host.DirectLauncher."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "trans_a", "trans_b", "a_ok", "b_ok", "a_blk", "b_blk",
-                 "c_blk", "c_shape", "N", "n_pad")
+    __slots__ = (
+        "launcher",
+        "maps",
+        "grid0",
+        "tail",
+        "trans_a",
+        "trans_b",
+        "a_ok",
+        "b_ok",
+        "a_blk",
+        "b_blk",
+        "c_blk",
+        "c_shape",
+        "N",
+        "n_pad",
+    )
 
     def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
         # a_ok/b_ok: the strides suit TMA, so only the base address can force tma_ready's copy
@@ -249,7 +288,7 @@ class _Plan:
         bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
         cm = maps.get((2, pc)) or maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(c, self.c_blk)))
         ld(self.grid0, stream, [*am, *bm, *cm, *self.tail])
-        return c if self.n_pad == self.N else c[:, :self.N].contiguous()
+        return c if self.n_pad == self.N else c[:, : self.N].contiguous()
 
 
 _PLANS = direct.PlanCache()
@@ -307,8 +346,23 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
     a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
     ce = _constexprs(config, trans_a, trans_b)
-    sig = {"a_desc": gh.desc_sig(dt, a_blk), "b_desc": gh.desc_sig(dt, b_blk), "c_desc": gh.desc_sig(dt, c_blk),
-           "M": "i32", "N": "i32", "K": "i32", "GROUP_M": "i32"}
+    sig = {
+        "a_desc": gh.desc_sig(dt, a_blk),
+        "b_desc": gh.desc_sig(dt, b_blk),
+        "c_desc": gh.desc_sig(dt, c_blk),
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "GROUP_M": "i32",
+    }
     sig.update({k: "constexpr" for k in ce})
-    return [KernelSpec(fn=matmul_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"],
-                       num_stages=config["num_stages"], name="matmul_kernel")]
+    return [
+        KernelSpec(
+            fn=matmul_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+            name="matmul_kernel",
+        )
+    ]

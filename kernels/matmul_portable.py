@@ -21,10 +21,25 @@ flops = problems.matmul_flops
 
 
 @triton.jit
-def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
-                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+def matmul_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid = tl.program_id(0)
     # plain arithmetic, not tl.cdiv: an interpreted call of a @jit helper leaves
     # triton.language patched for the rest of the process (a Triton interpreter bug)
@@ -84,8 +99,25 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                        c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-                        GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-                        num_stages=config["num_stages"], UPCAST=rules.interpreter_upcast(a))
+    matmul_kernel[grid](
+        a,
+        b,
+        c,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        UPCAST=rules.interpreter_upcast(a),
+    )
     return c

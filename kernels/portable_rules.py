@@ -72,8 +72,9 @@ def ranked(configs: list[dict], gemm: tuple[int, int, int], sm_count: int, k: in
     return [configs[i] for i in order[:k]]  # best first: a caller may cut the list shorter
 
 
-def prune(configs: list[dict], p: dict, device, sizes: dict[str, int], gemm: tuple[int, int, int],
-          gpu_extra=None) -> list[dict]:
+def prune(
+    configs: list[dict], p: dict, device, sizes: dict[str, int], gemm: tuple[int, int, int], gpu_extra=None
+) -> list[dict]:
     """The portable kernels' pruning: interpreter rules on the CPU; on a GPU the static rules
     (plus the kernel's own `gpu_extra(config)`), then the best-ranked few."""
     if device.arch == "cpu":

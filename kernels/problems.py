@@ -66,7 +66,8 @@ def _contiguous_nhwc(t: torch.Tensor, name: str) -> None:
     if not t.is_contiguous():
         raise ValueError(
             f"{name} must be a contiguous NHWC tensor of shape (N, H, W, C) (e.g. "
-            f"x_nchw.permute(0, 2, 3, 1).contiguous()); got strides {t.stride()}")
+            f"x_nchw.permute(0, 2, 3, 1).contiguous()); got strides {t.stride()}"
+        )
 
 
 def matrix_layout(t: torch.Tensor, name: str) -> str:
@@ -76,8 +77,10 @@ def matrix_layout(t: torch.Tensor, name: str) -> str:
         return "row"
     if t.stride(0) == 1 and (t.stride(1) == rows or cols == 1):
         return "col"
-    raise ValueError(f"{name} must be row-major or a transpose of a row-major matrix; "
-                     f"got strides {t.stride()} for shape {tuple(t.shape)} (call .contiguous())")
+    raise ValueError(
+        f"{name} must be row-major or a transpose of a row-major matrix; "
+        f"got strides {t.stride()} for shape {tuple(t.shape)} (call .contiguous())"
+    )
 
 
 # ---- matmul: c[M, N] = a[M, K] @ b[K, N] ------------------------------------------------
@@ -89,8 +92,14 @@ def matmul_problem(a: torch.Tensor, b: torch.Tensor) -> dict:
     _same_device_dtype({"a": a, "b": b})
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
-    return geometry.matmul(int(a.shape[0]), int(b.shape[1]), int(a.shape[1]), dtype_name(a.dtype),
-                           matrix_layout(a, "a"), matrix_layout(b, "b"))
+    return geometry.matmul(
+        int(a.shape[0]),
+        int(b.shape[1]),
+        int(a.shape[1]),
+        dtype_name(a.dtype),
+        matrix_layout(a, "a"),
+        matrix_layout(b, "b"),
+    )
 
 
 def matmul_inputs(p: dict, device: str) -> tuple:
@@ -162,8 +171,7 @@ def conv2d_flops(p: dict) -> float:
 # ---- conv2d wgrad: grad_w[Co, R, S, Ci] from x and grad_out --------------------------------
 
 
-def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int,
-                         stride=1, padding=0) -> dict:
+def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> dict:
     _check_tensor(x, "x", 4)
     _check_tensor(grad_out, "grad_out", 4)
     _same_device_dtype({"x": x, "grad_out": grad_out})
@@ -184,7 +192,8 @@ def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     if (p["P"], p["Q"]) != (P, Q):
         raise ValueError(
             f"grad_out is {P}x{Q} (grad_out.shape[1:3]) but x {H}x{W} with a {R}x{S} filter, stride "
-            f"{st} and padding {pd} gives {p['P']}x{p['Q']}")
+            f"{st} and padding {pd} gives {p['P']}x{p['Q']}"
+        )
     return geometry.wgrad(p)
 
 

@@ -1,16 +1,16 @@
-"""Test set-up: the CPU interpreter unless a GPU is present, and a fresh store per test."""
+"""Test set-up: the CPU interpreter unless a GPU is present, the gpu/postgres markers, a fresh
+store per test (`db_url`) and a Postgres database per session (`pg_url`).
+
+The tests are split by cost: unit/ (in-process, CPU), integration/ (Postgres, a real uvicorn,
+Chromium, fresh processes; its conftest.py has the fleet fixtures) and gpu/ (a CUDA GPU for
+every test). Plain helpers are imported from support/ (`from support import run_py`)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _has_gpu() -> bool:
@@ -66,8 +66,10 @@ def pg_url() -> str:
     try:
         conn = psycopg.connect(**admin, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as e:
-        why = (f"Postgres at {PG_URL} is not reachable ({str(e).strip()[:200]}); start one (README: "
-               f"'Running the tests') or set TUNECACHE_TEST_PG_URL")
+        why = (
+            f"Postgres at {PG_URL} is not reachable ({str(e).strip()[:200]}); start one (README: "
+            f"'Running the tests') or set TUNECACHE_TEST_PG_URL"
+        )
         if os.environ.get("TUNECACHE_TEST_REQUIRE_PG") == "1":  # CI: a missing database is a failure
             pytest.fail(why)
         pytest.skip(why)
@@ -75,14 +77,3 @@ def pg_url() -> str:
     yield base.set(database=name).render_as_string(hide_password=False)
     conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
     conn.close()
-
-
-def run_py(code: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run Python code in a fresh process with this test's environment."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc

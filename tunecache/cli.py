@@ -14,8 +14,11 @@ from rich.table import Table
 
 from .shapes import OPS, canonical_problem
 
-app = typer.Typer(help="A persistent, fleet-shared autotune cache for Triton/Gluon kernels.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="A persistent, fleet-shared autotune cache for Triton/Gluon kernels.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 db_app = typer.Typer(help="The store's schema (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
@@ -29,9 +32,14 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="print the version and exit")) -> None:
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
     """A persistent, fleet-shared autotune cache for Triton/Gluon kernels."""
+
+
 console = Console()
 err = Console(stderr=True)
 
@@ -43,7 +51,7 @@ def _store():
         return Store()
     except StoreError as e:
         err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 def _fail(msg: str) -> None:
@@ -74,9 +82,13 @@ def parse_problem(text: str) -> dict:
 @app.command()
 def tune(
     op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
-    problem: str = typer.Option(..., "--problem", "-p",
-                                help="KEY=VALUE,... (matmul: M,N,K,dtype[,a_layout,b_layout]; conv: N,H,W,Ci,Co,R,S,"
-                                     "stride,padding,dtype) or a JSON object"),
+    problem: str = typer.Option(
+        ...,
+        "--problem",
+        "-p",
+        help="KEY=VALUE,... (matmul: M,N,K,dtype[,a_layout,b_layout]; conv: N,H,W,Ci,Co,R,S,"
+        "stride,padding,dtype) or a JSON object",
+    ),
     backend: Optional[str] = typer.Option(None, help="force a backend (default: the device's preferred one)"),
     gpu: int = typer.Option(0, help="CUDA device index"),
     force: bool = typer.Option(False, help="tune even if the store has a config"),
@@ -107,32 +119,48 @@ def tune(
     key = make_key(mod, p, device)
     if not force and (rec := CACHE.get(key, launchable(mod, p, device))) is not None:
         where = "in the fleet" if rec.source == "fleet" else "here"
-        console.print(f"already tuned ({where}): {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); "
-                      f"--force to redo")
+        console.print(
+            f"already tuned ({where}): {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); --force to redo"
+        )
         return
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[best]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[best]}"),
+    )
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(f"{mod.KERNEL} on {device}", total=None, best="")
 
         def progress(stage, i, n, best_ms):
             what = "compiling" if stage == "compile" else "timing"
-            bar.update(task, description=f"{what} {mod.KERNEL} on {device}", completed=i, total=n,
-                       best="" if best_ms is None else f"best so far {best_ms:.4f} ms")
+            bar.update(
+                task,
+                description=f"{what} {mod.KERNEL} on {device}",
+                completed=i,
+                total=n,
+                best="" if best_ms is None else f"best so far {best_ms:.4f} ms",
+            )
 
         try:
-            result = run_tune(mod, p, device, torch_device=torch_device_for(device, gpu),
-                              source="cli", progress=progress)
+            result = run_tune(
+                mod, p, device, torch_device=torch_device_for(device, gpu), source="cli", progress=progress
+            )
         except TuneError as e:
             _fail(str(e))
     kept, won = CACHE.keep(result.record(device), result.trials, run_id=result.run_id, tune_seconds=result.seconds)
     if not won:
-        console.print(f"[dim]the store keeps a faster result: {json.dumps(kept.config)} ({kept.median_ms:.4f} ms)[/dim]")
+        console.print(
+            f"[dim]the store keeps a faster result: {json.dumps(kept.config)} ({kept.median_ms:.4f} ms)[/dim]"
+        )
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
-    console.print(f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
-                  f"{result.candidates} candidates (digest {key.digest[:12]})")
+    console.print(
+        f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
+        f"{result.candidates} candidates (digest {key.digest[:12]})"
+    )
 
 
 _DT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -142,24 +170,31 @@ def shape_text(p: dict) -> str:
     """A problem in a few characters: '4096x4096x4096 bf16', 'N32 56x56 256>256 3x3/s1p1 bf16'."""
     dt = _DT.get(str(p.get("dtype")), str(p.get("dtype", "")))
     if "M" in p and "R" not in p:
-        lay = "" if (p.get("a_layout"), p.get("b_layout")) == ("row", "row") else \
-            f" {str(p.get('a_layout', ''))[:1]}{str(p.get('b_layout', ''))[:1]}"
+        lay = (
+            ""
+            if (p.get("a_layout"), p.get("b_layout")) == ("row", "row")
+            else f" {str(p.get('a_layout', ''))[:1]}{str(p.get('b_layout', ''))[:1]}"
+        )
         return f"{p.get('M')}x{p.get('N')}x{p.get('K')} {dt}{lay}"
     if "R" in p:
         st = p.get("stride_h", p.get("stride", 1))
         pd = p.get("pad_h", p.get("padding", 0))
-        return f"N{p.get('N')} {p.get('H')}x{p.get('W')} {p.get('Ci')}>{p.get('Co')} {p.get('R')}x{p.get('S')}/s{st}p{pd} {dt}"
+        return (
+            f"N{p.get('N')} {p.get('H')}x{p.get('W')} {p.get('Ci')}>{p.get('Co')} "
+            f"{p.get('R')}x{p.get('S')}/s{st}p{pd} {dt}"
+        )
     return ",".join(f"{k}={v}" for k, v in p.items())
 
 
 @app.command("ls")
-def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. matmul.hopper"),
-       arch: Optional[str] = typer.Option(None, help="only this arch, e.g. sm_90"),
-       limit: int = typer.Option(200, help="at most this many rows"),
-       wide: bool = typer.Option(False, "--wide", help="every column (the config, TFLOP/s), however wide"),
-       as_json: bool = typer.Option(False, "--json", help="one JSON object per config, nothing else"),
-       fleet: bool = typer.Option(False, "--fleet", help="the fleet's configs (TUNECACHE_SERVER_URL), "
-                                                         "not this host's")) -> None:
+def ls(
+    kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. matmul.hopper"),
+    arch: Optional[str] = typer.Option(None, help="only this arch, e.g. sm_90"),
+    limit: int = typer.Option(200, help="at most this many rows"),
+    wide: bool = typer.Option(False, "--wide", help="every column (the config, TFLOP/s), however wide"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per config, nothing else"),
+    fleet: bool = typer.Option(False, "--fleet", help="the fleet's configs (TUNECACHE_SERVER_URL), not this host's"),
+) -> None:
     """List tuned configs in the store (fits 80 columns; --wide or --json for everything)."""
     if fleet:
         from .records import ConfigRecord
@@ -185,8 +220,9 @@ def ls(kernel: Optional[str] = typer.Option(None, help="only this kernel, e.g. m
         if wide:
             cells += [f"{r.tflops:.1f}" if r.tflops else "-", r.source, json.dumps(r.config, separators=(",", ":"))]
         table.add_row(*cells)
-    (Console(width=max(console.width, 240)) if wide else console).print(table, width=None if wide else
-                                                                        min(console.width, 80))
+    (Console(width=max(console.width, 240)) if wide else console).print(
+        table, width=None if wide else min(console.width, 80)
+    )
     from .settings import server_url
 
     console.print(f"{len(rows)} config(s) in {server_url() if fleet else _store().safe_url}")
@@ -225,9 +261,12 @@ def _fleet_export(kernel: str | None, arch: str | None) -> dict:
 
 
 @app.command("export")
-def export(path: Path = typer.Argument(..., help="output JSON file, or - for stdout"),
-           kernel: Optional[str] = typer.Option(None), arch: Optional[str] = typer.Option(None),
-           fleet: bool = typer.Option(False, "--fleet", help="the fleet's configs, not this host's")) -> None:
+def export(
+    path: Path = typer.Argument(..., help="output JSON file, or - for stdout"),
+    kernel: Optional[str] = typer.Option(None),
+    arch: Optional[str] = typer.Option(None),
+    fleet: bool = typer.Option(False, "--fleet", help="the fleet's configs, not this host's"),
+) -> None:
     """Export tuned configs as JSON (for another host, or `tunecache import`); --fleet exports
     the fleet's (TUNECACHE_SERVER_URL) instead of this host's store."""
     from .transfer import export_configs
@@ -254,8 +293,9 @@ def import_(path: Path = typer.Argument(..., help="a JSON file written by `tunec
         report = import_configs(_store(), data)
     except ImportErrorReport as e:
         _fail(str(e))
-    console.print(f"imported {report['stored']}, kept existing faster {report['kept']}, "
-                  f"rejected {len(report['rejected'])}")
+    console.print(
+        f"imported {report['stored']}, kept existing faster {report['kept']}, rejected {len(report['rejected'])}"
+    )
     for msg in report["rejected"][:20]:
         err.print(f"  rejected: {msg}")
 
@@ -306,7 +346,7 @@ def doctor() -> None:
     except StoreError as e:
         table.add_row("store error", str(e))
         console.print(table)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     console.print(table)
     if not fleet_ok:
         raise typer.Exit(1)
@@ -329,8 +369,13 @@ def _doctor_fleet(table: Table) -> bool:
     status, body = answer
     if status == 200:
         scopes, may = ", ".join(body["scopes"]), set(body["may"])
-        what = ("publish results and tune queued jobs" if "worker" in may else
-                "publish results (re-timed by the fleet's workers)" if "publish" in may else "read configs only")
+        what = (
+            "publish results and tune queued jobs"
+            if "worker" in may
+            else "publish results (re-timed by the fleet's workers)"
+            if "publish" in may
+            else "read configs only"
+        )
         table.add_row("fleet token", f"{body['name']} (scopes: {scopes}): may {what}")
         return True
     if token is None:
@@ -341,8 +386,10 @@ def _doctor_fleet(table: Table) -> bool:
 
 
 @db_app.command("upgrade")
-def db_upgrade(url: Optional[str] = typer.Option(None, help="database URL (default TUNECACHE_DB_URL)"),
-               revision: str = typer.Option("head")) -> None:
+def db_upgrade(
+    url: Optional[str] = typer.Option(None, help="database URL (default TUNECACHE_DB_URL)"),
+    revision: str = typer.Option("head"),
+) -> None:
     """Create or upgrade the schema (run once per fleet database)."""
     from .migrate import current_revision, upgrade
     from .store import Store, StoreError
@@ -357,24 +404,26 @@ def db_upgrade(url: Optional[str] = typer.Option(None, help="database URL (defau
 
 # ---- the fleet: serve, worker, pretune, token ---------------------------------------------
 
-token_app = typer.Typer(help="API tokens of the fleet service (stored hashed in TUNECACHE_DB_URL).",
-                        no_args_is_help=True)
+token_app = typer.Typer(
+    help="API tokens of the fleet service (stored hashed in TUNECACHE_DB_URL).", no_args_is_help=True
+)
 app.add_typer(token_app, name="token")
 
 
 @app.command()
-def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for the fleet)"),
-          port: int = typer.Option(8000),
-          workers: int = typer.Option(1, help="uvicorn worker processes"),
-          db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
-          anonymous_read: bool = typer.Option(False, help="allow lookups without a token"),
-          metrics_port: Optional[int] = typer.Option(None, min=1, max=65535,
-                                                     help="serve /metrics on this port instead of the API's "
-                                                          "(then off there)"),
-          metrics_host: str = typer.Option("127.0.0.1", help="address for --metrics-port"),
-          log_level: str = typer.Option("info"),
-          access_log: bool = typer.Option(True, help="log one line per request (client, method, path, status)")
-          ) -> None:
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for the fleet)"),
+    port: int = typer.Option(8000),
+    workers: int = typer.Option(1, help="uvicorn worker processes"),
+    db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
+    anonymous_read: bool = typer.Option(False, help="allow lookups without a token"),
+    metrics_port: Optional[int] = typer.Option(
+        None, min=1, max=65535, help="serve /metrics on this port instead of the API's (then off there)"
+    ),
+    metrics_host: str = typer.Option("127.0.0.1", help="address for --metrics-port"),
+    log_level: str = typer.Option("info"),
+    access_log: bool = typer.Option(True, help="log one line per request (client, method, path, status)"),
+) -> None:
     """Run the fleet service (FastAPI on uvicorn) over the store; migrates it to head first."""
     import uvicorn
 
@@ -390,8 +439,10 @@ def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 f
     try:  # a bad limit fails here, naming its variable, not in every worker process
         settings.rate_limit(), settings.anon_rate_limit(), settings.body_timeout_s(), settings.job_ttl_s()
         if settings.metrics_address() is not None and workers > 1:
-            _fail("--metrics-port serves one process's metrics: use it with --workers 1 (run one process per "
-                  "container and scale containers)")
+            _fail(
+                "--metrics-port serves one process's metrics: use it with --workers 1 (run one process per "
+                "container and scale containers)"
+            )
     except ValueError as e:
         _fail(str(e))
     try:
@@ -400,17 +451,26 @@ def serve(host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 f
         _fail(str(e))
     err.print(f"tunecache service on http://{host}:{port} over {store.safe_url} (docs at /docs)")
     store.close()
-    uvicorn.run("tunecache.server.app:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level, access_log=access_log)
+    uvicorn.run(
+        "tunecache.server.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=log_level,
+        access_log=access_log,
+    )
 
 
 @app.command()
-def worker(gpu: int = typer.Option(0, help="CUDA device index (ignored on the CPU interpreter)"),
-           lease_s: float = typer.Option(60.0, help="lease length; heartbeats renew it every third"),
-           poll_s: float = typer.Option(2.0, help="seconds between claims when the queue is empty"),
-           burst: bool = typer.Option(False, help="exit when this device class has no queued or running job"),
-           max_jobs: Optional[int] = typer.Option(None, help="exit after this many jobs"),
-           source: str = typer.Option("worker", hidden=True)) -> None:
+def worker(
+    gpu: int = typer.Option(0, help="CUDA device index (ignored on the CPU interpreter)"),
+    lease_s: float = typer.Option(60.0, help="lease length; heartbeats renew it every third"),
+    poll_s: float = typer.Option(2.0, help="seconds between claims when the queue is empty"),
+    burst: bool = typer.Option(False, help="exit when this device class has no queued or running job"),
+    max_jobs: Optional[int] = typer.Option(None, help="exit after this many jobs"),
+    source: str = typer.Option("worker", hidden=True),
+) -> None:
     """Claim tuning jobs of this GPU's device class, tune, publish (the fleet's queue when
     TUNECACHE_SERVER_URL is set, else the local store's)."""
     import logging
@@ -435,13 +495,14 @@ def worker(gpu: int = typer.Option(0, help="CUDA device index (ignored on the CP
 
 
 @app.command()
-def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a shipped one: resnet50, "
-                                                     "llama_layer, tiny_cpu"),
-            gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0,1 (default: every local GPU)"),
-            lease_s: float = typer.Option(60.0, help="workers' lease length"),
-            poll_s: float = typer.Option(1.0, help="seconds between progress checks"),
-            dry_run: bool = typer.Option(False, help="list the shapes and their keys; enqueue nothing"),
-            log_dir: Optional[Path] = typer.Option(None, help="write each worker's log here")) -> None:
+def pretune(
+    manifest: str = typer.Argument(..., help="a TOML manifest file, or a shipped one: resnet50, llama_layer, tiny_cpu"),
+    gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0,1 (default: every local GPU)"),
+    lease_s: float = typer.Option(60.0, help="workers' lease length"),
+    poll_s: float = typer.Option(1.0, help="seconds between progress checks"),
+    dry_run: bool = typer.Option(False, help="list the shapes and their keys; enqueue nothing"),
+    log_dir: Optional[Path] = typer.Option(None, help="write each worker's log here"),
+) -> None:
     """Tune every shape of a manifest on the local GPUs, resumably: shapes with a stored config
     are skipped, an interrupted run picks up where it stopped."""
     from .key import use_interpreter_without_gpu
@@ -469,8 +530,14 @@ def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a
         return
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[running]}"), console=err) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[running]}"),
+        console=err,
+    ) as bar:
         task = bar.add_task(f"pretune {m.name}", total=None, running="")
 
         def on_plan(total, todo):
@@ -483,15 +550,24 @@ def pretune(manifest: str = typer.Argument(..., help="a TOML manifest file, or a
             bar.update(task, completed=bar.tasks[task].total - n + finished, running=f"{running} running")
 
         try:
-            report = run_pretune(m, gpus=gpu_list, lease_s=lease_s, poll_s=poll_s, log_dir=log_dir,
-                                 on_plan=on_plan, on_progress=on_progress)
+            report = run_pretune(
+                m,
+                gpus=gpu_list,
+                lease_s=lease_s,
+                poll_s=poll_s,
+                log_dir=log_dir,
+                on_plan=on_plan,
+                on_progress=on_progress,
+            )
         except RuntimeError as e:
             _fail(str(e))
     if report.interrupted:
         err.print(f"interrupted after {report.seconds:.0f} s; run it again to resume")
         raise typer.Exit(130)
-    console.print(f"{m.name}: {report.total} shape(s): {report.already} already tuned, {report.tuned} tuned now, "
-                  f"{len(report.failed)} failed ({report.seconds:.1f} s)")
+    console.print(
+        f"{m.name}: {report.total} shape(s): {report.already} already tuned, {report.tuned} tuned now, "
+        f"{len(report.failed)} failed ({report.seconds:.1f} s)"
+    )
     for f in report.failed:
         err.print(f"  failed: {f} (see `tunecache` worker logs or the dashboard)")
     if report.failed:
@@ -511,21 +587,23 @@ def _token_store(db_url: Optional[str]):
             _fail(str(e))
     store = _store()
     if not settings.db_url_given():
-        err.print(f"[yellow]note:[/yellow] TUNECACHE_DB_URL is not set: this works on this host's own store "
-                  f"({store.safe_url}), which only a `tunecache serve` on this host without TUNECACHE_DB_URL "
-                  f"reads. For a fleet service, pass --db-url (or set TUNECACHE_DB_URL) to the service's database.")
+        err.print(
+            f"[yellow]note:[/yellow] TUNECACHE_DB_URL is not set: this works on this host's own store "
+            f"({store.safe_url}), which only a `tunecache serve` on this host without TUNECACHE_DB_URL "
+            f"reads. For a fleet service, pass --db-url (or set TUNECACHE_DB_URL) to the service's database."
+        )
     return store
 
 
 @token_app.command("create")
-def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, publish, worker or admin "
-                                                 "(repeat or comma-separate)"),
-                 name: str = typer.Option("", help="who or what uses it (default: the scopes); unique among "
-                                                   "live tokens"),
-                 expires_in: Optional[str] = typer.Option(None, help="stop working after this long: 30d, 12h, "
-                                                                     "90m, 2w (default: never)"),
-                 db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")
-                 ) -> None:
+def token_create(
+    scope: list[str] = typer.Option(..., "--scope", help="read, publish, worker or admin (repeat or comma-separate)"),
+    name: str = typer.Option("", help="who or what uses it (default: the scopes); unique among live tokens"),
+    expires_in: Optional[str] = typer.Option(
+        None, help="stop working after this long: 30d, 12h, 90m, 2w (default: never)"
+    ),
+    db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
+) -> None:
     """Create a token; the secret is printed once and only its hash is stored."""
     from .store import StoreError
 
@@ -534,13 +612,19 @@ def token_create(scope: list[str] = typer.Option(..., "--scope", help="read, pub
         lifetime = None if expires_in is None else parse_duration(expires_in)
         store = _token_store(db_url)
         secret, rec = store.create_token(name or "+".join(scopes), scopes, expires_in=lifetime)
-        store.audit(cli_actor(), "token.create", f"token:{rec.id}",
-                    {"name": rec.name, "scopes": list(rec.scopes), "expires_at": _iso(rec.expires_at)})
+        store.audit(
+            cli_actor(),
+            "token.create",
+            f"token:{rec.id}",
+            {"name": rec.name, "scopes": list(rec.scopes), "expires_at": _iso(rec.expires_at)},
+        )
     except (StoreError, ValueError) as e:
         _fail(str(e))
     until = f", expires {rec.expires_at:%Y-%m-%d %H:%M} UTC" if rec.expires_at else ""
-    err.print(f"token {rec.name!r} (id {rec.id}) with scopes {', '.join(rec.scopes)}{until} "
-              f"(shown once; export it as TUNECACHE_TOKEN):")
+    err.print(
+        f"token {rec.name!r} (id {rec.id}) with scopes {', '.join(rec.scopes)}{until} "
+        f"(shown once; export it as TUNECACHE_TOKEN):"
+    )
     sys.stdout.write(secret + "\n")
 
 
@@ -554,16 +638,18 @@ def token_ls(db_url: Optional[str] = typer.Option(None)) -> None:
     table = Table("id", "name", "scopes", "created", "expires", "revoked")
     for t in store.list_tokens():
         expires = "" if t.expires_at is None else str(t.expires_at)[:19] + (" (expired)" if t.expires_at <= now else "")
-        table.add_row(str(t.id), t.name, ",".join(t.scopes), str(t.created_at)[:19], expires,
-                      str(t.revoked_at or "")[:19])
+        table.add_row(
+            str(t.id), t.name, ",".join(t.scopes), str(t.created_at)[:19], expires, str(t.revoked_at or "")[:19]
+        )
     console.print(table)
 
 
 @token_app.command("revoke")
-def token_revoke(name: Optional[str] = typer.Argument(None, help="the live token's name (names of live tokens "
-                                                                 "are unique)"),
-                 token_id: Optional[int] = typer.Option(None, "--id", help="the token's id (`tunecache token ls`)"),
-                 db_url: Optional[str] = typer.Option(None)) -> None:
+def token_revoke(
+    name: Optional[str] = typer.Argument(None, help="the live token's name (names of live tokens are unique)"),
+    token_id: Optional[int] = typer.Option(None, "--id", help="the token's id (`tunecache token ls`)"),
+    db_url: Optional[str] = typer.Option(None),
+) -> None:
     """Revoke a token by name or by id (the service notices within 10 s)."""
     if (name is None) == (token_id is None):
         _fail("name the token to revoke, or give its --id (not both)")
@@ -578,13 +664,16 @@ def token_revoke(name: Optional[str] = typer.Argument(None, help="the live token
 
 
 @app.command("compile")
-def compile_(op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or conv2d_wgrad"),
-             backend: str = typer.Option(..., "--backend", help="a Gluon backend: blackwell or hopper"),
-             arch: str = typer.Option(..., "--arch", help="explicit target: sm_90a or sm_100a"),
-             problem: Optional[str] = typer.Option(None, "--problem", "-p",
-                                                   help="KEY=VALUE,... or JSON (default: a representative one)"),
-             all_configs: bool = typer.Option(False, "--all", help="every config of the space, pruned ones too"),
-             workers: Optional[int] = typer.Option(None, help="compile processes (default: one per CPU core)")) -> None:
+def compile_(
+    op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or conv2d_wgrad"),
+    backend: str = typer.Option(..., "--backend", help="a Gluon backend: blackwell or hopper"),
+    arch: str = typer.Option(..., "--arch", help="explicit target: sm_90a or sm_100a"),
+    problem: Optional[str] = typer.Option(
+        None, "--problem", "-p", help="KEY=VALUE,... or JSON (default: a representative one)"
+    ),
+    all_configs: bool = typer.Option(False, "--all", help="every config of the space, pruned ones too"),
+    workers: Optional[int] = typer.Option(None, help="compile processes (default: one per CPU core)"),
+) -> None:
     """Compile configs for an explicit target, no GPU needed; one JSON line per config."""
     from .compile import compile_space, report_lines
 
@@ -598,11 +687,14 @@ def compile_(op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or c
 
 
 @app.command()
-def key(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
-        problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`, or JSON"),
-        device: Optional[str] = typer.Option(None, help="the device class ARCH:SMS, e.g. sm_90:132 "
-                                                        "(default: this machine's GPU, or the CPU interpreter)"),
-        backend: Optional[str] = typer.Option(None, help="a backend (default: the device's preferred one)")) -> None:
+def key(
+    op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+    problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`, or JSON"),
+    device: Optional[str] = typer.Option(
+        None, help="the device class ARCH:SMS, e.g. sm_90:132 (default: this machine's GPU, or the CPU interpreter)"
+    ),
+    backend: Optional[str] = typer.Option(None, help="a backend (default: the device's preferred one)"),
+) -> None:
     """Print the store's key for a shape: kernel, kernel version, Triton version, device class,
     the canonical problem and its digest, as JSON (what `tunecache show`, the fleet's
     `GET /v1/configs/{digest}` and `POST /v1/lookup` take)."""
@@ -621,12 +713,15 @@ def key(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad
 
 
 @app.command()
-def query(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
-          problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`"),
-          device: Optional[str] = typer.Option(None, help="the device class ARCH:SMS, e.g. sm_90:132 "
-                                                          "(default: this machine's GPU)"),
-          backend: Optional[str] = typer.Option(None, help="only this backend's winner"),
-          kernel_version: Optional[str] = typer.Option(None, help="only this kernel version")) -> None:
+def query(
+    op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+    problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`"),
+    device: Optional[str] = typer.Option(
+        None, help="the device class ARCH:SMS, e.g. sm_90:132 (default: this machine's GPU)"
+    ),
+    backend: Optional[str] = typer.Option(None, help="only this backend's winner"),
+    kernel_version: Optional[str] = typer.Option(None, help="only this kernel version"),
+) -> None:
     """Ask the fleet (TUNECACHE_SERVER_URL) for the best config of a shape on a device class, as
     `GET /v1/best/OP` does; prints the winner as JSON, or what the fleet has nearby."""
     from . import settings
@@ -658,12 +753,16 @@ def query(op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgr
 
 
 @app.command()
-def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (default: every op)"),
-             backend: Optional[str] = typer.Option(None, "--backend",
-                                                   help="only this backend (default: each one that runs here)"),
-             gpu: int = typer.Option(0, help="CUDA device index"),
-             force: bool = typer.Option(True, "--force/--stored",
-                                        help="run the checks now (default), or show the stored verdicts")) -> None:
+def selftest(
+    op: Optional[str] = typer.Option(None, "--op", help="only this op (default: every op)"),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", help="only this backend (default: each one that runs here)"
+    ),
+    gpu: int = typer.Option(0, help="CUDA device index"),
+    force: bool = typer.Option(
+        True, "--force/--stored", help="run the checks now (default), or show the stored verdicts"
+    ),
+) -> None:
     """Check each backend on this device: its default config over a small grid of problems per op,
     in an isolated process, against PyTorch. The ops run this once per device class and kernel
     version on their own (a backend that fails is skipped for the next one); this runs it on
@@ -676,8 +775,16 @@ def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (
     for name in ops_:
         if name not in OPS:
             _fail(f"unknown op {name!r}; expected one of {', '.join(OPS)}")
-    table = Table("op", "backend", "version", "verdict", "cases", "seconds", "detail",
-                  title=f"backend self-checks on {device} ({device.name})")
+    table = Table(
+        "op",
+        "backend",
+        "version",
+        "verdict",
+        "cases",
+        "seconds",
+        "detail",
+        title=f"backend self-checks on {device} ({device.name})",
+    )
     table.columns[-1].overflow = "fold"
     failed, elsewhere = 0, []
     for name in ops_:
@@ -694,9 +801,15 @@ def selftest(op: Optional[str] = typer.Option(None, "--op", help="only this op (
                 continue
             v = selfcheck.verdict(mod, device, force=force, torch_device=torch_device_for(device, gpu))
             failed += not v.ok
-            table.add_row(name, b, v.version[:8], "[green]ok[/green]" if v.ok else "[red]FAILED[/red]",
-                          str(v.cases) if not v.stored else "-", f"{v.seconds:.1f}" if not v.stored else "stored",
-                          v.detail)
+            table.add_row(
+                name,
+                b,
+                v.version[:8],
+                "[green]ok[/green]" if v.ok else "[red]FAILED[/red]",
+                str(v.cases) if not v.stored else "-",
+                f"{v.seconds:.1f}" if not v.stored else "stored",
+                v.detail,
+            )
     console.print(table)
     if elsewhere:
         console.print(f"[dim]not for this device: {', '.join(elsewhere)}[/dim]")
@@ -716,8 +829,9 @@ def parse_duration(text: str):
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a duration: give a positive number and a unit, e.g. 30d, 12h, 90m, "
-                         f"45s or 2w")
+        raise ValueError(
+            f"{text!r} is not a duration: give a positive number and a unit, e.g. 30d, 12h, 90m, 45s or 2w"
+        )
     return timedelta(seconds=float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"])
 
 
@@ -738,10 +852,13 @@ def _iso(t) -> str | None:
 
 
 @db_app.command("prune")
-def db_prune(older_than: str = typer.Option(..., help="delete what is older than this: 30d, 12h, 2w"),
-             job_ttl: Optional[str] = typer.Option(None, help="expire jobs queued longer than this "
-                                                              "(default TUNECACHE_JOB_TTL_S, 7 days)"),
-             url: Optional[str] = typer.Option(None, help="database URL (default TUNECACHE_DB_URL)")) -> None:
+def db_prune(
+    older_than: str = typer.Option(..., help="delete what is older than this: 30d, 12h, 2w"),
+    job_ttl: Optional[str] = typer.Option(
+        None, help="expire jobs queued longer than this (default TUNECACHE_JOB_TTL_S, 7 days)"
+    ),
+    url: Optional[str] = typer.Option(None, help="database URL (default TUNECACHE_DB_URL)"),
+) -> None:
     """Delete trials, submissions (each key's latest accepted one is kept) and finished jobs older
     than --older-than, and expire jobs queued past their TTL (marked failed, saying so). Run it
     from cron; the audit log is kept."""
@@ -755,22 +872,27 @@ def db_prune(older_than: str = typer.Option(..., help="delete what is older than
         store.audit(cli_actor(), "db.prune", store.safe_url, {"older_than": older_than, **counts})
     except (StoreError, ValueError) as e:
         _fail(str(e))
-    console.print(f"pruned {counts['trials']} trial(s), {counts['submissions']} submission(s) and "
-                  f"{counts['jobs']} finished job(s) older than {older_than}; expired {counts['expired_jobs']} "
-                  f"queued job(s)")
+    console.print(
+        f"pruned {counts['trials']} trial(s), {counts['submissions']} submission(s) and "
+        f"{counts['jobs']} finished job(s) older than {older_than}; expired {counts['expired_jobs']} "
+        f"queued job(s)"
+    )
 
 
-audit_app = typer.Typer(help="The audit log of admin actions (deletes, imports, tokens, the queue).",
-                        no_args_is_help=True)
+audit_app = typer.Typer(
+    help="The audit log of admin actions (deletes, imports, tokens, the queue).", no_args_is_help=True
+)
 app.add_typer(audit_app, name="audit")
 
 
 @audit_app.command("ls")
-def audit_ls(limit: int = typer.Option(50, help="at most this many rows, newest first"),
-             action: Optional[str] = typer.Option(None, help="only this action, e.g. config.delete"),
-             actor: Optional[str] = typer.Option(None, help="only this actor (a token's name, or cli:user@host)"),
-             as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
-             db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")) -> None:
+def audit_ls(
+    limit: int = typer.Option(50, help="at most this many rows, newest first"),
+    action: Optional[str] = typer.Option(None, help="only this action, e.g. config.delete"),
+    actor: Optional[str] = typer.Option(None, help="only this actor (a token's name, or cli:user@host)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
+    db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
+) -> None:
     """List admin actions: who, what, on what, when."""
     from .store import Store
 
@@ -783,23 +905,34 @@ def audit_ls(limit: int = typer.Option(50, help="at most this many rows, newest 
     table = Table("id", "when (UTC)", "actor", "action", "target", "details")
     for r in rows:
         who = r.actor if r.actor_token_id is None else f"{r.actor} (token {r.actor_token_id})"
-        table.add_row(str(r.id), str(r.at)[:19], who, r.action, r.target,
-                      "" if r.details is None else json.dumps(r.details, separators=(",", ":"), default=str))
+        table.add_row(
+            str(r.id),
+            str(r.at)[:19],
+            who,
+            r.action,
+            r.target,
+            "" if r.details is None else json.dumps(r.details, separators=(",", ":"), default=str),
+        )
     console.print(table)
 
 
 # ---- the queue: tunecache jobs ls | retry | drop -------------------------------------------
 
-jobs_app = typer.Typer(no_args_is_help=True, help=(
-    "The tuning queue: list jobs, queue failed ones again, drop them.\n\n"
-    "Which queue: with --db-url, the store at that URL (the local SQLite store, or the fleet's Postgres reached "
-    "directly); else, with TUNECACHE_SERVER_URL set, the fleet service's, through its API and TUNECACHE_TOKEN "
-    "(ls needs a read token, retry and drop an admin token); else the store at TUNECACHE_DB_URL. Retries and "
-    "drops are kept in the audit log."))
+jobs_app = typer.Typer(
+    no_args_is_help=True,
+    help=(
+        "The tuning queue: list jobs, queue failed ones again, drop them.\n\n"
+        "Which queue: with --db-url, the store at that URL (the local SQLite store, or the fleet's Postgres reached "
+        "directly); else, with TUNECACHE_SERVER_URL set, the fleet service's, through its API and TUNECACHE_TOKEN "
+        "(ls needs a read token, retry and drop an admin token); else the store at TUNECACHE_DB_URL. Retries and "
+        "drops are kept in the audit log."
+    ),
+)
 app.add_typer(jobs_app, name="jobs")
 
-_DB_URL_HELP = "work on the store at this URL directly (default: the fleet if TUNECACHE_SERVER_URL is set, " \
-               "else TUNECACHE_DB_URL)"
+_DB_URL_HELP = (
+    "work on the store at this URL directly (default: the fleet if TUNECACHE_SERVER_URL is set, else TUNECACHE_DB_URL)"
+)
 
 
 def _job_queue(db_url: Optional[str]):
@@ -833,19 +966,25 @@ def _digests(queue, given: list[str]) -> list[str]:
     for prefix in given:
         found = [d for d in known if d.startswith(prefix.lower())]
         if len(found) != 1:
-            _fail(f"{prefix!r} matches {len(found)} jobs in {queue.where}; give more of the digest" if found else
-                  f"no job whose digest starts with {prefix!r} in {queue.where}")
+            _fail(
+                f"{prefix!r} matches {len(found)} jobs in {queue.where}; give more of the digest"
+                if found
+                else f"no job whose digest starts with {prefix!r} in {queue.where}"
+            )
         out.append(found[0])
     return out
 
 
 @jobs_app.command("ls")
-def jobs_ls(status: Optional[str] = typer.Option(None, help="only jobs with this status: queued, running, done, "
-                                                            "failed or quarantined"),
-            device: Optional[str] = typer.Option(None, help="only this device class, e.g. sm_90:132 or cpu:0"),
-            limit: int = typer.Option(1000, min=1, max=10000, help="at most this many jobs (oldest first)"),
-            as_json: bool = typer.Option(False, "--json", help="one JSON object per job"),
-            db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
+def jobs_ls(
+    status: Optional[str] = typer.Option(
+        None, help="only jobs with this status: queued, running, done, failed or quarantined"
+    ),
+    device: Optional[str] = typer.Option(None, help="only this device class, e.g. sm_90:132 or cpu:0"),
+    limit: int = typer.Option(1000, min=1, max=10000, help="at most this many jobs (oldest first)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per job"),
+    db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP),
+) -> None:
     """List jobs: status, attempts, lease holder and until when, when a queued one may run, the
     last error. Quarantined jobs are rows that cannot be read (see their error)."""
     from .errors import last_line
@@ -866,34 +1005,61 @@ def jobs_ls(status: Optional[str] = typer.Option(None, help="only jobs with this
         _fail(str(e))
     if as_json:
         for j in jobs:
-            sys.stdout.write(json.dumps({**j.key.fields(), "digest": j.digest, "id": j.id, "status": j.status,
-                                         "priority": j.priority, "attempts": j.attempts,
-                                         "max_attempts": j.max_attempts, "lease_owner": j.lease_owner,
-                                         "lease_expires_at": _iso(j.lease_expires_at),
-                                         "not_before": _iso(j.not_before), "created_at": _iso(j.created_at),
-                                         "last_error": j.last_error, "unreadable": j.unreadable}) + "\n")
+            sys.stdout.write(
+                json.dumps(
+                    {
+                        **j.key.fields(),
+                        "digest": j.digest,
+                        "id": j.id,
+                        "status": j.status,
+                        "priority": j.priority,
+                        "attempts": j.attempts,
+                        "max_attempts": j.max_attempts,
+                        "lease_owner": j.lease_owner,
+                        "lease_expires_at": _iso(j.lease_expires_at),
+                        "not_before": _iso(j.not_before),
+                        "created_at": _iso(j.created_at),
+                        "last_error": j.last_error,
+                        "unreadable": j.unreadable,
+                    }
+                )
+                + "\n"
+            )
         return
-    table = Table("digest", "status", "kernel", "device", "problem", "attempts", "owner", "until / not before (UTC)",
-                  "last error")
+    table = Table(
+        "digest", "status", "kernel", "device", "problem", "attempts", "owner", "until / not before (UTC)", "last error"
+    )
     for j in jobs:
         when = j.lease_expires_at if j.status == "running" else j.not_before if j.status == "queued" else None
         error = j.unreadable or (j.last_error or "")
-        table.add_row(j.digest[:12], j.status, j.key.kernel, f"{j.key.arch}:{j.key.sm_count}",
-                      shape_text(dict(j.key.problem)), f"{j.attempts}/{j.max_attempts}", j.lease_owner or "",
-                      str(when or "")[:19], last_line(error))
+        table.add_row(
+            j.digest[:12],
+            j.status,
+            j.key.kernel,
+            f"{j.key.arch}:{j.key.sm_count}",
+            shape_text(dict(j.key.problem)),
+            f"{j.attempts}/{j.max_attempts}",
+            j.lease_owner or "",
+            str(when or "")[:19],
+            last_line(error),
+        )
     console.print(table)
     counts: dict[str, int] = {}
     for j in jobs:
         counts[j.status] = counts.get(j.status, 0) + 1
-    console.print(f"{len(jobs)} job(s) in {queue.where}" +
-                  ("" if not counts else ": " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))))
+    console.print(
+        f"{len(jobs)} job(s) in {queue.where}"
+        + ("" if not counts else ": " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    )
 
 
 @jobs_app.command("retry")
-def jobs_retry(digests: Optional[list[str]] = typer.Argument(None, help="digests, or unique prefixes of them"),
-               failed: bool = typer.Option(False, "--failed", help="every failed job (of --device, if given)"),
-               device: Optional[str] = typer.Option(None, help="with --failed: only this device class"),
-               db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
+def jobs_retry(
+    digests: Optional[list[str]] = typer.Argument(None, help="digests, or unique prefixes of them"),
+    failed: bool = typer.Option(False, "--failed", help="every failed job (of --device, if given)"),
+    device: Optional[str] = typer.Option(None, help="with --failed: only this device class"),
+    db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP),
+) -> None:
     """Queue jobs again now, attempts reset: failed, quarantined or backing-off ones (a running or
     done job is refused, saying why). Through the fleet this needs an admin token."""
     from .job_queue import QueueError
@@ -923,8 +1089,10 @@ def jobs_retry(digests: Optional[list[str]] = typer.Argument(None, help="digests
 
 
 @jobs_app.command("drop")
-def jobs_drop(digests: list[str] = typer.Argument(..., help="digests, or unique prefixes of them"),
-              db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP)) -> None:
+def jobs_drop(
+    digests: list[str] = typer.Argument(..., help="digests, or unique prefixes of them"),
+    db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP),
+) -> None:
     """Delete jobs, whatever their state (a worker holding one loses its lease, and its result is
     not published). Through the fleet this needs an admin token."""
     from .job_queue import QueueError
@@ -944,19 +1112,25 @@ def jobs_drop(digests: list[str] = typer.Argument(..., help="digests, or unique 
 
 # ---- the fleet's winners: tunecache fleet purge ------------------------------------------------
 
-fleet_app = typer.Typer(no_args_is_help=True, help=(
-    "Operate on the fleet's winners in its database directly (--db-url, default TUNECACHE_DB_URL: the "
-    "service's Postgres URL), as `tunecache token` does. Through the service, with an admin token: "
-    "POST /v1/admin/purge."))
+fleet_app = typer.Typer(
+    no_args_is_help=True,
+    help=(
+        "Operate on the fleet's winners in its database directly (--db-url, default TUNECACHE_DB_URL: the "
+        "service's Postgres URL), as `tunecache token` does. Through the service, with an admin token: "
+        "POST /v1/admin/purge."
+    ),
+)
 app.add_typer(fleet_app, name="fleet")
 
 
 @fleet_app.command("purge")
-def fleet_purge(token: str = typer.Option(..., "--token", help="the token's name (`tunecache token ls`); every "
-                                                               "token that had this name"),
-                dry_run: bool = typer.Option(False, "--dry-run", help="show what would be removed; change nothing"),
-                db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)")
-                ) -> None:
+def fleet_purge(
+    token: str = typer.Option(
+        ..., "--token", help="the token's name (`tunecache token ls`); every token that had this name"
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be removed; change nothing"),
+    db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
+) -> None:
     """Remove everything one token submitted: every winner its results made and every submission
     it sent. Each displaced key is queued for a worker to tune again (a failed job is left for
     `tunecache jobs retry`), and the fleet's generation moves, so hosts drop their copies
@@ -971,24 +1145,46 @@ def fleet_purge(token: str = typer.Option(..., "--token", help="the token's name
         store = Store(db_url) if db_url else _store()
         report = store.purge_token(token, dry_run=dry_run)
         if not dry_run:
-            store.audit(cli_actor(), "config.purge", f"token:{token}",
-                        {"removed": [r.digest for r in report.removed], "submissions": report.submissions})
+            store.audit(
+                cli_actor(),
+                "config.purge",
+                f"token:{token}",
+                {"removed": [r.digest for r in report.removed], "submissions": report.submissions},
+            )
     except StoreError as e:
         _fail(str(e))
     verb = "would remove" if dry_run else "removed"
-    table = Table("digest", "kernel", "device", "problem", "config", "ms", "job",
-                  title=f"winners made by token {token!r} ({verb})")
+    table = Table(
+        "digest",
+        "kernel",
+        "device",
+        "problem",
+        "config",
+        "ms",
+        "job",
+        title=f"winners made by token {token!r} ({verb})",
+    )
     for r in report.removed:
-        table.add_row(r.digest[:12], r.key.kernel, f"{r.key.arch}:{r.key.sm_count}",
-                      json.dumps(dict(r.key.problem), separators=(",", ":")),
-                      json.dumps(r.config, separators=(",", ":")), f"{r.median_ms:.4g}",
-                      report.jobs.get(r.digest, "-"))
+        table.add_row(
+            r.digest[:12],
+            r.key.kernel,
+            f"{r.key.arch}:{r.key.sm_count}",
+            json.dumps(dict(r.key.problem), separators=(",", ":")),
+            json.dumps(r.config, separators=(",", ":")),
+            f"{r.median_ms:.4g}",
+            report.jobs.get(r.digest, "-"),
+        )
     if report.removed:
         console.print(table)
     failed = [d for d, st in report.jobs.items() if st not in ("queued", "running")]
-    console.print(f"{verb} {len(report.removed)} winner(s) and {report.submissions} submission(s) of token {token!r}"
-                  + ("" if dry_run else f"; {len(report.removed) - len(failed)} key(s) queued for tuning; "
-                                        f"generation now {report.generation}"))
+    console.print(
+        f"{verb} {len(report.removed)} winner(s) and {report.submissions} submission(s) of token {token!r}"
+        + (
+            ""
+            if dry_run
+            else f"; {len(report.removed) - len(failed)} key(s) queued for tuning; generation now {report.generation}"
+        )
+    )
     for d in failed:
         if report.jobs[d] == "unreadable":
             err.print(f"  {d[:12]}: a winner row that could not be read was {verb}; its key cannot be queued")

@@ -139,10 +139,12 @@ class _DeadlineStream(httpcore.NetworkStream):
     def close(self) -> None:
         self._stream.close()
 
-    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname,
-                                                      _left(timeout, httpcore.ConnectTimeout)))
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(
+            self._stream.start_tls(ssl_context, server_hostname, _left(timeout, httpcore.ConnectTimeout))
+        )
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)
@@ -155,10 +157,19 @@ class _DeadlineBackend(httpcore.NetworkBackend):
     def __init__(self) -> None:
         self._backend = httpcore.SyncBackend()
 
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._backend.connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout),
-                                                         local_address, socket_options))
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(
+            self._backend.connect_tcp(
+                host, port, _left(timeout, httpcore.ConnectTimeout), local_address, socket_options
+            )
+        )
 
 
 @contextlib.contextmanager
@@ -189,19 +200,28 @@ class _Transport(httpx.BaseTransport):
     httpx's defaults) over `_DeadlineBackend`. HTTPTransport itself takes no network backend."""
 
     def __init__(self, ssl_context: ssl.SSLContext | None) -> None:
-        self._pool = httpcore.ConnectionPool(ssl_context=ssl_context, network_backend=_DeadlineBackend(),
-                                             max_connections=100, max_keepalive_connections=20,
-                                             keepalive_expiry=5.0)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=ssl_context,
+            network_backend=_DeadlineBackend(),
+            max_connections=100,
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+        )
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        req = httpcore.Request(request.method, httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
-                                                            target=url.raw_path),
-                               headers=request.headers.raw, content=request.stream, extensions=request.extensions)
+        req = httpcore.Request(
+            request.method,
+            httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            headers=request.headers.raw,
+            content=request.stream,
+            extensions=request.extensions,
+        )
         with _httpx_errors(request):
             resp = self._pool.handle_request(req)
-        return httpx.Response(resp.status, headers=resp.headers, stream=_Body(resp.stream, request),
-                              extensions=resp.extensions)
+        return httpx.Response(
+            resp.status, headers=resp.headers, stream=_Body(resp.stream, request), extensions=resp.extensions
+        )
 
     def close(self) -> None:
         self._pool.close()
@@ -225,8 +245,13 @@ def _tls_context() -> ssl.SSLContext:
                 return ssl.create_default_context(capath=path)
             return ssl.create_default_context(cafile=path)
         except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
-            log.warning("tunecache: %s=%r is not a usable CA bundle (%s); the fleet client trusts the default "
-                        "CA bundle (certifi) instead", name, path, e)
+            log.warning(
+                "tunecache: %s=%r is not a usable CA bundle (%s); the fleet client trusts the default "
+                "CA bundle (certifi) instead",
+                name,
+                path,
+                e,
+            )
     return ssl.create_default_context(cafile=certifi.where())
 
 
@@ -251,34 +276,53 @@ def sends_token_in_clear(url: str, token: str | None) -> bool:
 class FleetClient:
     """lookup / publish / enqueue for the launcher, and the worker's queue calls."""
 
-    def __init__(self, url: str, token: str | None = None, *, timeout_s: float | None = None,
-                 connect_timeout_s: float | None = None, failures: int | None = None,
-                 open_s: float | None = None, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        connect_timeout_s: float | None = None,
+        failures: int | None = None,
+        open_s: float | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.token = token
-        self.timeout_s = timeout_s if timeout_s is not None else _setting(settings.server_timeout_s,
-                                                                          settings.SERVER_TIMEOUT_S)
-        self.max_bytes = max_bytes if max_bytes is not None else _setting(settings.server_max_bytes,
-                                                                          settings.SERVER_MAX_BYTES)
+        self.timeout_s = (
+            timeout_s if timeout_s is not None else _setting(settings.server_timeout_s, settings.SERVER_TIMEOUT_S)
+        )
+        self.max_bytes = (
+            max_bytes if max_bytes is not None else _setting(settings.server_max_bytes, settings.SERVER_MAX_BYTES)
+        )
         connect = connect_timeout_s if connect_timeout_s is not None else min(self.timeout_s, 1.0)
         self.breaker = CircuitBreaker(
             failures if failures is not None else _setting(settings.breaker_failures, settings.BREAKER_FAILURES),
-            open_s if open_s is not None else _setting(settings.breaker_open_s, settings.BREAKER_OPEN_S))
+            open_s if open_s is not None else _setting(settings.breaker_open_s, settings.BREAKER_OPEN_S),
+        )
         # identity: the service does not compress, and a compressed answer could inflate far
         # past the size cap in one chunk
         headers = {"User-Agent": "tunecache-client", "Accept-Encoding": "identity"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
             if sends_token_in_clear(self.url, token):
-                log.warning("tunecache: the fleet token is sent unencrypted to %s (plain http://, not loopback): "
-                            "anyone on the path can read and reuse it; use https://", httpx.URL(self.url).host)
+                log.warning(
+                    "tunecache: the fleet token is sent unencrypted to %s (plain http://, not loopback): "
+                    "anyone on the path can read and reuse it; use https://",
+                    httpx.URL(self.url).host,
+                )
         tls = _tls_context() if httpx.URL(self.url).scheme == "https" else None
         # trust_env=False: HTTP(S)_PROXY / ALL_PROXY are set on hosts for downloads from the
         # internet; the fleet is on the cluster's own network, and a proxy in between would add
         # a hop that can stall the user's call and would see the token. (CA bundles from the
         # environment are honoured: _tls_context reads them.)
-        self._http = httpx.Client(base_url=self.url, headers=headers, trust_env=False, transport=_Transport(tls),
-                                  timeout=httpx.Timeout(self.timeout_s, connect=connect))
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            trust_env=False,
+            transport=_Transport(tls),
+            timeout=httpx.Timeout(self.timeout_s, connect=connect),
+        )
         self._warned: set[tuple[int, str]] = set()
         # the fleet's generation as its last answer said (see tunecache.config_cache)
         self.generation: int | None = None
@@ -288,8 +332,9 @@ class FleetClient:
 
     # ---- transport ----------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, parse: Callable[[Any], Any], json: Any = None,
-              params: dict | None = None) -> tuple[int, Any] | None:
+    def _call(
+        self, method: str, path: str, parse: Callable[[Any], Any], json: Any = None, params: dict | None = None
+    ) -> tuple[int, Any] | None:
         """(200, parse(body)) or (a 4xx status, None); None when the service is unavailable.
 
         Only an answer that parses counts as a success of the breaker: a service that replies
@@ -308,8 +353,11 @@ class FleetClient:
                 value = None
                 self._warn_once(status, method, path, body)
         except httpx.TimeoutException:
-            self._failed(method, path, f"no whole answer within the deadline of {self.timeout_s:g} s "
-                                       "(TUNECACHE_SERVER_TIMEOUT_S)")
+            self._failed(
+                method,
+                path,
+                f"no whole answer within the deadline of {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)",
+            )
             return None
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RecursionError, Unavailable) as e:
             self._failed(method, path, short(e))
@@ -328,14 +376,18 @@ class FleetClient:
                     self.generation = int(generation)
                 length = r.headers.get("content-length", "")
                 if length.isdigit() and int(length) > self.max_bytes:
-                    raise Unavailable(f"the answer is {int(length)} bytes long (Content-Length), over the cap of "
-                                      f"{self.max_bytes} (TUNECACHE_SERVER_MAX_BYTES); not read")
+                    raise Unavailable(
+                        f"the answer is {int(length)} bytes long (Content-Length), over the cap of "
+                        f"{self.max_bytes} (TUNECACHE_SERVER_MAX_BYTES); not read"
+                    )
                 chunks, size = [], 0
                 for chunk in r.iter_raw():
                     size += len(chunk)
                     if size > self.max_bytes:  # closing the response drops the connection
-                        raise Unavailable(f"the answer passed the cap of {self.max_bytes} bytes "
-                                          f"(TUNECACHE_SERVER_MAX_BYTES); stopped reading at {size}")
+                        raise Unavailable(
+                            f"the answer passed the cap of {self.max_bytes} bytes "
+                            f"(TUNECACHE_SERVER_MAX_BYTES); stopped reading at {size}"
+                        )
                     chunks.append(chunk)
                 return r.status_code, b"".join(chunks)
         finally:
@@ -343,8 +395,14 @@ class FleetClient:
 
     def _failed(self, method: str, path: str, why: str) -> None:
         self.breaker.failure()
-        log.warning("tunecache: fleet %s %s%s failed (%s)%s", method, self.url, path, why,
-                    "; circuit open" if self.breaker.is_open else "")
+        log.warning(
+            "tunecache: fleet %s %s%s failed (%s)%s",
+            method,
+            self.url,
+            path,
+            why,
+            "; circuit open" if self.breaker.is_open else "",
+        )
 
     def _warn_once(self, status: int, method: str, path: str, body: bytes) -> None:
         if status in (404, 409):
@@ -429,12 +487,17 @@ class FleetClient:
     def report(self, key: TuneKey, config: dict, error: str) -> bool | None:
         """Tell the fleet that its config for this key cannot run here (kept as a failed trial;
         a worker re-times the key). True if recorded, None if the fleet could not be reached."""
-        res = self._call("POST", f"{API}/configs/{key.digest}/reports", _expect("recorded"),
-                         json={"config": config, "error": (error or "unknown")[:4000]})
+        res = self._call(
+            "POST",
+            f"{API}/configs/{key.digest}/reports",
+            _expect("recorded"),
+            json={"config": config, "error": (error or "unknown")[:4000]},
+        )
         return None if res is None else res[0] == 200
 
-    def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (),
-                tune_seconds: float | None = None) -> dict | bool | None:
+    def publish(
+        self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), tune_seconds: float | None = None
+    ) -> dict | bool | None:
         """Publish a result; the service keeps the faster one. Returns its answer
         ({"accepted", "submission_id", "kept"}), False if it refused the result (4xx), None if
         it could not be reached."""
@@ -443,8 +506,15 @@ class FleetClient:
         if len(trials) > MAX_TRIALS_PER_PUBLISH:  # the service refuses more: keep the fastest, then failures
             trials.sort(key=lambda t: (t.status != "ok", t.median_ms if t.median_ms is not None else float("inf")))
             trials = trials[:MAX_TRIALS_PER_PUBLISH]
-        body["trials"] = [{"config": t.config, "status": t.status, "median_ms": t.median_ms,
-                           "error": (t.error or None) and t.error[:4000]} for t in trials]
+        body["trials"] = [
+            {
+                "config": t.config,
+                "status": t.status,
+                "median_ms": t.median_ms,
+                "error": (t.error or None) and t.error[:4000],
+            }
+            for t in trials
+        ]
         if tune_seconds is not None:
             body["tune_seconds"] = float(tune_seconds)
         res = self._call("POST", f"{API}/configs", _expect("accepted", "submission_id", "kept"), json=body)
@@ -454,17 +524,25 @@ class FleetClient:
 
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> dict | None:
         """Ask the fleet to tune this key (one active job per key). None if it could not be sent."""
-        res = self._call("POST", f"{API}/jobs", _expect("id", "status"),
-                         json={**key.fields(), "priority": priority, "max_attempts": max_attempts})
+        res = self._call(
+            "POST",
+            f"{API}/jobs",
+            _expect("id", "status"),
+            json={**key.fields(), "priority": priority, "max_attempts": max_attempts},
+        )
         return None if res is None else res[1]
 
     # ---- the worker's calls -------------------------------------------------------------
 
-    def claim(self, owner: str, device: DeviceClass, lease_s: float = 60.0,
-              kernel_versions: Mapping[str, str] | None = None,
-              triton_version: str | None = None) -> ClaimedJob | None:
-        body: dict[str, Any] = {"owner": owner, "arch": device.arch, "sm_count": device.sm_count,
-                                "lease_s": lease_s}
+    def claim(
+        self,
+        owner: str,
+        device: DeviceClass,
+        lease_s: float = 60.0,
+        kernel_versions: Mapping[str, str] | None = None,
+        triton_version: str | None = None,
+    ) -> ClaimedJob | None:
+        body: dict[str, Any] = {"owner": owner, "arch": device.arch, "sm_count": device.sm_count, "lease_s": lease_s}
         if kernel_versions is not None:
             body["kernel_versions"] = dict(kernel_versions)
         if triton_version is not None:
@@ -480,16 +558,22 @@ class FleetClient:
             secret = answer["lease_secret"]
             if not isinstance(secret, str) or not secret:
                 raise ValueError("a claimed job without its lease secret")
-            return ClaimedJob(id=int(job["id"]), key=key, attempts=int(job["attempts"]),
-                              max_attempts=int(job["max_attempts"]), lease_secret=secret,
-                              retime=job.get("retime") is True)
+            return ClaimedJob(
+                id=int(job["id"]),
+                key=key,
+                attempts=int(job["attempts"]),
+                max_attempts=int(job["max_attempts"]),
+                lease_secret=secret,
+                retime=job.get("retime") is True,
+            )
 
         res = self._call("POST", f"{API}/jobs/claim", parse, json=body)
         if res is not None and res[0] in (401, 403):
-            raise Refused(f"the fleet at {self.url} refused to hand out jobs ({res[0]}: "
-                          + ("no valid token: set TUNECACHE_TOKEN" if res[0] == 401 else
-                             "this token lacks the worker scope") +
-                          "); a worker needs a token made with `tunecache token create --scope worker`")
+            raise Refused(
+                f"the fleet at {self.url} refused to hand out jobs ({res[0]}: "
+                + ("no valid token: set TUNECACHE_TOKEN" if res[0] == 401 else "this token lacks the worker scope")
+                + "); a worker needs a token made with `tunecache token create --scope worker`"
+            )
         return None if res is None else res[1]
 
     def _job_call(self, job_id: int, what: str, body: dict) -> bool | None:
@@ -510,16 +594,18 @@ class FleetClient:
         return self._job_call(job_id, "complete", body)
 
     def fail(self, job_id: int, lease_secret: str, error: str, backoff_s: float = 5.0) -> bool | None:
-        return self._job_call(job_id, "fail", {"lease_secret": lease_secret, "error": error[-8000:],
-                                               "backoff_s": backoff_s})
+        return self._job_call(
+            job_id, "fail", {"lease_secret": lease_secret, "error": error[-8000:], "backoff_s": backoff_s}
+        )
 
     def release(self, job_id: int, lease_secret: str) -> bool | None:
         return self._job_call(job_id, "release", {"lease_secret": lease_secret})
 
     # ---- operators' calls (`tunecache jobs`): (200, the answer) or (4xx, the service's words) ----
 
-    def list_jobs(self, status: str | None = None, limit: int = 1000,
-                  device: DeviceClass | None = None) -> tuple[int, Any] | None:
+    def list_jobs(
+        self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None
+    ) -> tuple[int, Any] | None:
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = status
@@ -535,8 +621,12 @@ class FleetClient:
 
     def queue_counts(self, device: DeviceClass | None = None) -> dict[str, int] | None:
         params = None if device is None else {"arch": device.arch, "sm_count": device.sm_count}
-        res = self._call("GET", f"{API}/jobs/stats",
-                         lambda b: {k: int(b[k]) for k in ("queued", "running", "done", "failed")}, params=params)
+        res = self._call(
+            "GET",
+            f"{API}/jobs/stats",
+            lambda b: {k: int(b[k]) for k in ("queued", "running", "done", "failed")},
+            params=params,
+        )
         return None if res is None or res[0] != 200 else res[1]
 
     def job_statuses(self, digests: Iterable[str]) -> dict[str, str] | None:

@@ -131,10 +131,30 @@ def backend_module(op: str, backend: str) -> ModuleType:
 # need no padding, a 3x3 filter with padding (im2col offsets and a partial window).
 REPRESENTATIVE = {
     "matmul": {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16"},
-    "conv2d_fprop": {"N": 32, "H": 56, "W": 56, "Ci": 256, "Co": 256, "R": 3, "S": 3, "stride": 1,
-                     "padding": 1, "dtype": "bfloat16"},
-    "conv2d_wgrad": {"N": 32, "H": 56, "W": 56, "Ci": 256, "Co": 256, "R": 3, "S": 3, "stride": 1,
-                     "padding": 1, "dtype": "bfloat16"},
+    "conv2d_fprop": {
+        "N": 32,
+        "H": 56,
+        "W": 56,
+        "Ci": 256,
+        "Co": 256,
+        "R": 3,
+        "S": 3,
+        "stride": 1,
+        "padding": 1,
+        "dtype": "bfloat16",
+    },
+    "conv2d_wgrad": {
+        "N": 32,
+        "H": 56,
+        "W": 56,
+        "Ci": 256,
+        "Co": 256,
+        "R": 3,
+        "S": 3,
+        "stride": 1,
+        "padding": 1,
+        "dtype": "bfloat16",
+    },
 }
 
 
@@ -153,8 +173,19 @@ def spec_key(spec: Any, arch: str) -> str:
     fn = spec.fn
     fn_name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
     ce = {str(k): repr(v) for k, v in spec.constexprs.items()}
-    return json.dumps([arch, fn_name, spec.signature, ce, spec.num_warps, spec.num_stages, spec.num_ctas,
-                       {k: repr(v) for k, v in sorted(spec.options.items())}], sort_keys=True)
+    return json.dumps(
+        [
+            arch,
+            fn_name,
+            spec.signature,
+            ce,
+            spec.num_warps,
+            spec.num_stages,
+            spec.num_ctas,
+            {k: repr(v) for k, v in sorted(spec.options.items())},
+        ],
+        sort_keys=True,
+    )
 
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
@@ -212,8 +243,15 @@ def report_spec(spec: Any, arch: str) -> KernelReport:
     md = kernel.metadata
     tmem = getattr(md, "tmem_size", None)
     regs, spill = _resource_usage(kernel.asm["cubin"]) if "cubin" in kernel.asm else (None, None)
-    return KernelReport(name, True, shared=int(md.shared), tmem=None if tmem is None else int(tmem),
-                        regs=regs, stack_bytes=spill, seconds=seconds)
+    return KernelReport(
+        name,
+        True,
+        shared=int(md.shared),
+        tmem=None if tmem is None else int(tmem),
+        regs=regs,
+        stack_bytes=spill,
+        seconds=seconds,
+    )
 
 
 def _describe(e: BaseException) -> str:
@@ -228,8 +266,9 @@ def _describe(e: BaseException) -> str:
 # ---- the process pool --------------------------------------------------------------------------
 
 
-def _worker_compile(module_name: str, problem: dict, config: dict, index: int, arch: str,
-                    device: tuple[str, int]) -> KernelReport:
+def _worker_compile(
+    module_name: str, problem: dict, config: dict, index: int, arch: str, device: tuple[str, int]
+) -> KernelReport:
     import importlib
 
     mod = importlib.import_module(module_name)
@@ -237,19 +276,18 @@ def _worker_compile(module_name: str, problem: dict, config: dict, index: int, a
     return report_spec(spec, arch)
 
 
-def _worker_asm(module_name: str, problem: dict, config: dict, index: int, arch: str,
-                device: tuple[str, int]) -> dict:
+def _worker_asm(module_name: str, problem: dict, config: dict, index: int, arch: str, device: tuple[str, int]) -> dict:
     import importlib
 
     mod = importlib.import_module(module_name)
     spec = mod.compile_specs(problem, config, DeviceClass(*device))[index]
     kernel = compile_spec(spec, arch)
-    return {"asm": {k: v for k, v in kernel.asm.items() if isinstance(v, str)},
-            "shared": int(kernel.metadata.shared)}
+    return {"asm": {k: v for k, v in kernel.asm.items() if isinstance(v, str)}, "shared": int(kernel.metadata.shared)}
 
 
-def compile_in_fresh_processes(jobs: list[tuple[ModuleType, dict, dict, int]], device: DeviceClass,
-                               arch: str) -> list[dict]:
+def compile_in_fresh_processes(
+    jobs: list[tuple[ModuleType, dict, dict, int]], device: DeviceClass, arch: str
+) -> list[dict]:
     """Compile (module, problem, config, spec index) jobs in the compile workers; for each, the
     text assembly (`asm`: ttir, ttgir, llir, ptx) and the shared memory it uses (`shared`).
 
@@ -259,8 +297,10 @@ def compile_in_fresh_processes(jobs: list[tuple[ModuleType, dict, dict, int]], d
     from .isolated import WorkerFailed, compile_pool
 
     pool = compile_pool(max(1, min(default_workers(), len(jobs))))
-    msgs = [{"cmd": "asm", "task": [mod.__name__, p, c, i, arch_of(arch), [device.arch, device.sm_count]]}
-            for mod, p, c, i in jobs]
+    msgs = [
+        {"cmd": "asm", "task": [mod.__name__, p, c, i, arch_of(arch), [device.arch, device.sm_count]]}
+        for mod, p, c, i in jobs
+    ]
     out = []
     for answer in pool.run(msgs, settings.compile_timeout_s()):
         if isinstance(answer, WorkerFailed):
@@ -291,13 +331,18 @@ def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> Iterator[tuple[in
     from .isolated import WorkerFailed, compile_pool
 
     pool = compile_pool(max(1, min(workers, len(tasks))), env)
-    futures = {pool.submit({"cmd": "compile", "task": list(t)}, settings.compile_timeout_s()): i
-               for i, t in enumerate(tasks)}
+    futures = {
+        pool.submit({"cmd": "compile", "task": list(t)}, settings.compile_timeout_s()): i for i, t in enumerate(tasks)
+    }
     for f in as_completed(futures):
         i, answer = futures[f], f.result()
         if isinstance(answer, WorkerFailed):
-            yield i, KernelReport(f"spec {tasks[i][3]}", False,
-                                  error=short(f"compile worker: {answer.reason}", _ERROR_CHARS))
+            yield (
+                i,
+                KernelReport(
+                    f"spec {tasks[i][3]}", False, error=short(f"compile worker: {answer.reason}", _ERROR_CHARS)
+                ),
+            )
         else:
             yield i, KernelReport(**answer)
 
@@ -305,8 +350,15 @@ def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> Iterator[tuple[in
 # ---- configs -----------------------------------------------------------------------------------
 
 
-def compile_configs(mod: ModuleType, problem: dict, configs: Iterable[dict], device: DeviceClass | str,
-                    *, workers: int | None = None, cache_dir: str | None = None) -> list[ConfigReport]:
+def compile_configs(
+    mod: ModuleType,
+    problem: dict,
+    configs: Iterable[dict],
+    device: DeviceClass | str,
+    *,
+    workers: int | None = None,
+    cache_dir: str | None = None,
+) -> list[ConfigReport]:
     """Compile every kernel of every config for the device's target; one report per config,
     in order. Identical specs are compiled once (in parallel across `workers` processes)."""
     configs = list(configs)
@@ -314,9 +366,15 @@ def compile_configs(mod: ModuleType, problem: dict, configs: Iterable[dict], dev
     return [reports[i] for i in range(len(configs))]
 
 
-def compile_configs_as_ready(mod: ModuleType, problem: dict, configs: Iterable[dict], device: DeviceClass | str,
-                             *, workers: int | None = None, cache_dir: str | None = None
-                             ) -> Iterator[tuple[int, ConfigReport]]:
+def compile_configs_as_ready(
+    mod: ModuleType,
+    problem: dict,
+    configs: Iterable[dict],
+    device: DeviceClass | str,
+    *,
+    workers: int | None = None,
+    cache_dir: str | None = None,
+) -> Iterator[tuple[int, ConfigReport]]:
     """`compile_configs`, yielding (index, report) for each config as soon as all its kernels
     are compiled: the tuner times one candidate while the others still compile."""
     arch = arch_of(device)
@@ -368,16 +426,27 @@ def _config_report(cfg: dict, arch: str, entry, results: Mapping[int, KernelRepo
     kernels = []
     for idx, shared in entry:
         r = results[idx]
-        kernels.append(KernelReport(**{**asdict(r), "reused": shared, "seconds": 0.0 if shared else round(r.seconds, 3)}))
+        kernels.append(
+            KernelReport(**{**asdict(r), "reused": shared, "seconds": 0.0 if shared else round(r.seconds, 3)})
+        )
     compiled = all(k.compiled for k in kernels)
 
     def most(attr):
         vals = [getattr(k, attr) for k in kernels if getattr(k, attr) is not None]
         return max(vals) if vals else None
 
-    rep = ConfigReport(cfg, arch, compiled=compiled, ok=False, shared=most("shared"), tmem=most("tmem"),
-                       regs=most("regs"), stack_bytes=most("stack_bytes"),
-                       seconds=round(sum(k.seconds for k in kernels), 3), kernels=kernels)
+    rep = ConfigReport(
+        cfg,
+        arch,
+        compiled=compiled,
+        ok=False,
+        shared=most("shared"),
+        tmem=most("tmem"),
+        regs=most("regs"),
+        stack_bytes=most("stack_bytes"),
+        seconds=round(sum(k.seconds for k in kernels), 3),
+        kernels=kernels,
+    )
     if not compiled:
         rep.error = next(k.error for k in kernels if not k.compiled)
         return rep
@@ -396,9 +465,17 @@ def resource_error(rep: ConfigReport | KernelReport, arch: str) -> str | None:
     return None
 
 
-def compile_space(op: str, backend: str, arch: str, problem: dict | None = None, *, all_configs: bool = False,
-                  workers: int | None = None, sm_count: int | None = None,
-                  cache_dir: str | None = None) -> list[ConfigReport]:
+def compile_space(
+    op: str,
+    backend: str,
+    arch: str,
+    problem: dict | None = None,
+    *,
+    all_configs: bool = False,
+    workers: int | None = None,
+    sm_count: int | None = None,
+    cache_dir: str | None = None,
+) -> list[ConfigReport]:
     """`tunecache compile`: the backend's candidates for the problem (its config_space after
     prune) or, with all_configs, every config of its space, each marked with `pruned`."""
     from tunecache_kernels.spaces import space_for

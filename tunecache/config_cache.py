@@ -185,8 +185,7 @@ class ConfigCache:
         if status == "unavailable":
             return rec
         if status == "miss":
-            log.info("tunecache: the fleet no longer has %s %s: removing this host's copy", key.kernel,
-                     key.digest[:12])
+            log.info("tunecache: the fleet no longer has %s %s: removing this host's copy", key.kernel, key.digest[:12])
             if store is not None:
                 self.store_call("remove a fleet copy", lambda: store.delete_fleet_copy(key.digest))
             return None
@@ -200,16 +199,24 @@ class ConfigCache:
 
     # ---- keep, drop, enqueue ----------------------------------------------------------------
 
-    def keep(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), *, run_id: str | None = None,
-             tune_seconds: float | None = None, publish: bool = True) -> tuple[ConfigRecord, bool]:
+    def keep(
+        self,
+        rec: ConfigRecord,
+        trials: Iterable[TrialRecord] = (),
+        *,
+        run_id: str | None = None,
+        tune_seconds: float | None = None,
+        publish: bool = True,
+    ) -> tuple[ConfigRecord, bool]:
         """Store a result (unless a faster one is kept) and publish it; returns (the record to
         run, whether `rec` won). A store that cannot write keeps nothing and `rec` runs."""
         trials = list(trials)
         store = self.store()
         kept, won = rec, True
         if store is not None:
-            kept, won = self.store_call("keep a tuning result", lambda: store.put_config(rec, trials, run_id),
-                                         (rec, True))
+            kept, won = self.store_call(
+                "keep a tuning result", lambda: store.put_config(rec, trials, run_id), (rec, True)
+            )
         if won and publish:
             fleet = self.fleet()
             if fleet is not None:
@@ -218,10 +225,12 @@ class ConfigCache:
 
     def drop(self, key: TuneKey, config: dict, reason: str, *, where: str = "stored") -> None:
         """A config that cannot run here: forget the local row that holds it, tell the fleet."""
-        log.warning("tunecache: dropping the %s config of %s %s %s: %s", where, key.kernel, key.digest[:12],
-                    config, reason)
+        log.warning(
+            "tunecache: dropping the %s config of %s %s %s: %s", where, key.kernel, key.digest[:12], config, reason
+        )
         store = self.store()
         if store is not None:
+
             def delete() -> None:
                 rec = store.get_config(key.digest)
                 if rec is not None and rec.config == config:

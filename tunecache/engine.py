@@ -45,7 +45,7 @@ def sqlite_path(url: str) -> Path | None:
     if u.get_backend_name() != "sqlite" or not db or u.query.get("mode") == "memory":
         return None
     if str(u.query.get("uri", "")).lower() in ("true", "1") and db.startswith("file:"):
-        db = unquote(db[len("file:"):])
+        db = unquote(db[len("file:") :])
         if db.startswith("//"):  # file://localhost/abs or file:///abs
             db = "/" + db[2:].partition("/")[2]
     return None if db == ":memory:" else Path(db)
@@ -79,8 +79,12 @@ def make_engine(url: str, *, writable: bool = True) -> Engine:
             from sqlalchemy.pool import QueuePool
 
             kwargs["poolclass"] = QueuePool  # a shared in-memory database: see Store.in_memory
-        engine = create_engine(url, connect_args={"timeout": busy_s, "check_same_thread": False},
-                               json_deserializer=_safe_json_loads, **kwargs)
+        engine = create_engine(
+            url,
+            connect_args={"timeout": busy_s, "check_same_thread": False},
+            json_deserializer=_safe_json_loads,
+            **kwargs,
+        )
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):

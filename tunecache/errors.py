@@ -15,7 +15,7 @@ def short(error: BaseException | str, limit: int = 300) -> str:
     if len(text) <= limit:
         return text
     mark = "\n...\n" if "\n" in text else " ... "
-    return text[:limit // 2] + mark + text[-(limit // 2):]
+    return text[: limit // 2] + mark + text[-(limit // 2) :]
 
 
 def last_line(text: str, limit: int = 120) -> str:

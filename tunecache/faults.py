@@ -39,15 +39,35 @@ class NewerSchemaError(StoreError):
 # ---- faults of the database, in words --------------------------------------------------
 
 # SQLite's primary result codes (the low byte of an extended code) that say what is wrong
-_SQLITE_FAULTS = {5: "locked", 6: "locked", 8: "read-only", 10: "io", 11: "corrupt", 13: "full",
-                  14: "cantopen", 26: "corrupt"}
+_SQLITE_FAULTS = {
+    5: "locked",
+    6: "locked",
+    8: "read-only",
+    10: "io",
+    11: "corrupt",
+    13: "full",
+    14: "cantopen",
+    26: "corrupt",
+}
 # the same, from an error's text (a driver without codes, or a message passed on as text)
-_TEXT_FAULTS = (("database or disk is full", "full"), ("disk i/o error", "io"),
-                ("readonly database", "read-only"), ("file is not a database", "corrupt"),
-                ("disk image is malformed", "corrupt"), ("is locked", "locked"),
-                ("unable to open database file", "cantopen"), ("can't locate revision", "newer"))
-_OS_FAULTS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only", errno.EACCES: "denied",
-              errno.EPERM: "denied", errno.EIO: "io"}
+_TEXT_FAULTS = (
+    ("database or disk is full", "full"),
+    ("disk i/o error", "io"),
+    ("readonly database", "read-only"),
+    ("file is not a database", "corrupt"),
+    ("disk image is malformed", "corrupt"),
+    ("is locked", "locked"),
+    ("unable to open database file", "cantopen"),
+    ("can't locate revision", "newer"),
+)
+_OS_FAULTS = {
+    errno.ENOSPC: "full",
+    errno.EDQUOT: "full",
+    errno.EROFS: "read-only",
+    errno.EACCES: "denied",
+    errno.EPERM: "denied",
+    errno.EIO: "io",
+}
 # below this much free space, a disk I/O error is taken for a full disk (SQLite's shared
 # memory file, the first thing a reader writes, needs 32 KiB)
 _NEARLY_FULL_BYTES = 64 << 10
@@ -133,14 +153,18 @@ def describe_fault(exc: BaseException, path: str | os.PathLike | None = None) ->
     if p is not None and kind == "io" and _nearly_full(p):
         kind = "full"
     if kind == "corrupt":
-        damaged = any((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF == 11 or "malformed" in str(e).lower()
-                      for e in _error_chain(exc))
+        damaged = any(
+            (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF == 11 or "malformed" in str(e).lower()
+            for e in _error_chain(exc)
+        )
         return f"{name} is damaged (corrupt)" if damaged else f"{name} is not a SQLite database (corrupt)"
     if kind == "locked":
         from . import settings
 
-        return (f"{name} is locked by another process (it held a write lock past the busy timeout of "
-                f"{settings.db_busy_timeout_s():g} s)")
+        return (
+            f"{name} is locked by another process (it held a write lock past the busy timeout of "
+            f"{settings.db_busy_timeout_s():g} s)"
+        )
     return {
         "full": f"the disk holding {p if p is not None else 'the store'} is full",
         "io": f"reading or writing {name} failed with a disk I/O error (the disk may be failing)",

@@ -104,16 +104,21 @@ def floor(kernel: str, arch: str, sm_count: int, problem: Mapping[str, Any]) -> 
     """The least time the key's launch can take on its device class."""
     w = work(kernel, problem)
     if w is None:
-        return Floor(ABSOLUTE_FLOOR_MS, f"no launch completes in under {ABSOLUTE_FLOOR_MS:g} ms "
-                                        f"(no model of the work of {kernel})")
+        return Floor(
+            ABSOLUTE_FLOOR_MS,
+            f"no launch completes in under {ABSOLUTE_FLOOR_MS:g} ms (no model of the work of {kernel})",
+        )
     flops, nbytes = w
     p = peak(arch, sm_count)
     compute_ms = flops / (p.tflops * 1e12) * 1e3
     memory_ms = nbytes / (p.tb_per_s * 1e12) * 1e3
     ms = max(compute_ms, memory_ms, ABSOLUTE_FLOOR_MS)
-    return Floor(ms, f"{flops:.3g} FLOPs at {p.tflops:g} TFLOP/s take {compute_ms:.3g} ms, {nbytes:.3g} bytes at "
-                     f"{p.tb_per_s:g} TB/s take {memory_ms:.3g} ms, and no launch completes in under "
-                     f"{ABSOLUTE_FLOOR_MS:g} ms ({arch}:{sm_count}: {p.what})")
+    return Floor(
+        ms,
+        f"{flops:.3g} FLOPs at {p.tflops:g} TFLOP/s take {compute_ms:.3g} ms, {nbytes:.3g} bytes at "
+        f"{p.tb_per_s:g} TB/s take {memory_ms:.3g} ms, and no launch completes in under "
+        f"{ABSOLUTE_FLOOR_MS:g} ms ({arch}:{sm_count}: {p.what})",
+    )
 
 
 def refusal(kernel: str, arch: str, sm_count: int, problem: Mapping[str, Any], median_ms: float) -> str | None:
@@ -121,5 +126,7 @@ def refusal(kernel: str, arch: str, sm_count: int, problem: Mapping[str, Any], m
     f = floor(kernel, arch, sm_count, problem)
     if median_ms >= f.ms:
         return None
-    return (f"median_ms={median_ms:.3g} is below what {arch}:{sm_count} can do: at least {f.ms:.3g} ms for this "
-            f"{kernel} problem, since {f.why}")
+    return (
+        f"median_ms={median_ms:.3g} is below what {arch}:{sm_count} can do: at least {f.ms:.3g} ms for this "
+        f"{kernel} problem, since {f.why}"
+    )

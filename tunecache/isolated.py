@@ -72,9 +72,14 @@ class Worker:
 
     def _start(self) -> None:
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tunecache.isolated_main", self.role],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                     env=self.env, close_fds=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tunecache.isolated_main", self.role],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=self.env,
+            close_fds=True,
+        )
         self._buf = b""
         self.started += 1
         self._request({"cmd": "hello", "sys_path": list(sys.path)}, _START_TIMEOUT_S)
@@ -99,8 +104,9 @@ class Worker:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self.kill()
-                raise WorkerFailed(f"timed out after {timeout:g} s (TUNECACHE_CANDIDATE_TIMEOUT_S); "
-                                   f"the {self.role} process was killed")
+                raise WorkerFailed(
+                    f"timed out after {timeout:g} s (TUNECACHE_CANDIDATE_TIMEOUT_S); the {self.role} process was killed"
+                )
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 continue

@@ -75,8 +75,9 @@ def setup(msg: dict) -> dict:
     torch.manual_seed(0)
     args = mod.inputs(msg["problem"], dev)
     ref = mod.reference(*args)
-    _STATE.update(mod=mod, args=args, ref=ref, on_gpu=dev.startswith("cuda"), tol=msg["tolerance"],
-                  digest=msg["digest"])
+    _STATE.update(
+        mod=mod, args=args, ref=ref, on_gpu=dev.startswith("cuda"), tol=msg["tolerance"], digest=msg["digest"]
+    )
     return {"ready": msg["digest"]}
 
 
@@ -144,7 +145,11 @@ def reference(msg: dict) -> dict:
 
 
 HANDLERS: dict[str, Callable[[dict], dict]] = {
-    "hello": hello, "compile": compile_spec, "asm": compile_asm, "setup": setup, "trial": trial,
+    "hello": hello,
+    "compile": compile_spec,
+    "asm": compile_asm,
+    "setup": setup,
+    "trial": trial,
     "reference": reference,
 }
 

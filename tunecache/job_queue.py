@@ -61,9 +61,14 @@ class JobQueue(Protocol):
     def active(self, device: DeviceClass) -> int | None: ...
 
     # workers
-    def claim(self, owner: str, device: DeviceClass, lease_s: float,
-              kernel_versions: Mapping[str, str] | None = None,
-              triton_version: str | None = None) -> ClaimedJob | None: ...
+    def claim(
+        self,
+        owner: str,
+        device: DeviceClass,
+        lease_s: float,
+        kernel_versions: Mapping[str, str] | None = None,
+        triton_version: str | None = None,
+    ) -> ClaimedJob | None: ...
     def heartbeat(self, job: ClaimedJob, lease_s: float) -> bool | None: ...
     def complete(self, job: ClaimedJob, tune_seconds: float | None = None) -> bool | None: ...
     def fail(self, job: ClaimedJob, error: str, backoff_s: float = 5.0) -> bool | None: ...
@@ -71,8 +76,9 @@ class JobQueue(Protocol):
     def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any: ...
 
     # operators
-    def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None
-             ) -> list[JobRecord]: ...
+    def jobs(
+        self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None
+    ) -> list[JobRecord]: ...
     def retry(self, digest: str) -> JobRecord: ...
     def drop(self, digest: str) -> None: ...
 
@@ -101,11 +107,22 @@ class StoreQueue:
         c = self.store.job_counts(arch=device.arch, sm_count=device.sm_count)
         return c["queued"] + c["running"]
 
-    def claim(self, owner: str, device: DeviceClass, lease_s: float,
-              kernel_versions: Mapping[str, str] | None = None,
-              triton_version: str | None = None) -> ClaimedJob | None:
-        rec = self.store.claim_job(owner, arch=device.arch, sm_count=device.sm_count, lease_s=lease_s,
-                                   kernel_versions=kernel_versions, triton_version=triton_version)
+    def claim(
+        self,
+        owner: str,
+        device: DeviceClass,
+        lease_s: float,
+        kernel_versions: Mapping[str, str] | None = None,
+        triton_version: str | None = None,
+    ) -> ClaimedJob | None:
+        rec = self.store.claim_job(
+            owner,
+            arch=device.arch,
+            sm_count=device.sm_count,
+            lease_s=lease_s,
+            kernel_versions=kernel_versions,
+            triton_version=triton_version,
+        )
         if rec is None:
             return None
         return ClaimedJob(rec.id, rec.key, rec.attempts, rec.max_attempts, rec.lease_secret or "", rec.retime)
@@ -125,13 +142,13 @@ class StoreQueue:
     def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any:
         return True  # the tuner stored it in this very store
 
-    def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None
-             ) -> list[JobRecord]:
+    def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None) -> list[JobRecord]:
         from .engine import STORE_ERRORS
 
         try:
-            return self.store.list_jobs(status=status, limit=limit, arch=device and device.arch,
-                                        sm_count=device and device.sm_count)
+            return self.store.list_jobs(
+                status=status, limit=limit, arch=device and device.arch, sm_count=device and device.sm_count
+            )
         except STORE_ERRORS as e:
             raise QueueError(f"cannot read the queue at {self.where}: {e}") from None
 
@@ -149,8 +166,7 @@ class StoreQueue:
         job = self.store.get_job(digest)
         if job is None or not self.store.drop_job(digest):
             raise QueueError(f"no job for digest {digest} in {self.where}")
-        self.store.audit(self.actor, "job.drop", f"job:{digest}",
-                         {"kernel": job.key.kernel, "status": job.status})
+        self.store.audit(self.actor, "job.drop", f"job:{digest}", {"kernel": job.key.kernel, "status": job.status})
 
 
 class FleetQueue:
@@ -177,11 +193,17 @@ class FleetQueue:
         c = self.client.queue_counts(device)
         return None if c is None else c.get("queued", 0) + c.get("running", 0)
 
-    def claim(self, owner: str, device: DeviceClass, lease_s: float,
-              kernel_versions: Mapping[str, str] | None = None,
-              triton_version: str | None = None) -> ClaimedJob | None:
-        return self.client.claim(owner, device, lease_s=lease_s, kernel_versions=kernel_versions,
-                                 triton_version=triton_version)
+    def claim(
+        self,
+        owner: str,
+        device: DeviceClass,
+        lease_s: float,
+        kernel_versions: Mapping[str, str] | None = None,
+        triton_version: str | None = None,
+    ) -> ClaimedJob | None:
+        return self.client.claim(
+            owner, device, lease_s=lease_s, kernel_versions=kernel_versions, triton_version=triton_version
+        )
 
     def heartbeat(self, job: ClaimedJob, lease_s: float) -> bool | None:
         return self.client.heartbeat(job.id, job.lease_secret, lease_s=lease_s)
@@ -206,8 +228,7 @@ class FleetQueue:
             raise QueueError(f"the fleet at {self.where} answered {status}: {body}")
         return body
 
-    def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None
-             ) -> list[JobRecord]:
+    def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None) -> list[JobRecord]:
         body = self._answer(self.client.list_jobs(status=status, limit=limit, device=device), "list its jobs")
         try:
             return [job_record_from_json(j) for j in body]
@@ -228,11 +249,21 @@ def job_record_from_json(d: Mapping[str, Any]) -> JobRecord:
     def when(v: Any) -> datetime | None:
         return None if not v else datetime.fromisoformat(str(v).replace("Z", "+00:00")).replace(tzinfo=None)
 
-    return JobRecord(id=int(d["id"]), key=TuneKey.from_fields(d), status=str(d["status"]),
-                     priority=int(d["priority"]), attempts=int(d["attempts"]), max_attempts=int(d["max_attempts"]),
-                     lease_owner=d.get("lease_owner"), lease_expires_at=when(d.get("lease_expires_at")),
-                     last_error=d.get("last_error"), digest=str(d["digest"]), not_before=when(d.get("not_before")),
-                     created_at=when(d.get("created_at")), unreadable=d.get("unreadable"))
+    return JobRecord(
+        id=int(d["id"]),
+        key=TuneKey.from_fields(d),
+        status=str(d["status"]),
+        priority=int(d["priority"]),
+        attempts=int(d["attempts"]),
+        max_attempts=int(d["max_attempts"]),
+        lease_owner=d.get("lease_owner"),
+        lease_expires_at=when(d.get("lease_expires_at")),
+        last_error=d.get("last_error"),
+        digest=str(d["digest"]),
+        not_before=when(d.get("not_before")),
+        created_at=when(d.get("created_at")),
+        unreadable=d.get("unreadable"),
+    )
 
 
 def default_queue(store: Store | None = None) -> JobQueue:

@@ -71,12 +71,15 @@ class Op:
             use_interpreter_without_gpu()  # a CPU-only host: its kernels run on Triton's interpreter
         if device.arch == "cpu" and not settings.triton_interpret() and not settings.device_override():
             # CPU tensors in a process where Triton compiles for the GPU: Triton cannot run them
-            CACHE.warn_once("tunecache: CPU tensors run PyTorch's own ops in this process (Triton compiles for "
-                            "the GPU here; set TRITON_INTERPRET=1 before importing Triton to run its kernels "
-                            "on the CPU)")
+            CACHE.warn_once(
+                "tunecache: CPU tensors run PyTorch's own ops in this process (Triton compiles for "
+                "the GPU here; set TRITON_INTERPRET=1 before importing Triton to run its kernels "
+                "on the CPU)"
+            )
             with self._lock:
-                entry = self.memo[raw] = _reference_entry(registry.backends_for(self.name, device, problem)[0],
-                                                          problem, device)
+                entry = self.memo[raw] = _reference_entry(
+                    registry.backends_for(self.name, device, problem)[0], problem, device
+                )
             return entry
         forced = settings.backend_override()
         with self._lock:  # one tune per shape per process, even under threads
@@ -86,8 +89,11 @@ class Op:
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
                 mods = every if forced else selfcheck.trusted(every, device, where)
-                entry = _decide(self, raw, mods, problem, device, where) if mods else \
-                    _reference_entry(every[0], problem, device)
+                entry = (
+                    _decide(self, raw, mods, problem, device, where)
+                    if mods
+                    else _reference_entry(every[0], problem, device)
+                )
                 self.memo[raw] = entry
         return entry
 
@@ -105,8 +111,9 @@ class Op:
         if rec is None or (rec.config == entry.config and mod is entry.mod):
             entry.recheck_at = time.monotonic() + _recheck_after(rec)
             return entry
-        new = _entry(self, raw, mod, entry.problem, entry.device, rec.config, entry.key, rec=rec,
-                     fallbacks=entry.fallbacks)
+        new = _entry(
+            self, raw, mod, entry.problem, entry.device, rec.config, entry.key, rec=rec, fallbacks=entry.fallbacks
+        )
         self.memo[raw] = new
         return new
 
@@ -131,8 +138,9 @@ class Op:
                 log.warning("tunecache: fallback %s %s failed too: %s", mod.KERNEL, config, short(e))
                 continue
             log.warning("tunecache: %s now runs %s %s for this shape", self.name, mod.KERNEL, config)
-            self.memo[raw] = Entry(_bind(self, raw, mod, config), config, mod.KERNEL, mod=mod,
-                                   problem=entry.problem, device=entry.device)
+            self.memo[raw] = Entry(
+                _bind(self, raw, mod, config), config, mod.KERNEL, mod=mod, problem=entry.problem, device=entry.device
+            )
             return out
         log.warning("tunecache: %s falls back to PyTorch for this shape", self.name)
         self.memo[raw] = _reference_entry(entry.mod, entry.problem, entry.device)
@@ -164,14 +172,37 @@ def _bind(op: Op, raw: tuple, mod: ModuleType, config: dict) -> Callable[..., An
     return run
 
 
-def _entry(op: Op, raw: tuple, mod: ModuleType, problem: dict, device: DeviceClass, config: dict, key: TuneKey,
-           *, rec: ConfigRecord | None = None, fallbacks: tuple = (), provisional: bool = False) -> Entry:
+def _entry(
+    op: Op,
+    raw: tuple,
+    mod: ModuleType,
+    problem: dict,
+    device: DeviceClass,
+    config: dict,
+    key: TuneKey,
+    *,
+    rec: ConfigRecord | None = None,
+    fallbacks: tuple = (),
+    provisional: bool = False,
+) -> Entry:
     # a fleet copy is rechecked now and then, so that a running process follows the fleet
     watch = provisional or (rec is not None and rec.source == "fleet")
-    return Entry(_bind(op, raw, mod, config), config, mod.KERNEL, provisional=provisional, watch=watch,
-                 recheck_at=time.monotonic() + (settings.recheck_seconds() if provisional else settings.fleet_ttl_s())
-                 if watch else math.inf,
-                 key=key, mod=mod, problem=problem, device=device, from_cache=not provisional, fallbacks=fallbacks)
+    return Entry(
+        _bind(op, raw, mod, config),
+        config,
+        mod.KERNEL,
+        provisional=provisional,
+        watch=watch,
+        recheck_at=time.monotonic() + (settings.recheck_seconds() if provisional else settings.fleet_ttl_s())
+        if watch
+        else math.inf,
+        key=key,
+        mod=mod,
+        problem=problem,
+        device=device,
+        from_cache=not provisional,
+        fallbacks=fallbacks,
+    )
 
 
 def in_space(kernel: str) -> Callable[[dict], str | None]:
@@ -220,15 +251,20 @@ def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[.
 
             guess = -(-total // default_workers()) * 3.0 + total * 0.15  # compiles, then timings
         shape = ",".join(f"{k}={v}" for k, v in problem.items() if not k.startswith("gemm_"))
-        log.warning("tunecache: tuning %s for %s on %s: %d candidates, roughly %.0f s; later calls and "
-                    "processes reuse the winner (TUNECACHE_MISS_POLICY=default never blocks)",
-                    mod.KERNEL, shape, device, total, max(1.0, guess))
+        log.warning(
+            "tunecache: tuning %s for %s on %s: %d candidates, roughly %.0f s; later calls and "
+            "processes reuse the winner (TUNECACHE_MISS_POLICY=default never blocks)",
+            mod.KERNEL,
+            shape,
+            device,
+            total,
+            max(1.0, guess),
+        )
 
     return progress
 
 
-def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass,
-            torch_device: str) -> Entry:
+def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass, torch_device: str) -> Entry:
     mod, fallbacks = mods[0], tuple(mods[1:])
     key = make_key(mod, problem, device)
     check = launchable(mod, problem, device)
@@ -239,24 +275,24 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
     if policy == "strict":
         raise MissingConfig(
             f"no tuned config for {mod.KERNEL} {problem} on {device} (digest {key.digest[:12]}) and "
-            f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest")
+            f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest"
+        )
     if policy == "tune":
         try:
-            result = tune(mod, problem, device, torch_device=torch_device,
-                          progress=_announce(mod, problem, device))
+            result = tune(mod, problem, device, torch_device=torch_device, progress=_announce(mod, problem, device))
         except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
             log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(e))
             return _reference_entry(mod, problem, device)
-        kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id,
-                             tune_seconds=result.seconds)
+        kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id, tune_seconds=result.seconds)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
     CACHE.enqueue(key)
     config = nearest_neighbour(mod, problem, device, CACHE.store()) or mod.default_config(problem, device)
     if check(config) is None:
         return _entry(op, raw, mod, problem, device, config, key, fallbacks=fallbacks, provisional=True)
-    log.warning("tunecache: the default config of %s cannot run %s on %s (%s)", mod.KERNEL, problem, device,
-                check(config))
+    log.warning(
+        "tunecache: the default config of %s cannot run %s on %s (%s)", mod.KERNEL, problem, device, check(config)
+    )
     for other in fallbacks:  # the next backend's default, until the winner is known
         config = other.default_config(problem, device)
         if launchable(other, problem, device)(config) is None:
@@ -285,15 +321,18 @@ def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store
     best, best_d = None, math.inf
     for rec in records:
         k = rec.key
-        if (k.kernel_version, k.triton_version, k.sm_count) != (key.kernel_version, key.triton_version,
-                                                               key.sm_count):
+        if (k.kernel_version, k.triton_version, k.sm_count) != (key.kernel_version, key.triton_version, key.sm_count):
             continue
         other = k.problem
-        if any(other.get(f) != v for f, v in problem.items()
-               if not isinstance(v, int) or f in ("R", "S", "stride_h", "stride_w", "pad_h", "pad_w")):
+        if any(
+            other.get(f) != v
+            for f, v in problem.items()
+            if not isinstance(v, int) or f in ("R", "S", "stride_h", "stride_w", "pad_h", "pad_w")
+        ):
             continue
-        d = sum(abs(math.log(max(1, problem[f])) - math.log(max(1, other.get(f, 1))))
-                for f in _SIZE_FIELDS if f in problem)
+        d = sum(
+            abs(math.log(max(1, problem[f])) - math.log(max(1, other.get(f, 1)))) for f in _SIZE_FIELDS if f in problem
+        )
         if d < best_d and check(rec.config) is None:
             best, best_d = rec.config, d
     return best

@@ -124,8 +124,11 @@ def _replace_corrupt(url: str, path: Path, cause: str) -> LocalStoreHandle:
     try:
         store = Store(url)
     except STORE_ERRORS as e:
-        what = (f": moved aside to {moved}, but a fresh store cannot be made" if moved
-                else ", and it still cannot be opened")
+        what = (
+            f": moved aside to {moved}, but a fresh store cannot be made"
+            if moved
+            else ", and it still cannot be opened"
+        )
         return _in_memory(f"{cause}{what} ({_why(e, path)})")
     if moved is None:  # another process moved it aside first
         return LocalStoreHandle(store, "ok", f"{cause} when first opened; another process has replaced it since")

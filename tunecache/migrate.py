@@ -7,7 +7,6 @@ import fcntl
 from pathlib import Path
 
 from sqlalchemy import inspect, text
-
 from sqlalchemy.engine import Engine
 
 

@@ -1,8 +1,8 @@
 """The ops: tuned once per (kernel, device class, shape), then launched from the memo.
 
-    y = tunecache.ops.conv2d_fprop(x, w, stride=1, padding=1)     # NHWC
-    gw = tunecache.ops.conv2d_wgrad(x, grad_out, R, S, stride=1, padding=0)
-    c = tunecache.ops.matmul(a, b)
+y = tunecache.ops.conv2d_fprop(x, w, stride=1, padding=1)     # NHWC
+gw = tunecache.ops.conv2d_wgrad(x, grad_out, R, S, stride=1, padding=0)
+c = tunecache.ops.matmul(a, b)
 """
 
 from __future__ import annotations
@@ -44,8 +44,20 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
     """grad_w[Co, R, S, Ci] of conv2d_fprop, from x[N, H, W, Ci] and grad_out[N, P, Q, Co]."""
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
-    raw = (x.shape, x.stride(), x.dtype, x.device, grad_out.shape, grad_out.stride(), grad_out.dtype,
-           grad_out.device, R, S, stride, padding)
+    raw = (
+        x.shape,
+        x.stride(),
+        x.dtype,
+        x.device,
+        grad_out.shape,
+        grad_out.stride(),
+        grad_out.dtype,
+        grad_out.device,
+        R,
+        S,
+        stride,
+        padding,
+    )
     entry = _wgrad.memo.get(raw)
     if entry is None or entry.watch:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)

@@ -164,8 +164,21 @@ def local_gpus() -> list[int]:
 
 
 def _spawn_worker(gpu: int, lease_s: float, poll_s: float, log_dir: Path | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tunecache.cli", "worker", "--gpu", str(gpu), "--burst",
-           "--lease-s", str(lease_s), "--poll-s", str(poll_s), "--source", "pretune"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tunecache.cli",
+        "worker",
+        "--gpu",
+        str(gpu),
+        "--burst",
+        "--lease-s",
+        str(lease_s),
+        "--poll-s",
+        str(poll_s),
+        "--source",
+        "pretune",
+    ]
     out: Any = subprocess.DEVNULL
     if log_dir is not None:
         out = open(log_dir / f"worker-gpu{gpu}.log", "ab")
@@ -183,11 +196,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def pretune(manifest: Manifest, *, gpus: list[int] | None = None, queue: JobQueue | None = None,
-            lease_s: float = 60.0,
-            poll_s: float = 1.0, priority: int = 10, log_dir: Path | None = None,
-            on_progress: Callable[[int, int, dict[str, str]], None] | None = None,
-            on_plan: Callable[[int, int], None] | None = None) -> Report:
+def pretune(
+    manifest: Manifest,
+    *,
+    gpus: list[int] | None = None,
+    queue: JobQueue | None = None,
+    lease_s: float = 60.0,
+    poll_s: float = 1.0,
+    priority: int = 10,
+    log_dir: Path | None = None,
+    on_progress: Callable[[int, int, dict[str, str]], None] | None = None,
+    on_plan: Callable[[int, int], None] | None = None,
+) -> Report:
     """Enqueue every shape of `manifest` without a config, run workers until they are done."""
     from .job_queue import default_queue
     from .worker import worker_device
@@ -221,8 +241,10 @@ def pretune(manifest: Manifest, *, gpus: list[int] | None = None, queue: JobQueu
             for g, proc in list(workers.items()):
                 if proc.poll() is not None:  # a burst worker exits when its queue is empty
                     if restarts[g] >= 3:
-                        raise RuntimeError(f"the worker on GPU {g} keeps exiting (code {proc.returncode}) "
-                                           f"with {len(digests) - finished} job(s) left; see its log")
+                        raise RuntimeError(
+                            f"the worker on GPU {g} keeps exiting (code {proc.returncode}) "
+                            f"with {len(digests) - finished} job(s) left; see its log"
+                        )
                     restarts[g] += 1
                     workers[g] = _spawn_worker(g, lease_s, poll_s, log_dir)
             time.sleep(poll_s)

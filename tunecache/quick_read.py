@@ -3,7 +3,8 @@
 Importing SQLAlchemy and opening the `Store` (engine, migrations check) costs more than the
 call itself: about 0.5 s of the first `ops.matmul` on a host that already has its config. The
 reads a first call needs, a key's winner (and its trials, for `@tunecache.autotune`) and a
-backend's self-check verdict, are indexed SELECTs; this module does them directly on a local SQLite store whose schema is at head.
+backend's self-check verdict, are indexed SELECTs; this module does them directly on a local
+SQLite store whose schema is at head.
 
 Anything else answers UNKNOWN and the caller opens the Store as before: a URL other than a
 plain `sqlite:///path` (Postgres, query options), no file yet, a schema at another revision, a
@@ -32,9 +33,27 @@ _CONNECTIONS: dict[str, sqlite3.Connection | None] = {}
 _LOCK = threading.Lock()
 _HEAD: list[str | None] = []
 
-_CONFIG_COLUMNS = ("digest", "kernel", "kernel_version", "triton_version", "arch", "sm_count", "problem", "config",
-                   "median_ms", "tflops", "candidates", "default_ms", "vendor_ms", "device_name", "tuned_by",
-                   "tuned_at", "source", "fleet_checked_at", "fleet_generation")
+_CONFIG_COLUMNS = (
+    "digest",
+    "kernel",
+    "kernel_version",
+    "triton_version",
+    "arch",
+    "sm_count",
+    "problem",
+    "config",
+    "median_ms",
+    "tflops",
+    "candidates",
+    "default_ms",
+    "vendor_ms",
+    "device_name",
+    "tuned_by",
+    "tuned_at",
+    "source",
+    "fleet_checked_at",
+    "fleet_generation",
+)
 
 
 def head_revision() -> str | None:
@@ -57,7 +76,7 @@ def head_revision() -> str | None:
 def _path(url: str) -> str | None:
     if not url.startswith("sqlite:///") or "?" in url:
         return None
-    path = url[len("sqlite:///"):]
+    path = url[len("sqlite:///") :]
     return path if path and path != ":memory:" else None
 
 
@@ -91,21 +110,38 @@ def config(url: str, digest: str) -> ConfigRecord | None:
         return UNKNOWN
     try:
         with _LOCK:
-            row = conn.execute(f"SELECT {', '.join(_CONFIG_COLUMNS)} FROM tuned_configs WHERE digest = ?",
-                               (digest,)).fetchone()
+            row = conn.execute(
+                f"SELECT {', '.join(_CONFIG_COLUMNS)} FROM tuned_configs WHERE digest = ?", (digest,)
+            ).fetchone()
         if row is None:
             return None
         r = dict(zip(_CONFIG_COLUMNS, row))
-        key = TuneKey(r["kernel"], r["kernel_version"], r["triton_version"], r["arch"], int(r["sm_count"]),
-                      json.loads(r["problem"]))
+        key = TuneKey(
+            r["kernel"],
+            r["kernel_version"],
+            r["triton_version"],
+            r["arch"],
+            int(r["sm_count"]),
+            json.loads(r["problem"]),
+        )
         cfg = json.loads(r["config"])
         if key.digest != digest or not isinstance(cfg, dict):
             return UNKNOWN  # the Store reports a row like this one
-        return ConfigRecord(key=key, config=cfg, median_ms=float(r["median_ms"]), tflops=r["tflops"],
-                            candidates=int(r["candidates"] or 0), device_name=r["device_name"] or "",
-                            tuned_by=r["tuned_by"] or "", tuned_at=_when(r["tuned_at"]), source=r["source"],
-                            default_ms=r["default_ms"], vendor_ms=r["vendor_ms"],
-                            fleet_checked_at=_when(r["fleet_checked_at"]), fleet_generation=r["fleet_generation"])
+        return ConfigRecord(
+            key=key,
+            config=cfg,
+            median_ms=float(r["median_ms"]),
+            tflops=r["tflops"],
+            candidates=int(r["candidates"] or 0),
+            device_name=r["device_name"] or "",
+            tuned_by=r["tuned_by"] or "",
+            tuned_at=_when(r["tuned_at"]),
+            source=r["source"],
+            default_ms=r["default_ms"],
+            vendor_ms=r["vendor_ms"],
+            fleet_checked_at=_when(r["fleet_checked_at"]),
+            fleet_generation=r["fleet_generation"],
+        )
     except (sqlite3.Error, ValueError, TypeError, KeyError):
         return UNKNOWN
 
@@ -117,24 +153,28 @@ def trials(url: str, digest: str) -> list[TrialRecord]:
         return UNKNOWN
     try:
         with _LOCK:
-            rows = conn.execute("SELECT config, status, median_ms, error FROM trials WHERE digest = ? ORDER BY id",
-                                (digest,)).fetchall()
+            rows = conn.execute(
+                "SELECT config, status, median_ms, error FROM trials WHERE digest = ? ORDER BY id", (digest,)
+            ).fetchall()
         return [TrialRecord(json.loads(c), status, ms, error) for c, status, ms, error in rows]
     except (sqlite3.Error, ValueError, TypeError):
         return UNKNOWN
 
 
-def selfcheck(url: str, kernel: str, kernel_version: str, triton_version: str, arch: str,
-              sm_count: int) -> tuple[bool, str | None] | None:
+def selfcheck(
+    url: str, kernel: str, kernel_version: str, triton_version: str, arch: str, sm_count: int
+) -> tuple[bool, str | None] | None:
     """(ok, detail) of the stored verdict, None if there is none, or UNKNOWN: ask the Store."""
     conn = _connection(url)
     if conn is None:
         return UNKNOWN
     try:
         with _LOCK:
-            row = conn.execute("SELECT ok, detail FROM selfchecks WHERE kernel = ? AND kernel_version = ? AND "
-                               "triton_version = ? AND arch = ? AND sm_count = ?",
-                               (kernel, kernel_version, triton_version, arch, sm_count)).fetchone()
+            row = conn.execute(
+                "SELECT ok, detail FROM selfchecks WHERE kernel = ? AND kernel_version = ? AND "
+                "triton_version = ? AND arch = ? AND sm_count = ?",
+                (kernel, kernel_version, triton_version, arch, sm_count),
+            ).fetchone()
     except sqlite3.Error:
         return UNKNOWN
     return None if row is None else (bool(row[0]), row[1])

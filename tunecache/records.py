@@ -73,10 +73,19 @@ class ConfigRecord:
 
     def to_json(self) -> dict:
         d = self.key.fields()
-        d.update(digest=self.digest, config=self.config, median_ms=self.median_ms, tflops=self.tflops,
-                 candidates=self.candidates, device_name=self.device_name, tuned_by=self.tuned_by,
-                 tuned_at=self.tuned_at.isoformat() if self.tuned_at else None, source=self.source,
-                 default_ms=self.default_ms, vendor_ms=self.vendor_ms)
+        d.update(
+            digest=self.digest,
+            config=self.config,
+            median_ms=self.median_ms,
+            tflops=self.tflops,
+            candidates=self.candidates,
+            device_name=self.device_name,
+            tuned_by=self.tuned_by,
+            tuned_at=self.tuned_at.isoformat() if self.tuned_at else None,
+            source=self.source,
+            default_ms=self.default_ms,
+            vendor_ms=self.vendor_ms,
+        )
         return d
 
     @classmethod
@@ -91,14 +100,19 @@ class ConfigRecord:
         if not median > 0:
             raise ValueError(f"median_ms must be positive, got {median}")
         tuned_at = d.get("tuned_at")
-        return cls(key=key, config=dict(d["config"]), median_ms=median,
-                   tflops=None if d.get("tflops") is None else float(d["tflops"]),
-                   candidates=int(d.get("candidates") or 0), device_name=str(d.get("device_name") or ""),
-                   tuned_by=str(d.get("tuned_by") or ""),
-                   tuned_at=datetime.fromisoformat(tuned_at) if tuned_at else None,
-                   source=str(d.get("source") or "import"),
-                   default_ms=_positive_or_none(d.get("default_ms"), "default_ms"),
-                   vendor_ms=_positive_or_none(d.get("vendor_ms"), "vendor_ms"))
+        return cls(
+            key=key,
+            config=dict(d["config"]),
+            median_ms=median,
+            tflops=None if d.get("tflops") is None else float(d["tflops"]),
+            candidates=int(d.get("candidates") or 0),
+            device_name=str(d.get("device_name") or ""),
+            tuned_by=str(d.get("tuned_by") or ""),
+            tuned_at=datetime.fromisoformat(tuned_at) if tuned_at else None,
+            source=str(d.get("source") or "import"),
+            default_ms=_positive_or_none(d.get("default_ms"), "default_ms"),
+            vendor_ms=_positive_or_none(d.get("vendor_ms"), "vendor_ms"),
+        )
 
 
 def _positive_or_none(v: Any, name: str) -> float | None:

@@ -57,15 +57,16 @@ def available_backends(op: str) -> list[str]:
     return [b for b in BACKENDS_BY_OP[op] if _load(op, b) is not None]
 
 
-def backends_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: str | None = None
-                 ) -> list[ModuleType]:
+def backends_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: str | None = None) -> list[ModuleType]:
     """Every backend that supports this problem on this device, preferred first (the later ones
     are the fallbacks of the first); only the forced one if a backend is forced."""
     if forced:
         return [backend_for(op, device, problem, forced)]
-    mods = [m for name in BACKENDS_BY_OP[op]
-            if may_run_on(name, device.capability) and (m := _load(op, name)) is not None
-            and m.supports(problem, device)]
+    mods = [
+        m
+        for name in BACKENDS_BY_OP[op]
+        if may_run_on(name, device.capability) and (m := _load(op, name)) is not None and m.supports(problem, device)
+    ]
     if not mods:
         raise ValueError(f"no backend of {op} supports {problem} on {device}")
     return mods

@@ -57,8 +57,10 @@ class TunedConfigRow(ResultColumns, Base):
     the fleet's winner."""
 
     __tablename__ = "tuned_configs"
-    __table_args__ = (Index("ix_tuned_configs_digest", "digest", unique=True),
-                      Index("ix_tuned_configs_kernel", "kernel"))
+    __table_args__ = (
+        Index("ix_tuned_configs_digest", "digest", unique=True),
+        Index("ix_tuned_configs_kernel", "kernel"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     # a copy of a fleet winner (source "fleet"): when this host last checked it with the fleet,
     # and the fleet's generation then (a host rechecks its copies after TUNECACHE_FLEET_TTL_S
@@ -96,8 +98,11 @@ class SelfCheckRow(Base):
 
     __tablename__ = "selfchecks"
     # one verdict per backend and device class (as revision 0003 made it)
-    __table_args__ = (UniqueConstraint("kernel", "kernel_version", "triton_version", "arch", "sm_count",
-                                       name="uq_selfchecks_backend_device"),)
+    __table_args__ = (
+        UniqueConstraint(
+            "kernel", "kernel_version", "triton_version", "arch", "sm_count", name="uq_selfchecks_backend_device"
+        ),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     kernel: Mapped[str] = mapped_column(String(128))
     kernel_version: Mapped[str] = mapped_column(String(64))
@@ -165,8 +170,15 @@ class ApiTokenRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     # one live token per name: `tunecache token revoke NAME` must mean one token
-    __table_args__ = (Index("uq_api_tokens_live_name", "name", unique=True, sqlite_where=text("revoked_at IS NULL"),
-                            postgresql_where=text("revoked_at IS NULL")),)
+    __table_args__ = (
+        Index(
+            "uq_api_tokens_live_name",
+            "name",
+            unique=True,
+            sqlite_where=text("revoked_at IS NULL"),
+            postgresql_where=text("revoked_at IS NULL"),
+        ),
+    )
 
 
 class AuditRow(Base):
@@ -196,10 +208,20 @@ def key_of(row: ResultColumns | TuningJobRow) -> TuneKey:
 
 def result_values(rec: ConfigRecord) -> dict:
     """A result's columns (ResultColumns) for a winner's or a submission's row."""
-    return dict(digest=rec.digest, **rec.key.fields(), device_name=rec.device_name, config=rec.config,
-                median_ms=rec.median_ms, tflops=rec.tflops, candidates=rec.candidates,
-                default_ms=rec.default_ms, vendor_ms=rec.vendor_ms,
-                tuned_by=rec.tuned_by or whoami(), tuned_at=rec.tuned_at or utcnow(), source=rec.source)
+    return dict(
+        digest=rec.digest,
+        **rec.key.fields(),
+        device_name=rec.device_name,
+        config=rec.config,
+        median_ms=rec.median_ms,
+        tflops=rec.tflops,
+        candidates=rec.candidates,
+        default_ms=rec.default_ms,
+        vendor_ms=rec.vendor_ms,
+        tuned_by=rec.tuned_by or whoami(),
+        tuned_at=rec.tuned_at or utcnow(),
+        source=rec.source,
+    )
 
 
 def config_record(row: TunedConfigRow) -> ConfigRecord:
@@ -209,19 +231,41 @@ def config_record(row: TunedConfigRow) -> ConfigRecord:
         config = json.loads(config)
     if not isinstance(config, dict):
         raise ValueError(f"config is a {type(config).__name__}, not an object")
-    return ConfigRecord(key=key_of(row), config=config, median_ms=row.median_ms, tflops=row.tflops,
-                        candidates=row.candidates, device_name=row.device_name, tuned_by=row.tuned_by,
-                        tuned_at=row.tuned_at, source=row.source, default_ms=row.default_ms,
-                        vendor_ms=row.vendor_ms, fleet_checked_at=row.fleet_checked_at,
-                        fleet_generation=row.fleet_generation)
+    return ConfigRecord(
+        key=key_of(row),
+        config=config,
+        median_ms=row.median_ms,
+        tflops=row.tflops,
+        candidates=row.candidates,
+        device_name=row.device_name,
+        tuned_by=row.tuned_by,
+        tuned_at=row.tuned_at,
+        source=row.source,
+        default_ms=row.default_ms,
+        vendor_ms=row.vendor_ms,
+        fleet_checked_at=row.fleet_checked_at,
+        fleet_generation=row.fleet_generation,
+    )
 
 
 def submission_record(row: SubmissionRow) -> SubmissionRecord:
-    return SubmissionRecord(id=row.id, key=key_of(row), config=row.config, median_ms=row.median_ms,
-                            tflops=row.tflops, candidates=row.candidates, device_name=row.device_name,
-                            tuned_by=row.tuned_by, source=row.source, submitted_by=row.submitted_by,
-                            accepted=bool(row.accepted), tune_seconds=row.tune_seconds, created_at=row.created_at,
-                            default_ms=row.default_ms, vendor_ms=row.vendor_ms)
+    return SubmissionRecord(
+        id=row.id,
+        key=key_of(row),
+        config=row.config,
+        median_ms=row.median_ms,
+        tflops=row.tflops,
+        candidates=row.candidates,
+        device_name=row.device_name,
+        tuned_by=row.tuned_by,
+        source=row.source,
+        submitted_by=row.submitted_by,
+        accepted=bool(row.accepted),
+        tune_seconds=row.tune_seconds,
+        created_at=row.created_at,
+        default_ms=row.default_ms,
+        vendor_ms=row.vendor_ms,
+    )
 
 
 def job_record(row: TuningJobRow, lease_secret: str | None = None) -> JobRecord:
@@ -234,15 +278,34 @@ def job_record(row: TuningJobRow, lease_secret: str | None = None) -> JobRecord:
     except (ValueError, TypeError, KeyError) as e:
         why = f"{type(e).__name__}: {str(e)[:200]}"
     if why is not None:
-        key = TuneKey(str(row.kernel), str(row.kernel_version), str(row.triton_version), str(row.arch),
-                      int(row.sm_count or 0), {})
-    return JobRecord(id=row.id, key=key, status=row.status, priority=row.priority,
-                     attempts=row.attempts, max_attempts=row.max_attempts, lease_owner=row.lease_owner,
-                     lease_expires_at=row.lease_expires_at, last_error=row.last_error, digest=row.digest,
-                     not_before=row.not_before, created_at=row.created_at, unreadable=why,
-                     lease_secret=lease_secret, retime=bool(row.retime))
+        key = TuneKey(
+            str(row.kernel), str(row.kernel_version), str(row.triton_version), str(row.arch), int(row.sm_count or 0), {}
+        )
+    return JobRecord(
+        id=row.id,
+        key=key,
+        status=row.status,
+        priority=row.priority,
+        attempts=row.attempts,
+        max_attempts=row.max_attempts,
+        lease_owner=row.lease_owner,
+        lease_expires_at=row.lease_expires_at,
+        last_error=row.last_error,
+        digest=row.digest,
+        not_before=row.not_before,
+        created_at=row.created_at,
+        unreadable=why,
+        lease_secret=lease_secret,
+        retime=bool(row.retime),
+    )
 
 
 def token_record(row: ApiTokenRow) -> TokenRecord:
-    return TokenRecord(id=row.id, name=row.name, scopes=tuple(filter(None, row.scopes.split(","))),
-                       created_at=row.created_at, revoked_at=row.revoked_at, expires_at=row.expires_at)
+    return TokenRecord(
+        id=row.id,
+        name=row.name,
+        scopes=tuple(filter(None, row.scopes.split(","))),
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        expires_at=row.expires_at,
+    )

@@ -70,8 +70,11 @@ def grid(op: str, device: DeviceClass) -> list[dict]:
     out = []
     for given in GRID[op]:
         if device.arch == "cpu":
-            given = {**given, **{k: min(v, _CPU_SCALE[k]) for k, v in given.items() if k in _CPU_SCALE},
-                     "dtype": "float32"}
+            given = {
+                **given,
+                **{k: min(v, _CPU_SCALE[k]) for k, v in given.items() if k in _CPU_SCALE},
+                "dtype": "float32",
+            }
         p = canonical_problem(op, given)
         if p not in out:
             out.append(p)
@@ -103,8 +106,9 @@ def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = N
             break
     ok = cases > 0 and not failures
     detail = "; ".join(failures) if failures else ("no problem of the grid is supported" if not cases else "")
-    return Verdict(mod.KERNEL, device, kernel_version(mod), ok, detail, time.perf_counter() - t0, cases,
-                   inconclusive=inconclusive)
+    return Verdict(
+        mod.KERNEL, device, kernel_version(mod), ok, detail, time.perf_counter() - t0, cases, inconclusive=inconclusive
+    )
 
 
 def _brief(p: dict) -> str:
@@ -133,8 +137,12 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
             v = run_check(mod, device, torch_device)
             store = CACHE.store()
             if store is not None and not v.inconclusive:
-                CACHE.store_call("keep a self-check", lambda: store.put_selfcheck(
-                    *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name))
+                CACHE.store_call(
+                    "keep a self-check",
+                    lambda: store.put_selfcheck(
+                        *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name
+                    ),
+                )
         _VERDICTS[k] = v
         return v
 
@@ -153,8 +161,10 @@ def trusted(mods: list[ModuleType], device: DeviceClass, torch_device: str | Non
             return mods[i:]
         nxt = mods[i + 1].KERNEL if i + 1 < len(mods) else "PyTorch"
         what = "could not run its self-check" if v.inconclusive else "failed its self-check"
-        CACHE.warn_once(f"tunecache: the {mod.KERNEL} backend {what} on {device} "
-                        f"({short(v.detail, 500)}); using {nxt} instead. `tunecache selftest --force` checks it again.")
+        CACHE.warn_once(
+            f"tunecache: the {mod.KERNEL} backend {what} on {device} "
+            f"({short(v.detail, 500)}); using {nxt} instead. `tunecache selftest --force` checks it again."
+        )
     return []
 
 

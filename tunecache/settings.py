@@ -201,16 +201,20 @@ JOB_TTL_S = 7 * 86400.0
 def rate_limit() -> tuple[float, int]:
     """TUNECACHE_RATE_LIMIT (requests per second; 0 turns the limit off) and
     TUNECACHE_RATE_BURST: what one token may send from one client address."""
-    return (_env_number("TUNECACHE_RATE_LIMIT", RATE_LIMIT, float, 0, strict=False),
-            _env_number("TUNECACHE_RATE_BURST", RATE_BURST, int, 1, strict=False))
+    return (
+        _env_number("TUNECACHE_RATE_LIMIT", RATE_LIMIT, float, 0, strict=False),
+        _env_number("TUNECACHE_RATE_BURST", RATE_BURST, int, 1, strict=False),
+    )
 
 
 def anon_rate_limit() -> tuple[float, int]:
     """TUNECACHE_ANON_RATE_LIMIT and TUNECACHE_ANON_RATE_BURST: the same per client address for
     what costs the database without a valid token (anonymous reads, /healthz, /metrics, a
     token looked up and not found)."""
-    return (_env_number("TUNECACHE_ANON_RATE_LIMIT", ANON_RATE_LIMIT, float, 0, strict=False),
-            _env_number("TUNECACHE_ANON_RATE_BURST", ANON_RATE_BURST, int, 1, strict=False))
+    return (
+        _env_number("TUNECACHE_ANON_RATE_LIMIT", ANON_RATE_LIMIT, float, 0, strict=False),
+        _env_number("TUNECACHE_ANON_RATE_BURST", ANON_RATE_BURST, int, 1, strict=False),
+    )
 
 
 def rate_limit_storage() -> str:
@@ -279,8 +283,10 @@ def max_body_bytes() -> int:
 
 def db_pool() -> tuple[int, int]:
     """TUNECACHE_DB_POOL_SIZE, TUNECACHE_DB_MAX_OVERFLOW: Postgres connections per process."""
-    return (int(_env_number("TUNECACHE_DB_POOL_SIZE", DB_POOL_SIZE, int, 1, strict=False)),
-            int(_env_number("TUNECACHE_DB_MAX_OVERFLOW", DB_MAX_OVERFLOW, int, 0, strict=False)))
+    return (
+        int(_env_number("TUNECACHE_DB_POOL_SIZE", DB_POOL_SIZE, int, 1, strict=False)),
+        int(_env_number("TUNECACHE_DB_MAX_OVERFLOW", DB_MAX_OVERFLOW, int, 0, strict=False)),
+    )
 
 
 def device_override() -> str | None:

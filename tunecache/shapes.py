@@ -13,14 +13,30 @@ from typing import Any
 
 OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad")
 KEYS = {
-    "matmul": {"M": "rows of a and c", "N": "columns of b and c", "K": "the reduction",
-               "dtype": "float16, bfloat16 or float32", "a_layout": "row (default) or col",
-               "b_layout": "row (default) or col"},
-    "conv2d_fprop": {"N": "batch", "H": "input height", "W": "input width", "Ci": "input channels",
-                     "Co": "output channels", "R": "filter height", "S": "filter width",
-                     "stride": "both strides (default 1)", "padding": "both paddings (default 0)",
-                     "stride_h": "", "stride_w": "", "pad_h": "", "pad_w": "",
-                     "dtype": "float16, bfloat16 or float32"},
+    "matmul": {
+        "M": "rows of a and c",
+        "N": "columns of b and c",
+        "K": "the reduction",
+        "dtype": "float16, bfloat16 or float32",
+        "a_layout": "row (default) or col",
+        "b_layout": "row (default) or col",
+    },
+    "conv2d_fprop": {
+        "N": "batch",
+        "H": "input height",
+        "W": "input width",
+        "Ci": "input channels",
+        "Co": "output channels",
+        "R": "filter height",
+        "S": "filter width",
+        "stride": "both strides (default 1)",
+        "padding": "both paddings (default 0)",
+        "stride_h": "",
+        "stride_w": "",
+        "pad_h": "",
+        "pad_w": "",
+        "dtype": "float16, bfloat16 or float32",
+    },
 }
 KEYS["conv2d_wgrad"] = KEYS["conv2d_fprop"]
 _LAYOUTS = ("row", "col")

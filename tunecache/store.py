@@ -31,21 +31,82 @@ from sqlalchemy.orm import Session, sessionmaker
 from .engine import STORE_ERRORS, dialect_insert, insert_ignore, make_engine, sqlite_path, sqlite_url
 from .faults import JobStateError, NewerSchemaError, ReadOnlyStoreError, StoreError, describe_fault, fault_kind
 from .key import TuneKey
-from .records import (JOB_STATUSES, MAX_BACKOFF_S, MAX_LEASE_S, TOKEN_SCOPES, AuditRecord, ConfigRecord, JobRecord,
-                      PurgeReport, QueueWait, SubmissionRecord, TokenRecord, TrialRecord, hash_token, utcnow, whoami)
-from .rows import (ApiTokenRow, AuditRow, Base, FleetMetaRow, ResultColumns, SelfCheckRow, SubmissionRow,
-                   TrialRow, TunedConfigRow, TuningJobRow, config_record, job_record, key_of, result_values,
-                   submission_record, token_record)
+from .records import (
+    JOB_STATUSES,
+    MAX_BACKOFF_S,
+    MAX_LEASE_S,
+    TOKEN_SCOPES,
+    AuditRecord,
+    ConfigRecord,
+    JobRecord,
+    PurgeReport,
+    QueueWait,
+    SubmissionRecord,
+    TokenRecord,
+    TrialRecord,
+    hash_token,
+    utcnow,
+    whoami,
+)
+from .rows import (
+    ApiTokenRow,
+    AuditRow,
+    Base,
+    FleetMetaRow,
+    ResultColumns,
+    SelfCheckRow,
+    SubmissionRow,
+    TrialRow,
+    TunedConfigRow,
+    TuningJobRow,
+    config_record,
+    job_record,
+    key_of,
+    result_values,
+    submission_record,
+    token_record,
+)
 
 # the names this module has always offered: most now live in tunecache.records, .rows,
 # .engine and .faults, and are re-exported here
 __all__ = [
-    "JOB_STATUSES", "MAX_BACKOFF_S", "MAX_LEASE_S", "REPLACE_MARGIN", "STORE_ERRORS", "TOKEN_SCOPES", "ApiTokenRow",
-    "AuditRecord", "AuditRow", "Base", "ConfigRecord", "FleetMetaRow", "JobRecord", "JobStateError",
-    "NewerSchemaError", "PurgeReport", "QueueWait", "ReadOnlyStoreError", "ResultColumns", "SelfCheckRow", "Store",
-    "StoreError", "SubmissionRecord", "SubmissionRow", "TokenRecord", "TrialRecord", "TrialRow", "TunedConfigRow",
-    "TuningJobRow", "default_store", "describe_fault", "fault_kind", "hash_token", "sqlite_path", "sqlite_url",
-    "utcnow", "whoami",
+    "JOB_STATUSES",
+    "MAX_BACKOFF_S",
+    "MAX_LEASE_S",
+    "REPLACE_MARGIN",
+    "STORE_ERRORS",
+    "TOKEN_SCOPES",
+    "ApiTokenRow",
+    "AuditRecord",
+    "AuditRow",
+    "Base",
+    "ConfigRecord",
+    "FleetMetaRow",
+    "JobRecord",
+    "JobStateError",
+    "NewerSchemaError",
+    "PurgeReport",
+    "QueueWait",
+    "ReadOnlyStoreError",
+    "ResultColumns",
+    "SelfCheckRow",
+    "Store",
+    "StoreError",
+    "SubmissionRecord",
+    "SubmissionRow",
+    "TokenRecord",
+    "TrialRecord",
+    "TrialRow",
+    "TunedConfigRow",
+    "TuningJobRow",
+    "default_store",
+    "describe_fault",
+    "fault_kind",
+    "hash_token",
+    "sqlite_path",
+    "sqlite_url",
+    "utcnow",
+    "whoami",
 ]
 
 log = logging.getLogger("tunecache.store")
@@ -75,8 +136,7 @@ class Store:
         self._keepalive: Any = None
         self.engine = make_engine(self.url, writable=writable)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
-        self._write_maker = sessionmaker(self.engine.execution_options(tunecache_write=True),
-                                         expire_on_commit=False)
+        self._write_maker = sessionmaker(self.engine.execution_options(tunecache_write=True), expire_on_commit=False)
         try:
             if migrate:
                 self._migrate()
@@ -84,8 +144,9 @@ class Store:
                 with self.engine.connect() as conn:
                     conn.exec_driver_sql("SELECT 1")
         except DatabaseError as e:
-            raise StoreError(f"cannot open the store at {self.safe_url} (TUNECACHE_DB_URL): "
-                             f"{describe_fault(e, self.path) or e.orig}") from None
+            raise StoreError(
+                f"cannot open the store at {self.safe_url} (TUNECACHE_DB_URL): {describe_fault(e, self.path) or e.orig}"
+            ) from None
 
     def _migrate(self) -> None:
         """Upgrade to head unless already there (the common case costs one small query and no
@@ -97,9 +158,11 @@ class Store:
         if current == head:
             return
         if current is not None and not (current.isdigit() and int(current) < int(head)):
-            what = (f"was written by a newer tunecache (schema revision {current}, this one knows up to {head})"
-                    if current.isdigit() else
-                    f"has schema revision {current!r}, unknown to this tunecache (it knows up to {head})")
+            what = (
+                f"was written by a newer tunecache (schema revision {current}, this one knows up to {head})"
+                if current.isdigit()
+                else f"has schema revision {current!r}, unknown to this tunecache (it knows up to {head})"
+            )
             raise NewerSchemaError(f"{self._where()} {what}", current, head)
         from .migrate import upgrade
 
@@ -111,8 +174,7 @@ class Store:
         for its lifetime only (the last resort of tunecache.local_store)."""
         # a named shared-cache database, so that every pooled connection (one per thread at
         # a time) sees the same one; it lives while a connection to it is open
-        store = cls(f"sqlite:///file:tunecache-{uuid.uuid4().hex}?mode=memory&cache=shared&uri=true",
-                    migrate=False)
+        store = cls(f"sqlite:///file:tunecache-{uuid.uuid4().hex}?mode=memory&cache=shared&uri=true", migrate=False)
         store._keepalive = store.engine.raw_connection()
         Base.metadata.create_all(store.engine)
         return store
@@ -131,8 +193,10 @@ class Store:
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
         if not self.writable:
-            raise ReadOnlyStoreError(f"{self._where()} is open read-only: nothing can be written to it (the "
-                                     f"warning given when it was opened says why)")
+            raise ReadOnlyStoreError(
+                f"{self._where()} is open read-only: nothing can be written to it (the "
+                f"warning given when it was opened says why)"
+            )
         with self._write_maker.begin() as s:
             yield s
 
@@ -160,8 +224,9 @@ class Store:
             return None
         return rec
 
-    def put_config(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None
-                   ) -> tuple[ConfigRecord, bool]:
+    def put_config(
+        self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None
+    ) -> tuple[ConfigRecord, bool]:
         """Store a result unless a faster one is kept; returns (the kept record, whether `rec` won).
 
         On a read-only store nothing is written and `rec` is returned as kept: this process
@@ -176,8 +241,9 @@ class Store:
     def _keep_faster(self, s: Session, rec: ConfigRecord, values: dict) -> tuple[ConfigRecord, bool]:
         if insert_ignore(s, TunedConfigRow.__table__, values):
             return rec, True
-        row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
-                        .with_for_update()).scalar_one()
+        row = s.execute(
+            select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).with_for_update()
+        ).scalar_one()
         try:
             old = config_record(row)
         except (ValueError, TypeError, KeyError):
@@ -210,13 +276,19 @@ class Store:
     def put_fleet_copy(self, rec: ConfigRecord, generation: int | None) -> bool:
         """Keep (or refresh) this host's copy of the fleet's winner. A result of this host's own
         for the key is never overwritten; returns whether the copy was written."""
-        values = dict(result_values(rec), tuned_by=rec.tuned_by or "", source="fleet", fleet_checked_at=utcnow(),
-                      fleet_generation=generation)
+        values = dict(
+            result_values(rec),
+            tuned_by=rec.tuned_by or "",
+            source="fleet",
+            fleet_checked_at=utcnow(),
+            fleet_generation=generation,
+        )
         with self._write() as s:
             if insert_ignore(s, TunedConfigRow.__table__, values):
                 return True
-            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
-                            .with_for_update()).scalar_one()
+            row = s.execute(
+                select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).with_for_update()
+            ).scalar_one()
             if row.source != "fleet":
                 return False
             for k, v in values.items():
@@ -225,42 +297,84 @@ class Store:
 
     def mark_fleet_checked(self, digest: str, generation: int | None) -> None:
         with self._write() as s:
-            s.execute(update(TunedConfigRow).where(TunedConfigRow.digest == digest, TunedConfigRow.source == "fleet")
-                      .values(fleet_checked_at=utcnow(), fleet_generation=generation))
+            s.execute(
+                update(TunedConfigRow)
+                .where(TunedConfigRow.digest == digest, TunedConfigRow.source == "fleet")
+                .values(fleet_checked_at=utcnow(), fleet_generation=generation)
+            )
 
     def delete_fleet_copy(self, digest: str) -> bool:
         """Remove this host's copy of a winner the fleet no longer has (never a result of its own)."""
         with self._write() as s:
-            res = s.execute(TunedConfigRow.__table__.delete().where(TunedConfigRow.digest == digest,
-                                                                   TunedConfigRow.source == "fleet"))
+            res = s.execute(
+                TunedConfigRow.__table__.delete().where(
+                    TunedConfigRow.digest == digest, TunedConfigRow.source == "fleet"
+                )
+            )
             return res.rowcount == 1
 
     # ---- backend self-checks ----------------------------------------------------------------
 
-    def get_selfcheck(self, kernel: str, kernel_version: str, triton_version: str, arch: str,
-                      sm_count: int) -> tuple[bool, str | None] | None:
+    def get_selfcheck(
+        self, kernel: str, kernel_version: str, triton_version: str, arch: str, sm_count: int
+    ) -> tuple[bool, str | None] | None:
         """(ok, detail) of the stored verdict, or None if this backend never met this device class."""
         with self._read() as s:
-            row = s.execute(select(SelfCheckRow).where(
-                SelfCheckRow.kernel == kernel, SelfCheckRow.kernel_version == kernel_version,
-                SelfCheckRow.triton_version == triton_version, SelfCheckRow.arch == arch,
-                SelfCheckRow.sm_count == sm_count)).scalar_one_or_none()
+            row = s.execute(
+                select(SelfCheckRow).where(
+                    SelfCheckRow.kernel == kernel,
+                    SelfCheckRow.kernel_version == kernel_version,
+                    SelfCheckRow.triton_version == triton_version,
+                    SelfCheckRow.arch == arch,
+                    SelfCheckRow.sm_count == sm_count,
+                )
+            ).scalar_one_or_none()
             return None if row is None else (bool(row.ok), row.detail)
 
-    def put_selfcheck(self, kernel: str, kernel_version: str, triton_version: str, arch: str, sm_count: int,
-                      ok: bool, detail: str | None, seconds: float | None, device_name: str = "") -> None:
-        values = dict(kernel=kernel, kernel_version=kernel_version, triton_version=triton_version, arch=arch,
-                      sm_count=sm_count)
+    def put_selfcheck(
+        self,
+        kernel: str,
+        kernel_version: str,
+        triton_version: str,
+        arch: str,
+        sm_count: int,
+        ok: bool,
+        detail: str | None,
+        seconds: float | None,
+        device_name: str = "",
+    ) -> None:
+        values = dict(
+            kernel=kernel, kernel_version=kernel_version, triton_version=triton_version, arch=arch, sm_count=sm_count
+        )
         with self._write() as s:
-            s.execute(SelfCheckRow.__table__.delete().where(*(getattr(SelfCheckRow, k) == v
-                                                              for k, v in values.items())))
-            s.add(SelfCheckRow(**values, ok=ok, detail=(detail or None) and detail[:8000], seconds=seconds,
-                               device_name=device_name[:128], checked_at=utcnow()))
+            s.execute(
+                SelfCheckRow.__table__.delete().where(*(getattr(SelfCheckRow, k) == v for k, v in values.items()))
+            )
+            s.add(
+                SelfCheckRow(
+                    **values,
+                    ok=ok,
+                    detail=(detail or None) and detail[:8000],
+                    seconds=seconds,
+                    device_name=device_name[:128],
+                    checked_at=utcnow(),
+                )
+            )
 
     def _add_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
         run_id = run_id or uuid.uuid4().hex
-        rows = [TrialRow(digest=key.digest, run_id=run_id, kernel=key.kernel, config=t.config, status=t.status,
-                         median_ms=t.median_ms, error=(t.error or None) and t.error[:4000]) for t in trials]
+        rows = [
+            TrialRow(
+                digest=key.digest,
+                run_id=run_id,
+                kernel=key.kernel,
+                config=t.config,
+                status=t.status,
+                median_ms=t.median_ms,
+                error=(t.error or None) and t.error[:4000],
+            )
+            for t in trials
+        ]
         s.add_all(rows)
 
     def add_trials(self, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None = None) -> None:
@@ -276,8 +390,9 @@ class Store:
                 q = q.where(TrialRow.digest == digest)
             return [TrialRecord(r.config, r.status, r.median_ms, r.error) for r in s.execute(q).scalars()]
 
-    def list_configs(self, kernel: str | None = None, arch: str | None = None,
-                     limit: int | None = None, offset: int = 0) -> list[ConfigRecord]:
+    def list_configs(
+        self, kernel: str | None = None, arch: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[ConfigRecord]:
         with self._read() as s:
             q = select(TunedConfigRow).order_by(TunedConfigRow.kernel, TunedConfigRow.id)
             if kernel:
@@ -314,8 +429,7 @@ class Store:
     def counts(self) -> dict[str, int]:
         with self._read() as s:
             out = {}
-            for name, model in (("tuned_configs", TunedConfigRow), ("tuning_jobs", TuningJobRow),
-                                ("trials", TrialRow)):
+            for name, model in (("tuned_configs", TunedConfigRow), ("tuning_jobs", TuningJobRow), ("trials", TrialRow)):
                 out[name] = s.execute(select(func.count()).select_from(model)).scalar_one()
             for status, n in s.execute(select(TuningJobRow.status, func.count()).group_by(TuningJobRow.status)):
                 out[f"jobs_{status}"] = n
@@ -344,32 +458,61 @@ class Store:
         whose winner is gone, or a quarantined one, is queued again (the key's fields are
         written again: enqueueing the key repairs a row that could not be read)."""
         now = self._now_sql()
-        values = dict(digest=key.digest, **key.fields(), status="queued", priority=priority, attempts=0,
-                      max_attempts=max_attempts, not_before=now, created_at=now, updated_at=now)
+        values = dict(
+            digest=key.digest,
+            **key.fields(),
+            status="queued",
+            priority=priority,
+            attempts=0,
+            max_attempts=max_attempts,
+            not_before=now,
+            created_at=now,
+            updated_at=now,
+        )
         with self._write() as s:
             insert_ignore(s, TuningJobRow.__table__, values)
-            row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest)
-                            .with_for_update()).scalar_one()
+            row = s.execute(
+                select(TuningJobRow).where(TuningJobRow.digest == key.digest).with_for_update()
+            ).scalar_one()
             changes: dict[str, Any] = {}
             if job_record(row).unreadable is not None:
                 changes.update(key.fields())  # the key hashes to this digest: its fields are the row's
-            if row.status == "quarantined" or (row.status == "done" and s.execute(select(TunedConfigRow.id).where(
-                    TunedConfigRow.digest == key.digest)).first() is None):
+            if row.status == "quarantined" or (
+                row.status == "done"
+                and s.execute(select(TunedConfigRow.id).where(TunedConfigRow.digest == key.digest)).first() is None
+            ):
                 # done, but its winner is gone (deleted): tune again
-                changes.update(status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
-                               lease_expires_at=None)
+                changes.update(
+                    status="queued",
+                    attempts=0,
+                    not_before=now,
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                )
             if priority > row.priority and (row.status == "queued" or changes):
                 changes["priority"] = priority
             if changes:
-                s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**changes, updated_at=now)
-                          .execution_options(synchronize_session=False))
+                s.execute(
+                    update(TuningJobRow)
+                    .where(TuningJobRow.id == row.id)
+                    .values(**changes, updated_at=now)
+                    .execution_options(synchronize_session=False)
+                )
                 s.refresh(row)
             return job_record(row)
 
-    def claim_job(self, owner: str, arch: str | None = None, sm_count: int | None = None,
-                  lease_s: float = 60.0, kernels: Iterable[str] | None = None, *,
-                  kernel_versions: Mapping[str, str] | None = None,
-                  triton_version: str | None = None) -> JobRecord | None:
+    def claim_job(
+        self,
+        owner: str,
+        arch: str | None = None,
+        sm_count: int | None = None,
+        lease_s: float = 60.0,
+        kernels: Iterable[str] | None = None,
+        *,
+        kernel_versions: Mapping[str, str] | None = None,
+        triton_version: str | None = None,
+    ) -> JobRecord | None:
         """Lease the most urgent job of this device class: queued, or running with a lapsed lease.
 
         The answer carries `lease_secret`, random and returned only here (the store keeps its
@@ -387,15 +530,30 @@ class Store:
         with self._write() as s:
             self._fail_lapsed_last_attempts(s, arch, sm_count)
             self._expire_queued(s)  # a job nobody took for TUNECACHE_JOB_TTL_S is not handed out
-            q = self._device_class_filter(select(TuningJobRow).where(
-                ((TuningJobRow.status == "queued") & (TuningJobRow.not_before <= now))
-                | ((TuningJobRow.status == "running") & (TuningJobRow.lease_expires_at < now)
-                   & (TuningJobRow.attempts < TuningJobRow.max_attempts))), arch, sm_count)
+            q = self._device_class_filter(
+                select(TuningJobRow).where(
+                    ((TuningJobRow.status == "queued") & (TuningJobRow.not_before <= now))
+                    | (
+                        (TuningJobRow.status == "running")
+                        & (TuningJobRow.lease_expires_at < now)
+                        & (TuningJobRow.attempts < TuningJobRow.max_attempts)
+                    )
+                ),
+                arch,
+                sm_count,
+            )
             if kernels is not None:
                 q = q.where(TuningJobRow.kernel.in_(list(kernels)))
             if kernel_versions is not None:
-                q = q.where(or_(false(), *(and_(TuningJobRow.kernel == k, TuningJobRow.kernel_version == v)
-                                           for k, v in kernel_versions.items())))
+                q = q.where(
+                    or_(
+                        false(),
+                        *(
+                            and_(TuningJobRow.kernel == k, TuningJobRow.kernel_version == v)
+                            for k, v in kernel_versions.items()
+                        ),
+                    )
+                )
             if triton_version is not None:
                 q = q.where(TuningJobRow.triton_version == triton_version)
             q = q.order_by(TuningJobRow.priority.desc(), TuningJobRow.id).limit(1)
@@ -407,18 +565,40 @@ class Store:
                     return None
                 rec = job_record(row)
                 if rec.unreadable is not None:
-                    log.warning("tunecache: job %d (%s) cannot be read (%s); quarantined", row.id, row.digest[:12],
-                                rec.unreadable)
-                    s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(
-                        status="quarantined", lease_owner=None, lease_hash=None, lease_expires_at=None,
-                        last_error=f"quarantined: the row cannot be read ({rec.unreadable})", updated_at=now)
-                        .execution_options(synchronize_session=False))
+                    log.warning(
+                        "tunecache: job %d (%s) cannot be read (%s); quarantined",
+                        row.id,
+                        row.digest[:12],
+                        rec.unreadable,
+                    )
+                    s.execute(
+                        update(TuningJobRow)
+                        .where(TuningJobRow.id == row.id)
+                        .values(
+                            status="quarantined",
+                            lease_owner=None,
+                            lease_hash=None,
+                            lease_expires_at=None,
+                            last_error=f"quarantined: the row cannot be read ({rec.unreadable})",
+                            updated_at=now,
+                        )
+                        .execution_options(synchronize_session=False)
+                    )
                     continue
                 secret = LEASE_PREFIX + secrets.token_urlsafe(32)
-                s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(
-                    status="running", lease_owner=owner[:128], lease_hash=hash_token(secret),
-                    lease_expires_at=self._now_sql(lease_s), attempts=TuningJobRow.attempts + 1, updated_at=now)
-                    .execution_options(synchronize_session=False))
+                s.execute(
+                    update(TuningJobRow)
+                    .where(TuningJobRow.id == row.id)
+                    .values(
+                        status="running",
+                        lease_owner=owner[:128],
+                        lease_hash=hash_token(secret),
+                        lease_expires_at=self._now_sql(lease_s),
+                        attempts=TuningJobRow.attempts + 1,
+                        updated_at=now,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
                 s.refresh(row)
                 return job_record(row, lease_secret=secret)
             return None  # only unreadable rows so far; the next claim goes on
@@ -433,26 +613,49 @@ class Store:
     def _fail_lapsed_last_attempts(self, s: Session, arch: str | None, sm_count: int | None) -> None:
         """Mark failed the running jobs of this device class whose last attempt's lease ran out."""
         now = self._now_sql()
-        q = self._device_class_filter(select(
-            TuningJobRow.id, TuningJobRow.digest, TuningJobRow.lease_owner, TuningJobRow.attempts,
-            TuningJobRow.max_attempts, TuningJobRow.last_error).where(
-            TuningJobRow.status == "running", TuningJobRow.lease_expires_at < now,
-            TuningJobRow.attempts >= TuningJobRow.max_attempts), arch, sm_count).limit(CLAIM_SCAN)
+        q = self._device_class_filter(
+            select(
+                TuningJobRow.id,
+                TuningJobRow.digest,
+                TuningJobRow.lease_owner,
+                TuningJobRow.attempts,
+                TuningJobRow.max_attempts,
+                TuningJobRow.last_error,
+            ).where(
+                TuningJobRow.status == "running",
+                TuningJobRow.lease_expires_at < now,
+                TuningJobRow.attempts >= TuningJobRow.max_attempts,
+            ),
+            arch,
+            sm_count,
+        ).limit(CLAIM_SCAN)
         if self.dialect == "postgresql":
             q = q.with_for_update(skip_locked=True)
         for job_id, digest, owner, attempts, max_attempts, last_error in s.execute(q).all():
             why = f"the lease of {owner or 'its worker'} ran out on the last attempt ({attempts}/{max_attempts})"
             log.warning("tunecache: job %d (%s): %s; marked failed", job_id, digest[:12], why)
-            s.execute(update(TuningJobRow).where(TuningJobRow.id == job_id).values(
-                status="failed", lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=now,
-                last_error="\n".join(filter(None, [last_error, why]))[-8000:])
-                .execution_options(synchronize_session=False))
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == job_id)
+                .values(
+                    status="failed",
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                    updated_at=now,
+                    last_error="\n".join(filter(None, [last_error, why]))[-8000:],
+                )
+                .execution_options(synchronize_session=False)
+            )
 
     @staticmethod
     def _held(job_id: int, lease_secret: str) -> tuple:
         """The running job `job_id` whose lease this secret holds."""
-        return (TuningJobRow.id == job_id, TuningJobRow.status == "running",
-                TuningJobRow.lease_hash == hash_token(lease_secret))
+        return (
+            TuningJobRow.id == job_id,
+            TuningJobRow.status == "running",
+            TuningJobRow.lease_hash == hash_token(lease_secret),
+        )
 
     def heartbeat(self, job_id: int, lease_secret: str, lease_s: float = 60.0) -> bool:
         """Extend the lease (capped at MAX_LEASE_S); False unless `lease_secret` holds it (the
@@ -461,19 +664,26 @@ class Store:
             return False
         now = self._now_sql()
         with self._write() as s:
-            res = s.execute(update(TuningJobRow).where(*self._held(job_id, lease_secret))
-                            .values(lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)), updated_at=now)
-                            .execution_options(synchronize_session=False))
+            res = s.execute(
+                update(TuningJobRow)
+                .where(*self._held(job_id, lease_secret))
+                .values(lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)), updated_at=now)
+                .execution_options(synchronize_session=False)
+            )
             return res.rowcount == 1
 
     def complete_job(self, job_id: int, lease_secret: str) -> bool:
         if not lease_secret:
             return False
         with self._write() as s:
-            res = s.execute(update(TuningJobRow).where(*self._held(job_id, lease_secret))
-                            .values(status="done", lease_owner=None, lease_hash=None, lease_expires_at=None,
-                                    updated_at=self._now_sql())
-                            .execution_options(synchronize_session=False))
+            res = s.execute(
+                update(TuningJobRow)
+                .where(*self._held(job_id, lease_secret))
+                .values(
+                    status="done", lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=self._now_sql()
+                )
+                .execution_options(synchronize_session=False)
+            )
             return res.rowcount == 1
 
     def fail_job(self, job_id: int, lease_secret: str, error: str, backoff_s: float = 5.0) -> str | None:
@@ -483,20 +693,26 @@ class Store:
             return None
         now = self._now_sql()
         with self._write() as s:
-            row = s.execute(select(TuningJobRow).where(*self._held(job_id, lease_secret)).with_for_update()
-                            ).scalar_one_or_none()
+            row = s.execute(
+                select(TuningJobRow).where(*self._held(job_id, lease_secret)).with_for_update()
+            ).scalar_one_or_none()
             if row is None:
                 return None
-            values: dict[str, Any] = dict(last_error=error[:8000], lease_owner=None, lease_hash=None,
-                                          lease_expires_at=None, updated_at=now)
+            values: dict[str, Any] = dict(
+                last_error=error[:8000], lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=now
+            )
             if row.attempts >= row.max_attempts:
                 values["status"] = "failed"
             else:
                 # capped: an exponent of a few dozen attempts would overflow datetime
                 wait = min(max(float(backoff_s), 0.0) * 2 ** min(row.attempts - 1, 30), MAX_BACKOFF_S)
                 values.update(status="queued", not_before=self._now_sql(wait))
-            s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**values)
-                      .execution_options(synchronize_session=False))
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == row.id)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
             return values["status"]
 
     def get_job(self, digest: str) -> JobRecord | None:
@@ -504,8 +720,9 @@ class Store:
             row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest)).scalar_one_or_none()
             return None if row is None else job_record(row)
 
-    def list_jobs(self, status: str | None = None, limit: int = 1000, *, arch: str | None = None,
-                  sm_count: int | None = None) -> list[JobRecord]:
+    def list_jobs(
+        self, status: str | None = None, limit: int = 1000, *, arch: str | None = None, sm_count: int | None = None
+    ) -> list[JobRecord]:
         """Jobs by id; a row that cannot be read is listed with `unreadable` saying why."""
         with self._read() as s:
             q = self._device_class_filter(select(TuningJobRow), arch, sm_count).order_by(TuningJobRow.id).limit(limit)
@@ -521,23 +738,41 @@ class Store:
         or cannot be read."""
         now = self._now_sql()
         with self._write() as s:
-            row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
-                            ).scalar_one_or_none()
+            row = s.execute(
+                select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
+            ).scalar_one_or_none()
             if row is None:
                 return None
             rec = job_record(row)
             if rec.unreadable is not None:
-                raise JobStateError(f"job {digest[:12]} cannot be read ({rec.unreadable}): drop it, and enqueue "
-                                    f"its key again to tune it")
+                raise JobStateError(
+                    f"job {digest[:12]} cannot be read ({rec.unreadable}): drop it, and enqueue "
+                    f"its key again to tune it"
+                )
             if row.status == "running":
-                raise JobStateError(f"job {digest[:12]} is running (leased to {row.lease_owner!r} until "
-                                    f"{row.lease_expires_at} UTC): let it finish, or drop it")
+                raise JobStateError(
+                    f"job {digest[:12]} is running (leased to {row.lease_owner!r} until "
+                    f"{row.lease_expires_at} UTC): let it finish, or drop it"
+                )
             if row.status == "done":
-                raise JobStateError(f"job {digest[:12]} is done and its winner is stored: delete the config "
-                                    f"(DELETE /v1/configs/{digest}) and enqueue the key to tune it again")
-            s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(
-                status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
-                lease_expires_at=None, updated_at=now).execution_options(synchronize_session=False))
+                raise JobStateError(
+                    f"job {digest[:12]} is done and its winner is stored: delete the config "
+                    f"(DELETE /v1/configs/{digest}) and enqueue the key to tune it again"
+                )
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == row.id)
+                .values(
+                    status="queued",
+                    attempts=0,
+                    not_before=now,
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                    updated_at=now,
+                )
+                .execution_options(synchronize_session=False)
+            )
             s.refresh(row)
             return job_record(row)
 
@@ -552,27 +787,40 @@ class Store:
         long the oldest of them has waited, and the live leases)."""
         with self._read() as s:
             now = s.execute(select(self._now_sql())).scalar_one()
-            claimable = or_(and_(TuningJobRow.status == "queued", TuningJobRow.not_before <= now),
-                            and_(TuningJobRow.status == "running", TuningJobRow.lease_expires_at < now))
-            since = case((TuningJobRow.status == "queued", TuningJobRow.not_before),
-                         else_=TuningJobRow.lease_expires_at)
+            claimable = or_(
+                and_(TuningJobRow.status == "queued", TuningJobRow.not_before <= now),
+                and_(TuningJobRow.status == "running", TuningJobRow.lease_expires_at < now),
+            )
+            since = case(
+                (TuningJobRow.status == "queued", TuningJobRow.not_before), else_=TuningJobRow.lease_expires_at
+            )
             out: dict[tuple[str, int], QueueWait] = {}
             for arch, sms, n, oldest in s.execute(
-                    select(TuningJobRow.arch, TuningJobRow.sm_count, func.count(), func.min(since))
-                    .where(claimable).group_by(TuningJobRow.arch, TuningJobRow.sm_count)):
+                select(TuningJobRow.arch, TuningJobRow.sm_count, func.count(), func.min(since))
+                .where(claimable)
+                .group_by(TuningJobRow.arch, TuningJobRow.sm_count)
+            ):
                 wait = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
                 out[(arch, sms)] = QueueWait(arch, sms, waiting=n, oldest_wait_s=wait)
             for arch, sms, n in s.execute(
-                    select(TuningJobRow.arch, TuningJobRow.sm_count, func.count())
-                    .where(TuningJobRow.status == "running", TuningJobRow.lease_expires_at >= now)
-                    .group_by(TuningJobRow.arch, TuningJobRow.sm_count)):
+                select(TuningJobRow.arch, TuningJobRow.sm_count, func.count())
+                .where(TuningJobRow.status == "running", TuningJobRow.lease_expires_at >= now)
+                .group_by(TuningJobRow.arch, TuningJobRow.sm_count)
+            ):
                 out.setdefault((arch, sms), QueueWait(arch, sms)).running = n
             return now, sorted(out.values(), key=lambda w: (w.arch, w.sm_count))
 
     # ---- fleet: submissions, tokens and queue state (the service's side of the store) ------
 
-    def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None, *,
-                submitted_by: str = "", tune_seconds: float | None = None) -> tuple[ConfigRecord, bool, int]:
+    def publish(
+        self,
+        rec: ConfigRecord,
+        trials: Iterable[TrialRecord] = (),
+        run_id: str | None = None,
+        *,
+        submitted_by: str = "",
+        tune_seconds: float | None = None,
+    ) -> tuple[ConfigRecord, bool, int]:
         """put_config that also records the submission, won or lost, in the same transaction.
 
         Returns (the kept record, whether `rec` won, the submission's id). The service calls
@@ -581,18 +829,26 @@ class Store:
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
             kept, won = self._keep_faster(s, rec, values)
-            row = SubmissionRow(**values, submitted_by=submitted_by[:128], accepted=won,
-                                tune_seconds=tune_seconds, created_at=utcnow())
+            row = SubmissionRow(
+                **values, submitted_by=submitted_by[:128], accepted=won, tune_seconds=tune_seconds, created_at=utcnow()
+            )
             s.add(row)
             s.flush()
             if won:  # the winner remembers who made it (purge_token)
-                s.execute(update(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
-                          .values(submission_id=row.id))
+                s.execute(
+                    update(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).values(submission_id=row.id)
+                )
             return kept, won, row.id
 
-    def submit(self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None, *,
-               submitted_by: str = "", tune_seconds: float | None = None
-               ) -> tuple[ConfigRecord | None, int, JobRecord | None]:
+    def submit(
+        self,
+        rec: ConfigRecord,
+        trials: Iterable[TrialRecord] = (),
+        run_id: str | None = None,
+        *,
+        submitted_by: str = "",
+        tune_seconds: float | None = None,
+    ) -> tuple[ConfigRecord | None, int, JobRecord | None]:
         """Record an untrusted result (a `publish` token's): it never makes or replaces a winner.
 
         When the key has no winner, or the result claims to beat the winner by REPLACE_MARGIN,
@@ -603,12 +859,18 @@ class Store:
         values = result_values(rec)
         with self._write() as s:
             self._add_trials(s, rec.key, trials, run_id)
-            sub = SubmissionRow(**values, submitted_by=submitted_by[:128], accepted=False,
-                                tune_seconds=tune_seconds, created_at=utcnow())
+            sub = SubmissionRow(
+                **values,
+                submitted_by=submitted_by[:128],
+                accepted=False,
+                tune_seconds=tune_seconds,
+                created_at=utcnow(),
+            )
             s.add(sub)
             s.flush()
-            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest)
-                            .with_for_update()).scalar_one_or_none()
+            row = s.execute(
+                select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).with_for_update()
+            ).scalar_one_or_none()
             try:
                 winner = None if row is None else config_record(row)
             except (ValueError, TypeError, KeyError):
@@ -621,8 +883,9 @@ class Store:
                     row.retime_queued_at = utcnow()
                     job = self._queue_timing(s, rec.key, retime=True)
                 else:  # re-timed already: a job still under way covers this claim too
-                    job_row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == rec.digest)
-                                        ).scalar_one_or_none()
+                    job_row = s.execute(
+                        select(TuningJobRow).where(TuningJobRow.digest == rec.digest)
+                    ).scalar_one_or_none()
                     if job_row is not None and job_row.status in ("queued", "running"):
                         job = job_record(job_row)
             if job is not None and job.status not in ("queued", "running"):
@@ -634,13 +897,15 @@ class Store:
         key and, if it is about the current winner, queue the key's re-timing (once per winner,
         as for a submission that beats it). Returns (whether there is a winner, the job)."""
         with self._write() as s:
-            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == digest)
-                            .with_for_update()).scalar_one_or_none()
+            row = s.execute(
+                select(TunedConfigRow).where(TunedConfigRow.digest == digest).with_for_update()
+            ).scalar_one_or_none()
             if row is None:
                 return False, None
             key = key_of(row)
-            self._add_trials(s, key, [TrialRecord(config=config, status="failed",
-                                                  error=f"reported by {reported_by}: {error}")], None)
+            self._add_trials(
+                s, key, [TrialRecord(config=config, status="failed", error=f"reported by {reported_by}: {error}")], None
+            )
             if row.config != config or row.retime_queued_at is not None:
                 return True, None
             row.retime_queued_at = utcnow()
@@ -653,19 +918,44 @@ class Store:
         when `retime`: the key has a winner, tune it even so); a failed or quarantined one is
         left as it is (`tunecache jobs retry`)."""
         now = self._now_sql()
-        insert_ignore(s, TuningJobRow.__table__, dict(
-            digest=key.digest, **key.fields(), status="queued", priority=0, attempts=0, max_attempts=3,
-            not_before=now, created_at=now, updated_at=now, retime=retime))
+        insert_ignore(
+            s,
+            TuningJobRow.__table__,
+            dict(
+                digest=key.digest,
+                **key.fields(),
+                status="queued",
+                priority=0,
+                attempts=0,
+                max_attempts=3,
+                not_before=now,
+                created_at=now,
+                updated_at=now,
+                retime=retime,
+            ),
+        )
         row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest).with_for_update()).scalar_one()
         changes: dict[str, Any] = {}
         if row.status == "done":
-            changes = dict(status="queued", attempts=0, not_before=now, lease_owner=None, lease_hash=None,
-                           lease_expires_at=None, last_error=None, retime=retime)
+            changes = dict(
+                status="queued",
+                attempts=0,
+                not_before=now,
+                lease_owner=None,
+                lease_hash=None,
+                lease_expires_at=None,
+                last_error=None,
+                retime=retime,
+            )
         elif row.status in ("queued", "running") and retime and not row.retime:
             changes = dict(retime=True)
         if changes:
-            s.execute(update(TuningJobRow).where(TuningJobRow.id == row.id).values(**changes, updated_at=now)
-                      .execution_options(synchronize_session=False))
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == row.id)
+                .values(**changes, updated_at=now)
+                .execution_options(synchronize_session=False)
+            )
             s.refresh(row)
         return job_record(row)
 
@@ -674,8 +964,12 @@ class Store:
         had the name) and every submission it sent; queue each displaced key for tuning (a done
         job again; a failed one is left for `tunecache jobs retry`), and move the generation so
         that hosts drop their copies. `dry_run`: report what would be removed, change nothing."""
-        made_by_token = (select(TunedConfigRow).join(SubmissionRow, SubmissionRow.id == TunedConfigRow.submission_id)
-                         .where(SubmissionRow.submitted_by == name).order_by(TunedConfigRow.id))
+        made_by_token = (
+            select(TunedConfigRow)
+            .join(SubmissionRow, SubmissionRow.id == TunedConfigRow.submission_id)
+            .where(SubmissionRow.submitted_by == name)
+            .order_by(TunedConfigRow.id)
+        )
         count_subs = select(func.count()).select_from(SubmissionRow).where(SubmissionRow.submitted_by == name)
         removed: list[ConfigRecord] = []
         jobs: dict[str, str] = {}
@@ -686,8 +980,9 @@ class Store:
                         removed.append(config_record(row))
                     except (ValueError, TypeError, KeyError):
                         jobs[row.digest] = "unreadable"
-                return PurgeReport(name, removed, jobs, s.execute(count_subs).scalar_one(), self.generation(),
-                                   dry_run=True)
+                return PurgeReport(
+                    name, removed, jobs, s.execute(count_subs).scalar_one(), self.generation(), dry_run=True
+                )
         with self._write() as s:
             rows = s.execute(made_by_token.with_for_update(of=TunedConfigRow)).scalars().all()
             for row in rows:
@@ -700,8 +995,13 @@ class Store:
             for rec in removed:
                 jobs[rec.digest] = self._queue_timing(s, rec.key, retime=False).status
             # the winners this token's claims had queued a re-timing of may be re-timed again
-            s.execute(update(TunedConfigRow).where(TunedConfigRow.digest.in_(
-                select(SubmissionRow.digest).where(SubmissionRow.submitted_by == name))).values(retime_queued_at=None))
+            s.execute(
+                update(TunedConfigRow)
+                .where(
+                    TunedConfigRow.digest.in_(select(SubmissionRow.digest).where(SubmissionRow.submitted_by == name))
+                )
+                .values(retime_queued_at=None)
+            )
             n_subs = s.execute(SubmissionRow.__table__.delete().where(SubmissionRow.submitted_by == name)).rowcount
             if rows:
                 self._bump_generation(s)
@@ -714,8 +1014,9 @@ class Store:
                 q = q.where(SubmissionRow.digest == digest)
             return [submission_record(r) for r in s.execute(q).scalars()]
 
-    def create_token(self, name: str, scopes: Iterable[str], *,
-                     expires_in: timedelta | None = None) -> tuple[str, TokenRecord]:
+    def create_token(
+        self, name: str, scopes: Iterable[str], *, expires_in: timedelta | None = None
+    ) -> tuple[str, TokenRecord]:
         """A new API token; returns (the secret, shown once, never stored; its record).
 
         Live tokens have unique names (ValueError naming the one in the way); `expires_in`
@@ -730,15 +1031,26 @@ class Store:
             raise ValueError(f"a token's lifetime must be positive and under a century, got {expires_in}")
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
         now = utcnow()
-        taken = ValueError(f"a live token named {name!r} exists; choose another name, or revoke that one first "
-                           f"(`tunecache token revoke {name}`)")
+        taken = ValueError(
+            f"a live token named {name!r} exists; choose another name, or revoke that one first "
+            f"(`tunecache token revoke {name}`)"
+        )
         try:
             with self._write() as s:
-                if s.execute(select(ApiTokenRow.id).where(ApiTokenRow.name == name,
-                                                          ApiTokenRow.revoked_at.is_(None))).first() is not None:
+                if (
+                    s.execute(
+                        select(ApiTokenRow.id).where(ApiTokenRow.name == name, ApiTokenRow.revoked_at.is_(None))
+                    ).first()
+                    is not None
+                ):
                     raise taken
-                row = ApiTokenRow(name=name, token_hash=hash_token(secret), scopes=",".join(scopes), created_at=now,
-                                  expires_at=None if expires_in is None else now + expires_in)
+                row = ApiTokenRow(
+                    name=name,
+                    token_hash=hash_token(secret),
+                    scopes=",".join(scopes),
+                    created_at=now,
+                    expires_at=None if expires_in is None else now + expires_in,
+                )
                 s.add(row)
                 s.flush()
                 return secret, token_record(row)
@@ -748,9 +1060,13 @@ class Store:
     def verify_token(self, secret: str) -> TokenRecord | None:
         """The live token with this secret, or None (unknown, revoked or expired)."""
         with self._read() as s:
-            row = s.execute(select(ApiTokenRow).where(
-                ApiTokenRow.token_hash == hash_token(secret), ApiTokenRow.revoked_at.is_(None),
-                or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > utcnow()))).scalar_one_or_none()
+            row = s.execute(
+                select(ApiTokenRow).where(
+                    ApiTokenRow.token_hash == hash_token(secret),
+                    ApiTokenRow.revoked_at.is_(None),
+                    or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > utcnow()),
+                )
+            ).scalar_one_or_none()
             return None if row is None else token_record(row)
 
     def list_tokens(self) -> list[TokenRecord]:
@@ -764,27 +1080,36 @@ class Store:
             raise ValueError("revoke a token by its name or by its id, not both")
         where = ApiTokenRow.name == name if token_id is None else ApiTokenRow.id == token_id
         with self._write() as s:
-            res = s.execute(update(ApiTokenRow).where(where, ApiTokenRow.revoked_at.is_(None))
-                            .values(revoked_at=utcnow()))
+            res = s.execute(
+                update(ApiTokenRow).where(where, ApiTokenRow.revoked_at.is_(None)).values(revoked_at=utcnow())
+            )
             return res.rowcount
 
     # ---- the audit log: every admin action ---------------------------------------------------
 
-    def audit(self, actor: TokenRecord | str, action: str, target: str = "",
-              details: Mapping[str, Any] | None = None) -> int:
+    def audit(
+        self, actor: TokenRecord | str, action: str, target: str = "", details: Mapping[str, Any] | None = None
+    ) -> int:
         """Record an admin action; returns the row's id. `actor` is the caller's token (its name
         and id are kept) or a name (`cli:user@host` for the command line); `action` names what
         was done ("config.delete"), `target` on what ("config:<digest>", "token:7")."""
         name, token_id = (actor.name, actor.id or None) if isinstance(actor, TokenRecord) else (str(actor), None)
         with self._write() as s:
-            row = AuditRow(at=utcnow(), actor=name[:128], actor_token_id=token_id, action=action[:64],
-                           target=(target or "")[:256], details=None if details is None else dict(details))
+            row = AuditRow(
+                at=utcnow(),
+                actor=name[:128],
+                actor_token_id=token_id,
+                action=action[:64],
+                target=(target or "")[:256],
+                details=None if details is None else dict(details),
+            )
             s.add(row)
             s.flush()
             return row.id
 
-    def audit_log(self, limit: int = 100, offset: int = 0, action: str | None = None,
-                  actor: str | None = None) -> list[AuditRecord]:
+    def audit_log(
+        self, limit: int = 100, offset: int = 0, action: str | None = None, actor: str | None = None
+    ) -> list[AuditRecord]:
         """Audit rows, newest first."""
         with self._read() as s:
             q = select(AuditRow).order_by(AuditRow.id.desc()).offset(offset).limit(limit)
@@ -792,8 +1117,18 @@ class Store:
                 q = q.where(AuditRow.action == action)
             if actor:
                 q = q.where(AuditRow.actor == actor)
-            return [AuditRecord(id=r.id, at=r.at, actor=r.actor, actor_token_id=r.actor_token_id, action=r.action,
-                                target=r.target, details=r.details) for r in s.execute(q).scalars()]
+            return [
+                AuditRecord(
+                    id=r.id,
+                    at=r.at,
+                    actor=r.actor,
+                    actor_token_id=r.actor_token_id,
+                    action=r.action,
+                    target=r.target,
+                    details=r.details,
+                )
+                for r in s.execute(q).scalars()
+            ]
 
     # ---- retention: what grows forever unless pruned -------------------------------------------
 
@@ -805,12 +1140,17 @@ class Store:
         from . import settings
 
         ttl = settings.job_ttl_s() if ttl_s is None else ttl_s
-        res = s.execute(update(TuningJobRow).where(
-            TuningJobRow.status == "queued", TuningJobRow.updated_at < self._now_sql(-ttl))
-            .values(status="failed", updated_at=self._now_sql(),
-                    last_error=f"expired: queued for over {ttl / 86400:g} day(s) without a worker claiming it "
-                               f"(TUNECACHE_JOB_TTL_S); `tunecache jobs retry` queues it again")
-            .execution_options(synchronize_session=False))
+        res = s.execute(
+            update(TuningJobRow)
+            .where(TuningJobRow.status == "queued", TuningJobRow.updated_at < self._now_sql(-ttl))
+            .values(
+                status="failed",
+                updated_at=self._now_sql(),
+                last_error=f"expired: queued for over {ttl / 86400:g} day(s) without a worker claiming it "
+                f"(TUNECACHE_JOB_TTL_S); `tunecache jobs retry` queues it again",
+            )
+            .execution_options(synchronize_session=False)
+        )
         return res.rowcount
 
     def expire_queued_jobs(self, ttl_s: float | None = None) -> int:
@@ -829,13 +1169,22 @@ class Store:
         with self._write() as s:
             expired = self._expire_queued(s, job_ttl_s)
             trials = s.execute(TrialRow.__table__.delete().where(TrialRow.created_at < cutoff)).rowcount
-            latest = select(func.max(SubmissionRow.id)).where(SubmissionRow.accepted.is_(True)).group_by(
-                SubmissionRow.digest)
-            subs = s.execute(SubmissionRow.__table__.delete().where(
-                SubmissionRow.created_at < cutoff, SubmissionRow.id.not_in(latest))).rowcount
-            jobs = s.execute(TuningJobRow.__table__.delete().where(  # jobs: the database's, as the queue's
-                TuningJobRow.status.in_(("done", "failed", "quarantined")),
-                TuningJobRow.updated_at < self._now_sql(-older_than_s))).rowcount
+            latest = (
+                select(func.max(SubmissionRow.id))
+                .where(SubmissionRow.accepted.is_(True))
+                .group_by(SubmissionRow.digest)
+            )
+            subs = s.execute(
+                SubmissionRow.__table__.delete().where(
+                    SubmissionRow.created_at < cutoff, SubmissionRow.id.not_in(latest)
+                )
+            ).rowcount
+            jobs = s.execute(
+                TuningJobRow.__table__.delete().where(  # jobs: the database's, as the queue's
+                    TuningJobRow.status.in_(("done", "failed", "quarantined")),
+                    TuningJobRow.updated_at < self._now_sql(-older_than_s),
+                )
+            ).rowcount
         return {"trials": trials, "submissions": subs, "jobs": jobs, "expired_jobs": expired}
 
     def job_counts(self, arch: str | None = None, sm_count: int | None = None) -> dict[str, int]:
@@ -856,7 +1205,9 @@ class Store:
         out: dict[str, str] = {}
         with self._read() as s:
             for i in range(0, len(digests), 500):
-                q = select(TuningJobRow.digest, TuningJobRow.status).where(TuningJobRow.digest.in_(digests[i:i + 500]))
+                q = select(TuningJobRow.digest, TuningJobRow.status).where(
+                    TuningJobRow.digest.in_(digests[i : i + 500])
+                )
                 out.update({d: st for d, st in s.execute(q)})
         return out
 
@@ -867,11 +1218,22 @@ class Store:
             return False
         now = self._now_sql()
         with self._write() as s:
-            res = s.execute(update(TuningJobRow).where(*self._held(job_id, lease_secret))
-                .values(status="queued", lease_owner=None, lease_hash=None, lease_expires_at=None, not_before=now,
-                        attempts=func.max(TuningJobRow.attempts - 1, 0) if self.dialect == "sqlite"
-                        else func.greatest(TuningJobRow.attempts - 1, 0), updated_at=now)
-                .execution_options(synchronize_session=False))
+            res = s.execute(
+                update(TuningJobRow)
+                .where(*self._held(job_id, lease_secret))
+                .values(
+                    status="queued",
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                    not_before=now,
+                    attempts=func.max(TuningJobRow.attempts - 1, 0)
+                    if self.dialect == "sqlite"
+                    else func.greatest(TuningJobRow.attempts - 1, 0),
+                    updated_at=now,
+                )
+                .execution_options(synchronize_session=False)
+            )
             return res.rowcount == 1
 
 

@@ -28,8 +28,9 @@ def leaders(quick_ms: Mapping[Hashable, float]) -> list:
     return sorted((c for c, ms in finite.items() if ms <= LEADER_FACTOR * best), key=finite.get)[:MAX_LEADERS]
 
 
-def time_ms(fn: Callable[[], object], on_gpu: bool, *, warmup_ms: float = 25, rep_ms: float = 100,
-            cpu_reps: int = 3) -> float:
+def time_ms(
+    fn: Callable[[], object], on_gpu: bool, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 3
+) -> float:
     """Median milliseconds of one call of `fn`."""
     if on_gpu:
         from triton.testing import do_bench

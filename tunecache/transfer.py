@@ -40,8 +40,9 @@ def validate_entry(entry: Any) -> ConfigRecord:
 
 def import_configs(store: Store, data: Any, source: str = "import") -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("configs"), list):
-        raise ImportErrorReport(f"not a tunecache export (expected an object with format {FORMAT!r} and a "
-                                f"'configs' list)")
+        raise ImportErrorReport(
+            f"not a tunecache export (expected an object with format {FORMAT!r} and a 'configs' list)"
+        )
     stored = kept = 0
     rejected: list[str] = []
     for i, entry in enumerate(data["configs"]):

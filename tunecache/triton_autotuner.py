@@ -100,8 +100,10 @@ class Autotuner(TritonAutotuner):
 
         workers = max(1, min(len(configs), settings.compile_workers() or os.cpu_count() or 1))
         timings: dict[Config, Any] = {}
-        with ThreadPoolExecutor(workers, thread_name_prefix="tunecache-compile") as pool, \
-                AsyncCompileMode(pool, ignore_errors=True):
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="tunecache-compile") as pool,
+            AsyncCompileMode(pool, ignore_errors=True),
+        ):
             for config in configs:  # submit: each call returns at once with its binary's future
                 current = {**meta, **config.all_kwargs(), "warmup": True}
                 try:
@@ -173,8 +175,7 @@ class Autotuner(TritonAutotuner):
             if hasattr(arg, "dtype"):
                 problem[f"{name}.dtype"] = str(arg.dtype)
         device = device_of()  # where Triton launches (or TUNECACHE_DEVICE)
-        key = TuneKey(self.kernel_name, self.kernel_version, triton_version(), device.arch, device.sm_count,
-                      problem)
+        key = TuneKey(self.kernel_name, self.kernel_version, triton_version(), device.arch, device.sm_count, problem)
         return key, device
 
     def _lookup(self, key: TuneKey, configs: list[Config]) -> tuple[Config, dict] | None:
@@ -194,17 +195,30 @@ class Autotuner(TritonAutotuner):
         wanted = canonical_json(rec.config)
         matches = [c for c in configs if _same_values(c, wanted)]
         if not matches:
-            log.warning("tunecache: ignoring %s config of %s %s: it matches none of the kernel's configs "
-                        "left after pruning: %s", where, self.kernel_name, key.digest[:12], rec.config)
+            log.warning(
+                "tunecache: ignoring %s config of %s %s: it matches none of the kernel's configs "
+                "left after pruning: %s",
+                where,
+                self.kernel_name,
+                key.digest[:12],
+                rec.config,
+            )
             return None
         if any(c != matches[0] for c in matches[1:]):  # same values, different pre_hooks
-            log.warning("tunecache: ignoring %s config of %s %s: several configs (with different pre_hooks) "
-                        "have its values: %s", where, self.kernel_name, key.digest[:12], rec.config)
+            log.warning(
+                "tunecache: ignoring %s config of %s %s: several configs (with different pre_hooks) "
+                "have its values: %s",
+                where,
+                self.kernel_name,
+                key.digest[:12],
+                rec.config,
+            )
             return None
         return matches[0]
 
-    def _stored_timings(self, key: TuneKey, configs: Sequence[Config], best: Config,
-                        best_ms: float) -> dict[Config, list[float]]:
+    def _stored_timings(
+        self, key: TuneKey, configs: Sequence[Config], best: Config, best_ms: float
+    ) -> dict[Config, list[float]]:
         """`configs_timings` after a hit: the last stored median of each candidate, in ms."""
         from .config_cache import CACHE
 
@@ -225,18 +239,29 @@ class Autotuner(TritonAutotuner):
         values = config_values(best)
         best_ms = _median(self.configs_timings.get(best))
         if values is None or not (math.isfinite(best_ms) and best_ms > 0):
-            log.info("tunecache: not keeping %s's config %s (not plain values, or no valid timing)",
-                     self.kernel_name, best)
+            log.info(
+                "tunecache: not keeping %s's config %s (not plain values, or no valid timing)", self.kernel_name, best
+            )
             return
         trials = []
         for config, timing in self.configs_timings.items():
             v = config_values(config)
             ms = _median(timing)
             if v is not None:
-                trials.append(TrialRecord(v, "ok", median_ms=ms) if math.isfinite(ms)
-                              else TrialRecord(v, "failed", error="did not compile or ran out of resources"))
-        rec = ConfigRecord(key=key, config=values, median_ms=best_ms, candidates=len(configs),
-                           device_name=device.name, tuned_by=whoami(), source="inline")
+                trials.append(
+                    TrialRecord(v, "ok", median_ms=ms)
+                    if math.isfinite(ms)
+                    else TrialRecord(v, "failed", error="did not compile or ran out of resources")
+                )
+        rec = ConfigRecord(
+            key=key,
+            config=values,
+            median_ms=best_ms,
+            candidates=len(configs),
+            device_name=device.name,
+            tuned_by=whoami(),
+            source="inline",
+        )
         from .config_cache import CACHE
 
         kept, won = CACHE.keep(rec, trials, tune_seconds=getattr(self, "bench_time", None))
@@ -257,8 +282,13 @@ def config_values(config: Config) -> dict | None:
 
     if config.ir_override is not None:  # a file on this host; its contents are no value
         return None
-    values = {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
-              "num_ctas": config.num_ctas, "maxnreg": config.maxnreg}
+    values = {
+        "kwargs": dict(config.kwargs),
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "num_ctas": config.num_ctas,
+        "maxnreg": config.maxnreg,
+    }
     return values if TritonConfigSchema().contains(values) else None
 
 
@@ -272,7 +302,7 @@ def kernel_name(fn: Callable) -> str:
     name = f"{KERNEL_PREFIX}{fn.__module__}.{fn.__qualname__}"
     if len(name) > _KERNEL_NAME_MAX:
         digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-        name = f"{name[:_KERNEL_NAME_MAX - 17]}~{digest}"
+        name = f"{name[: _KERNEL_NAME_MAX - 17]}~{digest}"
     return name
 
 

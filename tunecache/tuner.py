@@ -48,9 +48,18 @@ class TuneResult:
 
     def record(self, device: DeviceClass) -> ConfigRecord:
         """The winner as the store and the fleet keep it."""
-        return ConfigRecord(key=self.key, config=self.config, median_ms=self.median_ms, tflops=self.tflops,
-                            candidates=self.candidates, device_name=device.name, tuned_by=whoami(),
-                            source=self.source, default_ms=self.default_ms, vendor_ms=self.vendor_ms)
+        return ConfigRecord(
+            key=self.key,
+            config=self.config,
+            median_ms=self.median_ms,
+            tflops=self.tflops,
+            candidates=self.candidates,
+            device_name=device.name,
+            tuned_by=whoami(),
+            source=self.source,
+            default_ms=self.default_ms,
+            vendor_ms=self.vendor_ms,
+        )
 
 
 def make_key(mod: ModuleType, problem: dict, device: DeviceClass) -> TuneKey:
@@ -64,10 +73,16 @@ def relative_error(out: Any, ref: Any) -> float:
     return err / denom if denom > 0 else err
 
 
-def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
-         torch_device: str | None = None, source: str = "inline",
-         progress: Callable[[str, int, int, float | None], None] | None = None,
-         configs: list[dict] | None = None) -> TuneResult:
+def tune(
+    mod: ModuleType,
+    problem: dict,
+    device: DeviceClass,
+    *,
+    torch_device: str | None = None,
+    source: str = "inline",
+    progress: Callable[[str, int, int, float | None], None] | None = None,
+    configs: list[dict] | None = None,
+) -> TuneResult:
     """Tune `mod` (a backend module) for `problem` on this device; return the winner and every trial.
 
     Nothing is written: callers keep the result (`ConfigCache.keep`, or a store's `put_config`
@@ -130,16 +145,32 @@ def tune(mod: ModuleType, problem: dict, device: DeviceClass, *,
     flops = mod.flops(problem)
     tflops = flops / (best.median_ms * 1e-3) / 1e12 if best.median_ms > 0 else None
     default_ms = next((t.median_ms for t in ok if t.config == default), None)
-    result = TuneResult(key, best.config, best.median_ms, tflops, len(candidates), trials,
-                        seconds=time.perf_counter() - t0, source=source, default_ms=default_ms,
-                        vendor_ms=runner.vendor_ms({} if on_gpu else {"cpu_reps": 3}))
-    log.info("tunecache: tuned %s %s in %d candidates: %s (%.4f ms)", mod.KERNEL, problem, len(candidates),
-             best.config, best.median_ms)
+    result = TuneResult(
+        key,
+        best.config,
+        best.median_ms,
+        tflops,
+        len(candidates),
+        trials,
+        seconds=time.perf_counter() - t0,
+        source=source,
+        default_ms=default_ms,
+        vendor_ms=runner.vendor_ms({} if on_gpu else {"cpu_reps": 3}),
+    )
+    log.info(
+        "tunecache: tuned %s %s in %d candidates: %s (%.4f ms)",
+        mod.KERNEL,
+        problem,
+        len(candidates),
+        best.config,
+        best.median_ms,
+    )
     return result
 
 
-def _compiled(mod: ModuleType, problem: dict, device: DeviceClass, candidates: list[dict],
-              trials: list[TrialRecord]) -> Iterator[int]:
+def _compiled(
+    mod: ModuleType, problem: dict, device: DeviceClass, candidates: list[dict], trials: list[TrialRecord]
+) -> Iterator[int]:
     """Indices of the candidates whose binaries are ready, as they become ready: Gluon
     candidates are compiled in parallel for the device's target (one that fails is a failed
     trial); others compile at their first launch."""
@@ -168,8 +199,14 @@ class Trials:
         from .isolated import runner_for
 
         self.worker = runner_for(torch_device)
-        self.setup = {"cmd": "setup", "module": mod.__name__, "problem": problem, "torch_device": torch_device,
-                      "tolerance": tolerance, "digest": key.digest}
+        self.setup = {
+            "cmd": "setup",
+            "module": mod.__name__,
+            "problem": problem,
+            "torch_device": torch_device,
+            "tolerance": tolerance,
+            "digest": key.digest,
+        }
         self._ready_pid: int | None = None
 
     def _ensure_setup(self) -> None:
@@ -180,8 +217,10 @@ class Trials:
         try:
             self.worker.call(self.setup, settings.candidate_timeout_s() * 5)
         except WorkerFailed as e:
-            raise TuneError(f"{self.setup['module']}: could not make the inputs of {self.setup['problem']} "
-                            f"in the isolated trial runner: {e.reason}") from None
+            raise TuneError(
+                f"{self.setup['module']}: could not make the inputs of {self.setup['problem']} "
+                f"in the isolated trial runner: {e.reason}"
+            ) from None
         self._ready_pid = self.worker.pid
 
     def run(self, config: dict, timing: dict, *, check: bool = True, time_it: bool = True) -> dict:
@@ -190,12 +229,19 @@ class Trials:
 
         self._ensure_setup()
         try:
-            return self.worker.call({"cmd": "trial", "digest": self.setup["digest"], "config": config,
-                                     "timing": timing, "check": check, "time": time_it},
-                                    settings.candidate_timeout_s())
+            return self.worker.call(
+                {
+                    "cmd": "trial",
+                    "digest": self.setup["digest"],
+                    "config": config,
+                    "timing": timing,
+                    "check": check,
+                    "time": time_it,
+                },
+                settings.candidate_timeout_s(),
+            )
         except WorkerFailed as e:
-            log.warning("tunecache: candidate %s of %s failed in isolation: %s", config, self.setup["module"],
-                        e.reason)
+            log.warning("tunecache: candidate %s of %s failed in isolation: %s", config, self.setup["module"], e.reason)
             return {"status": "failed", "error": e.reason}
 
     def vendor_ms(self, timing: dict) -> float | None:
@@ -205,8 +251,9 @@ class Trials:
 
         try:
             self._ensure_setup()
-            res = self.worker.call({"cmd": "reference", "digest": self.setup["digest"], "timing": timing},
-                                   settings.candidate_timeout_s())
+            res = self.worker.call(
+                {"cmd": "reference", "digest": self.setup["digest"], "timing": timing}, settings.candidate_timeout_s()
+            )
         except (WorkerFailed, TuneError) as e:
             log.info("tunecache: could not time the reference of %s: %s", self.setup["module"], e)
             return None

@@ -22,8 +22,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .job_queue import ClaimedJob, JobQueue, default_queue
 from .errors import last_line, short
+from .job_queue import ClaimedJob, JobQueue, default_queue
 from .key import DeviceClass, interpreter_device, interpreting
 from .shapes import OPS
 from .store import MAX_LEASE_S, STORE_ERRORS, ConfigRecord, Store, TrialRecord, default_store
@@ -91,8 +91,10 @@ class Lease:
             ok = self.queue.heartbeat(self.job, self.lease_s)
             if ok is False:  # None: the service is unreachable; keep trying, the lease may hold
                 self.lost = True
-                log.warning("tunecache: lost the lease of job %d (it ran out and was claimed again, or was "
-                            "dropped)", self.job.id)
+                log.warning(
+                    "tunecache: lost the lease of job %d (it ran out and was claimed again, or was dropped)",
+                    self.job.id,
+                )
                 return
 
 
@@ -109,13 +111,22 @@ class Outcome:
 
 
 class Worker:
-    def __init__(self, gpu: int = 0, queue: JobQueue | None = None, store: Store | None = None, *,
-                 lease_s: float = 60.0,
-                 poll_s: float = 2.0, burst: bool = False, source: str = "worker",
-                 owner: str | None = None) -> None:
+    def __init__(
+        self,
+        gpu: int = 0,
+        queue: JobQueue | None = None,
+        store: Store | None = None,
+        *,
+        lease_s: float = 60.0,
+        poll_s: float = 2.0,
+        burst: bool = False,
+        source: str = "worker",
+        owner: str | None = None,
+    ) -> None:
         if not 0 < lease_s <= MAX_LEASE_S:
-            raise ValueError(f"--lease-s must be more than 0 and at most {MAX_LEASE_S:g} s (the queue's cap), "
-                             f"got {lease_s:g}")
+            raise ValueError(
+                f"--lease-s must be more than 0 and at most {MAX_LEASE_S:g} s (the queue's cap), got {lease_s:g}"
+            )
         self.gpu = gpu
         self.device, self.torch_device = worker_device(gpu)
         self.store = store or default_store()
@@ -135,8 +146,14 @@ class Worker:
         self._stop.set()
 
     def run(self, max_jobs: int | None = None) -> list[Outcome]:
-        log.info("tunecache: worker %s on %s serving %s (%d kernels)%s", self.owner, self.device, self.queue.where,
-                 len(self.versions), " until the queue is empty" if self.burst else "")
+        log.info(
+            "tunecache: worker %s on %s serving %s (%d kernels)%s",
+            self.owner,
+            self.device,
+            self.queue.where,
+            len(self.versions),
+            " until the queue is empty" if self.burst else "",
+        )
         while not self._stop.is_set() and (max_jobs is None or len(self.outcomes) < max_jobs):
             job = self.queue.claim(self.owner, self.device, self.lease_s, self.versions, self.triton_version)
             if job is None:
@@ -159,14 +176,23 @@ class Worker:
         from .tuner import make_key, tune
 
         key = job.key
-        log.info("tunecache: job %d: %s %s on %s (attempt %d/%d)", job.id, key.kernel, dict(key.problem),
-                 self.device, job.attempts, job.max_attempts)
+        log.info(
+            "tunecache: job %d: %s %s on %s (attempt %d/%d)",
+            job.id,
+            key.kernel,
+            dict(key.problem),
+            self.device,
+            job.attempts,
+            job.max_attempts,
+        )
         try:
             mod = registry.module_for_kernel(key.kernel)
             mine = make_key(mod, dict(key.problem), self.device)
             if mine.digest != key.digest:
-                raise ValueError(f"this worker's {key.kernel} is version {mine.kernel_version} on Triton "
-                                 f"{mine.triton_version}; the job wants {key.kernel_version} on {key.triton_version}")
+                raise ValueError(
+                    f"this worker's {key.kernel} is version {mine.kernel_version} on Triton "
+                    f"{mine.triton_version}; the job wants {key.kernel_version} on {key.triton_version}"
+                )
             if not mod.supports(dict(key.problem), self.device):
                 raise ValueError(f"{key.kernel} does not support {dict(key.problem)} on {self.device}")
         except Exception as e:
@@ -179,8 +205,7 @@ class Worker:
         t0 = time.perf_counter()
         with Lease(self.queue, job, self.lease_s) as lease:
             try:
-                result = tune(mod, dict(key.problem), self.device, torch_device=self.torch_device,
-                              source=self.source)
+                result = tune(mod, dict(key.problem), self.device, torch_device=self.torch_device, source=self.source)
             except Exception as e:
                 return self._fail(job, short("".join(traceback.format_exception(e)), 4000))
             seconds = time.perf_counter() - t0
@@ -198,8 +223,9 @@ class Worker:
                 # the service is unreachable: the lease runs out and the job is tuned again
                 return Outcome(job.id, key.kernel, "unpublished", seconds, "service unreachable")
             self.queue.complete(job, tune_seconds=seconds)
-        log.info("tunecache: job %d: %s in %.1f s -> %s (%.4f ms)", job.id, key.kernel, seconds, rec.config,
-                 rec.median_ms)
+        log.info(
+            "tunecache: job %d: %s in %.1f s -> %s (%.4f ms)", job.id, key.kernel, seconds, rec.config, rec.median_ms
+        )
         return Outcome(job.id, key.kernel, "tuned", seconds)
 
     def _publish(self, rec: ConfigRecord, trials: list[TrialRecord], seconds: float) -> Any:
@@ -235,8 +261,15 @@ def install_signal_handlers() -> None:
         signal.signal(signal.SIGTERM, on_term)
 
 
-def run_worker(gpu: int = 0, *, lease_s: float = 60.0, poll_s: float = 2.0, burst: bool = False,
-               source: str = "worker", max_jobs: int | None = None) -> list[Outcome]:
+def run_worker(
+    gpu: int = 0,
+    *,
+    lease_s: float = 60.0,
+    poll_s: float = 2.0,
+    burst: bool = False,
+    source: str = "worker",
+    max_jobs: int | None = None,
+) -> list[Outcome]:
     """The `tunecache worker` command's body."""
     install_signal_handlers()
     worker = Worker(gpu, lease_s=lease_s, poll_s=poll_s, burst=burst, source=source)

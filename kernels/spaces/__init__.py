@@ -45,8 +45,9 @@ class ConfigSpace:
             raise ValueError(f"config must be an object, got {type(config).__name__}")
         for name in config:
             if name not in self.params:
-                raise ValueError(f"config key {name!r} is not a parameter of this kernel "
-                                 f"(expected {sorted(self.params)})")
+                raise ValueError(
+                    f"config key {name!r} is not a parameter of this kernel (expected {sorted(self.params)})"
+                )
         for name, allowed in self.params.items():
             if name not in config:
                 raise ValueError(f"config is missing {name!r}")
@@ -119,15 +120,19 @@ class TritonConfigSchema:
         if not isinstance(kwargs, Mapping) or len(kwargs) > 64:
             raise ValueError("config kwargs must be an object of at most 64 entries")
         for k, v in kwargs.items():
-            if not isinstance(k, str) or not isinstance(v, (int, float, bool, str)) or \
-                    (isinstance(v, str) and len(v) > 256):
+            if (
+                not isinstance(k, str)
+                or not isinstance(v, (int, float, bool, str))
+                or (isinstance(v, str) and len(v) > 256)
+            ):
                 raise ValueError(f"config kwarg {k!r}={v!r} is not a scalar meta-parameter")
         for name, allowed in self.OPTIONS.items():
             if config[name] not in allowed or isinstance(config[name], bool):
                 raise ValueError(f"config {name}={config[name]!r} is outside {list(allowed)}")
         maxnreg = config.get("maxnreg")
-        if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int)
-                                    or not 16 <= maxnreg <= 256):
+        if maxnreg is not None and (
+            isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 16 <= maxnreg <= 256
+        ):
             raise ValueError(f"config maxnreg={maxnreg!r} must be null or an int in [16, 256]")
 
     def contains(self, config: Mapping[str, Any]) -> bool:

@@ -16,7 +16,7 @@ persistent matmul 001), widened where the hardware allows:
 each. The seeds run Blackwell at 4 (the persistent-matmul figures show 8 slower there).
 
 Not every config fits: `prune()` in each kernel module drops the ones that exceed shared
-or tensor memory, and tests/test_compile_targets.py checks those rules against the
+or tensor memory, and tests/integration/test_compile_targets.py checks those rules against the
 compiler over the whole space.
 """
 
@@ -26,35 +26,41 @@ _STAGES = (2, 3, 4, 5, 6)
 
 SPACES = {
     # c[M, N] = a[M, K] @ b[K, N]
-    "matmul": ConfigSpace({
-        "BLOCK_M": (64, 128),
-        "BLOCK_N": (64, 128, 256),
-        "BLOCK_K": (64, 128),
-        "NUM_BUFFERS": _STAGES,
-        "NUM_ACC": (2,),
-        "GROUP_M": (1, 8),
-        "num_warps": (4,),
-    }),
+    "matmul": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128),
+            "BLOCK_N": (64, 128, 256),
+            "BLOCK_K": (64, 128),
+            "NUM_BUFFERS": _STAGES,
+            "NUM_ACC": (2,),
+            "GROUP_M": (1, 8),
+            "num_warps": (4,),
+        }
+    ),
     # implicit GEMM: M = N*P*Q output pixels (TMA im2col rows), N = Co, K = R*S*Ci
-    "conv2d_fprop": ConfigSpace({
-        "BLOCK_M": (64, 128),
-        "BLOCK_N": (32, 64, 128, 256),
-        "BLOCK_K": (32, 64, 128),
-        "NUM_BUFFERS": _STAGES,
-        "NUM_ACC": (2,),
-        "GROUP_M": (1, 4, 8),
-        "num_warps": (4,),
-    }),
+    "conv2d_fprop": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128),
+            "BLOCK_N": (32, 64, 128, 256),
+            "BLOCK_K": (32, 64, 128),
+            "NUM_BUFFERS": _STAGES,
+            "NUM_ACC": (2,),
+            "GROUP_M": (1, 4, 8),
+            "num_warps": (4,),
+        }
+    ),
     # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]:
     # M = Co, N = Ci at one filter tap (r, s), K = N*P*Q split SPLIT_K ways and reduced
     # deterministically by a second kernel.
-    "conv2d_wgrad": ConfigSpace({
-        "BLOCK_M": (64, 128),
-        "BLOCK_N": (64, 128, 256),
-        "BLOCK_K": (64, 128),
-        "NUM_BUFFERS": _STAGES,
-        "NUM_ACC": (2,),
-        "SPLIT_K": (1, 2, 4, 8, 16, 32),
-        "num_warps": (4,),
-    }),
+    "conv2d_wgrad": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128),
+            "BLOCK_N": (64, 128, 256),
+            "BLOCK_K": (64, 128),
+            "NUM_BUFFERS": _STAGES,
+            "NUM_ACC": (2,),
+            "SPLIT_K": (1, 2, 4, 8, 16, 32),
+            "num_warps": (4,),
+        }
+    ),
 }

@@ -8,34 +8,40 @@ from . import ConfigSpace
 
 SPACES = {
     # c[M, N] = a[M, K] @ b[K, N]; persistent over tiles in grouped order
-    "matmul": ConfigSpace({
-        "BLOCK_M": (64, 128, 256),
-        "BLOCK_N": (64, 128, 256),
-        "BLOCK_K": (32, 64, 128),
-        "GROUP_M": (1, 8),
-        "num_warps": (4, 8),
-        "num_stages": (2, 3, 4, 5, 6),
-    }),
+    "matmul": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128, 256),
+            "BLOCK_N": (64, 128, 256),
+            "BLOCK_K": (32, 64, 128),
+            "GROUP_M": (1, 8),
+            "num_warps": (4, 8),
+            "num_stages": (2, 3, 4, 5, 6),
+        }
+    ),
     # implicit GEMM: M = N*P*Q output pixels (TMA im2col), N = Co, K = R*S*Ci
-    "conv2d_fprop": ConfigSpace({
-        "BLOCK_M": (64, 128, 256),
-        "BLOCK_N": (64, 128, 256),
-        "BLOCK_K": (16, 32, 64),
-        "GROUP_M": (1, 8),
-        "num_warps": (4, 8),
-        "num_stages": (2, 3, 4, 5, 6),
-    }),
+    "conv2d_fprop": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128, 256),
+            "BLOCK_N": (64, 128, 256),
+            "BLOCK_K": (16, 32, 64),
+            "GROUP_M": (1, 8),
+            "num_warps": (4, 8),
+            "num_stages": (2, 3, 4, 5, 6),
+        }
+    ),
     # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]. SPLIT_K > 0 splits
     # the N*P*Q reduction that many ways into fp32 partials summed by a deterministic second
     # pass; 0 takes the split count a work model finds fastest (whole waves of CTAs on the
     # SMs); -1 is stream-K: every CTA runs an equal share of the (tile, k-step) iterations and
     # the CTA that finishes a tile shared between CTAs sums its pieces in CTA order.
-    "conv2d_wgrad": ConfigSpace({
-        "BLOCK_M": (64, 128, 256),
-        "BLOCK_N": (16, 32, 64, 128, 256),
-        "BLOCK_K": (32, 64, 128),
-        "SPLIT_K": (-1, 0, 1, 2, 4, 8, 16, 32),
-        "num_warps": (4, 8),
-        "num_stages": (2, 3, 4, 5),
-    }),
+    "conv2d_wgrad": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128, 256),
+            "BLOCK_N": (16, 32, 64, 128, 256),
+            "BLOCK_K": (32, 64, 128),
+            "SPLIT_K": (-1, 0, 1, 2, 4, 8, 16, 32),
+            "num_warps": (4, 8),
+            "num_stages": (2, 3, 4, 5),
+        }
+    ),
 }

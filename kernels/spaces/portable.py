@@ -8,30 +8,36 @@ from . import ConfigSpace
 _BLOCKS = (16, 32, 64, 128)
 
 SPACES = {
-    "matmul": ConfigSpace({
-        "BLOCK_M": _BLOCKS,
-        "BLOCK_N": _BLOCKS + (256,),
-        "BLOCK_K": (16, 32, 64),
-        "GROUP_M": (8,),
-        "num_warps": (2, 4, 8),
-        "num_stages": (2, 3, 4, 5),
-    }),
+    "matmul": ConfigSpace(
+        {
+            "BLOCK_M": _BLOCKS,
+            "BLOCK_N": _BLOCKS + (256,),
+            "BLOCK_K": (16, 32, 64),
+            "GROUP_M": (8,),
+            "num_warps": (2, 4, 8),
+            "num_stages": (2, 3, 4, 5),
+        }
+    ),
     # implicit GEMM: M = N*P*Q output pixels, N = Co, K = R*S*Ci
-    "conv2d_fprop": ConfigSpace({
-        "BLOCK_M": _BLOCKS,
-        "BLOCK_N": _BLOCKS + (256,),
-        "BLOCK_K": (16, 32, 64),
-        "GROUP_M": (8,),
-        "num_warps": (2, 4, 8),
-        "num_stages": (2, 3, 4),
-    }),
+    "conv2d_fprop": ConfigSpace(
+        {
+            "BLOCK_M": _BLOCKS,
+            "BLOCK_N": _BLOCKS + (256,),
+            "BLOCK_K": (16, 32, 64),
+            "GROUP_M": (8,),
+            "num_warps": (2, 4, 8),
+            "num_stages": (2, 3, 4),
+        }
+    ),
     # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci], split along N*P*Q
-    "conv2d_wgrad": ConfigSpace({
-        "BLOCK_M": _BLOCKS,
-        "BLOCK_N": _BLOCKS + (256,),
-        "BLOCK_K": (16, 32, 64),
-        "SPLIT_K": (1, 2, 4, 8, 16, 32),
-        "num_warps": (2, 4, 8),
-        "num_stages": (2, 3, 4),
-    }),
+    "conv2d_wgrad": ConfigSpace(
+        {
+            "BLOCK_M": _BLOCKS,
+            "BLOCK_N": _BLOCKS + (256,),
+            "BLOCK_K": (16, 32, 64),
+            "SPLIT_K": (1, 2, 4, 8, 16, 32),
+            "num_warps": (2, 4, 8),
+            "num_stages": (2, 3, 4),
+        }
+    ),
 }

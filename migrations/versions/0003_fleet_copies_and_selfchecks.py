@@ -35,8 +35,9 @@ def upgrade() -> None:
         sa.Column("seconds", sa.Float, nullable=True),
         sa.Column("device_name", sa.String(128), nullable=False, server_default=""),
         sa.Column("checked_at", sa.DateTime, nullable=False),
-        sa.UniqueConstraint("kernel", "kernel_version", "triton_version", "arch", "sm_count",
-                            name="uq_selfchecks_backend_device"),
+        sa.UniqueConstraint(
+            "kernel", "kernel_version", "triton_version", "arch", "sm_count", name="uq_selfchecks_backend_device"
+        ),
     )
 
 

@@ -25,8 +25,10 @@ def upgrade() -> None:
     op.add_column("tuning_jobs", sa.Column("retime", sa.Boolean, nullable=False, server_default=sa.false()))
     op.create_index("ix_submissions_submitted_by", "submissions", ["submitted_by"])
     # winners made before: by the latest accepted submission of their key
-    op.execute("UPDATE tuned_configs SET submission_id = (SELECT max(s.id) FROM submissions s "
-               "WHERE s.digest = tuned_configs.digest AND s.accepted)")
+    op.execute(
+        "UPDATE tuned_configs SET submission_id = (SELECT max(s.id) FROM submissions s "
+        "WHERE s.digest = tuned_configs.digest AND s.accepted)"
+    )
     # ---- B: leases, queue operations -------------------------------------------------------
     # the sha256 of the lease secret a claim returns (the secret itself is never stored); a
     # job running at the upgrade has none, so its lease runs out and it is claimed again
@@ -36,15 +38,26 @@ def upgrade() -> None:
     # live names become unique (revoke by name must mean one token): of the live tokens that
     # share a name, all but the oldest are renamed NAME#ID
     conn = op.get_bind()
-    dupes = conn.execute(sa.text(
-        "SELECT id, name FROM api_tokens t WHERE revoked_at IS NULL AND EXISTS (SELECT 1 FROM api_tokens o "
-        "WHERE o.name = t.name AND o.revoked_at IS NULL AND o.id < t.id)")).all()
+    dupes = conn.execute(
+        sa.text(
+            "SELECT id, name FROM api_tokens t WHERE revoked_at IS NULL AND EXISTS (SELECT 1 FROM api_tokens o "
+            "WHERE o.name = t.name AND o.revoked_at IS NULL AND o.id < t.id)"
+        )
+    ).all()
     for token_id, name in dupes:
         suffix = f"#{token_id}"
-        conn.execute(sa.text("UPDATE api_tokens SET name = :name WHERE id = :id"),
-                     {"name": name[:128 - len(suffix)] + suffix, "id": token_id})
-    op.create_index("uq_api_tokens_live_name", "api_tokens", ["name"], unique=True,
-                    sqlite_where=sa.text("revoked_at IS NULL"), postgresql_where=sa.text("revoked_at IS NULL"))
+        conn.execute(
+            sa.text("UPDATE api_tokens SET name = :name WHERE id = :id"),
+            {"name": name[: 128 - len(suffix)] + suffix, "id": token_id},
+        )
+    op.create_index(
+        "uq_api_tokens_live_name",
+        "api_tokens",
+        ["name"],
+        unique=True,
+        sqlite_where=sa.text("revoked_at IS NULL"),
+        postgresql_where=sa.text("revoked_at IS NULL"),
+    )
     op.create_table(
         "audit_log",
         sa.Column("id", sa.Integer, primary_key=True),

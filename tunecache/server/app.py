@@ -34,13 +34,21 @@ _COMMON = {
     408: {"model": ErrorOut, "description": "the body was not received in time (TUNECACHE_BODY_TIMEOUT_S)"},
     413: {"model": ErrorOut, "description": "the body is larger than the limit"},
     422: {"model": ErrorOut, "description": "the request is malformed or fails validation"},
-    429: {"model": ErrorOut, "description": "over the request rate of the token or address; the Retry-After "
-                                            "header says after how many seconds to try again"},
+    429: {
+        "model": ErrorOut,
+        "description": "over the request rate of the token or address; the Retry-After "
+        "header says after how many seconds to try again",
+    },
 }
 
 
-def create_app(store_url: str | None = None, *, anonymous_read: bool | None = None,
-               max_body_bytes: int | None = None, store: Store | None = None) -> FastAPI:
+def create_app(
+    store_url: str | None = None,
+    *,
+    anonymous_read: bool | None = None,
+    max_body_bytes: int | None = None,
+    store: Store | None = None,
+) -> FastAPI:
     """The service over the store at `store_url` (default TUNECACHE_DB_URL), migrated to head."""
     from importlib.metadata import version
 
@@ -63,11 +71,15 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
     # have no internet
     from fastapi_offline import FastAPIOffline
 
-    app = FastAPIOffline(title="tunecache", version=version("tunecache"), lifespan=lifespan,
-                  dependencies=[Depends(known_query_only)],
-                  description="A fleet-shared autotune cache for Triton/Gluon kernels: look up the best "
-                              "config for a kernel, device class and shape; publish results; run the "
-                              "queue of tuning jobs.")
+    app = FastAPIOffline(
+        title="tunecache",
+        version=version("tunecache"),
+        lifespan=lifespan,
+        dependencies=[Depends(known_query_only)],
+        description="A fleet-shared autotune cache for Triton/Gluon kernels: look up the best "
+        "config for a kernel, device class and shape; publish results; run the "
+        "queue of tuning jobs.",
+    )
     app.state.store = store or Store(store_url or settings.db_url())
     app.state.metrics = Metrics()
     app.state.tokens = TokenCache(on_query=app.state.metrics.token_checks.inc)
@@ -94,13 +106,16 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
             if err.get("type") == "json_invalid":
                 msg = f"body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})"
             parts.append(f"{loc}: {msg}" if loc else msg)
-        return JSONResponse({"detail": "; ".join(parts) or "invalid request",
-                             "errors": [_plain(e) for e in errors[:50]]}, status_code=422)
+        return JSONResponse(
+            {"detail": "; ".join(parts) or "invalid request", "errors": [_plain(e) for e in errors[:50]]},
+            status_code=422,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            {"detail": str(exc.detail)}, status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(OperationalError)
     async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
@@ -115,5 +130,8 @@ def create_app(store_url: str | None = None, *, anonymous_read: bool | None = No
 
 def _plain(err: dict) -> dict:
     """A validation error as plain JSON (ctx may hold exceptions, input may be anything)."""
-    return {"loc": [str(x) for x in err.get("loc", ())], "msg": str(err.get("msg", "")),
-            "type": str(err.get("type", ""))}
+    return {
+        "loc": [str(x) for x in err.get("loc", ())],
+        "msg": str(err.get("msg", "")),
+        "type": str(err.get("type", "")),
+    }

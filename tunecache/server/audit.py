@@ -25,7 +25,12 @@ class AuditOut(BaseModel):
 
 
 @router.get("/audit", response_model=list[AuditOut], summary="The audit log of admin actions, newest first")
-def audit_log(_: AdminToken, store: StoreDep, action: Optional[str] = Query(None, max_length=64, pattern=_NO_NUL),
-              actor: Optional[str] = Query(None, max_length=128, pattern=_NO_NUL),
-              limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=10**9)) -> list[AuditOut]:
+def audit_log(
+    _: AdminToken,
+    store: StoreDep,
+    action: Optional[str] = Query(None, max_length=64, pattern=_NO_NUL),
+    actor: Optional[str] = Query(None, max_length=128, pattern=_NO_NUL),
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=10**9),
+) -> list[AuditOut]:
     return [AuditOut(**r.__dict__) for r in store.audit_log(limit=limit, offset=offset, action=action, actor=actor)]

@@ -15,6 +15,7 @@ import math
 from typing import Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query
+
 from tunecache_kernels.spaces import BACKENDS
 
 from ..key import DeviceClass
@@ -29,21 +30,65 @@ _SIZES = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
 Shape = Optional[str]
 
 
-@router.get("/best/{op}", response_model=ConfigOut, summary="The best config for a shape",
-            responses={404: {"model": ErrorOut, "description": "no winner for this shape; the answer names "
-                                                                 "the key it looked for and the nearest tuned shapes"}})
-def best(op: Literal["matmul", "conv2d_fprop", "conv2d_wgrad"], _: ReadToken, store: StoreDep,
-         device: str = Query(..., max_length=40, description="the device class ARCH:SMS, e.g. sm_90:132"),
-         backend: Optional[Literal["blackwell", "hopper", "portable"]] = Query(None),
-         kernel_version: Optional[str] = Query(None, max_length=64),
-         triton_version: Optional[str] = Query(None, max_length=32),
-         M: Shape = None, N: Shape = None, K: Shape = None, a_layout: Shape = None, b_layout: Shape = None,
-         H: Shape = None, W: Shape = None, Ci: Shape = None, Co: Shape = None, R: Shape = None, S: Shape = None,
-         stride: Shape = None, padding: Shape = None, stride_h: Shape = None, stride_w: Shape = None,
-         pad_h: Shape = None, pad_w: Shape = None, dtype: Shape = None) -> ConfigOut:
-    values = dict(M=M, N=N, K=K, a_layout=a_layout, b_layout=b_layout, H=H, W=W, Ci=Ci, Co=Co, R=R, S=S,
-                  stride=stride, padding=padding, stride_h=stride_h, stride_w=stride_w, pad_h=pad_h, pad_w=pad_w,
-                  dtype=dtype)
+@router.get(
+    "/best/{op}",
+    response_model=ConfigOut,
+    summary="The best config for a shape",
+    responses={
+        404: {
+            "model": ErrorOut,
+            "description": "no winner for this shape; the answer names "
+            "the key it looked for and the nearest tuned shapes",
+        }
+    },
+)
+def best(
+    op: Literal["matmul", "conv2d_fprop", "conv2d_wgrad"],
+    _: ReadToken,
+    store: StoreDep,
+    device: str = Query(..., max_length=40, description="the device class ARCH:SMS, e.g. sm_90:132"),
+    backend: Optional[Literal["blackwell", "hopper", "portable"]] = Query(None),
+    kernel_version: Optional[str] = Query(None, max_length=64),
+    triton_version: Optional[str] = Query(None, max_length=32),
+    M: Shape = None,
+    N: Shape = None,
+    K: Shape = None,
+    a_layout: Shape = None,
+    b_layout: Shape = None,
+    H: Shape = None,
+    W: Shape = None,
+    Ci: Shape = None,
+    Co: Shape = None,
+    R: Shape = None,
+    S: Shape = None,
+    stride: Shape = None,
+    padding: Shape = None,
+    stride_h: Shape = None,
+    stride_w: Shape = None,
+    pad_h: Shape = None,
+    pad_w: Shape = None,
+    dtype: Shape = None,
+) -> ConfigOut:
+    values = dict(
+        M=M,
+        N=N,
+        K=K,
+        a_layout=a_layout,
+        b_layout=b_layout,
+        H=H,
+        W=W,
+        Ci=Ci,
+        Co=Co,
+        R=R,
+        S=S,
+        stride=stride,
+        padding=padding,
+        stride_h=stride_h,
+        stride_w=stride_w,
+        pad_h=pad_h,
+        pad_w=pad_w,
+        dtype=dtype,
+    )
     given = {k: v for k, v in values.items() if v is not None}
     try:
         dev = DeviceClass.parse(device)
@@ -54,21 +99,31 @@ def best(op: Literal["matmul", "conv2d_fprop", "conv2d_wgrad"], _: ReadToken, st
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
     kernels = [f"{op}.{b}" for b in BACKENDS if backend in (None, b)]
-    candidates = [r for k in kernels for r in store.list_configs(kernel=k, arch=dev.arch)
-                  if r.key.sm_count == dev.sm_count
-                  and (kernel_version is None or r.key.kernel_version == kernel_version)
-                  and (triton_version is None or r.key.triton_version == triton_version)]
+    candidates = [
+        r
+        for k in kernels
+        for r in store.list_configs(kernel=k, arch=dev.arch)
+        if r.key.sm_count == dev.sm_count
+        and (kernel_version is None or r.key.kernel_version == kernel_version)
+        and (triton_version is None or r.key.triton_version == triton_version)
+    ]
     hits = [r for r in candidates if dict(r.key.problem) == problem]
     if hits:
         # the preferred backend, then its newest version
         hits.sort(key=lambda r: (kernels.index(r.key.kernel), -(r.tuned_at.timestamp() if r.tuned_at else 0)))
         return out(hits[0])
     near = sorted(candidates, key=lambda r: _distance(problem, dict(r.key.problem)))[:3]
-    shown = "; ".join(f"{r.key.kernel} {_brief(r.key.problem)} (digest {r.digest[:12]})" for r in near
-                      if math.isfinite(_distance(problem, dict(r.key.problem))))
-    raise HTTPException(404, f"no winner for {op} {_brief(problem)} on {dev} among {', '.join(kernels)}"
-                             f"{'' if kernel_version is None else f' version {kernel_version}'}; "
-                             f"nearest tuned shapes: {shown or 'none on this device class'}")
+    shown = "; ".join(
+        f"{r.key.kernel} {_brief(r.key.problem)} (digest {r.digest[:12]})"
+        for r in near
+        if math.isfinite(_distance(problem, dict(r.key.problem)))
+    )
+    raise HTTPException(
+        404,
+        f"no winner for {op} {_brief(problem)} on {dev} among {', '.join(kernels)}"
+        f"{'' if kernel_version is None else f' version {kernel_version}'}; "
+        f"nearest tuned shapes: {shown or 'none on this device class'}",
+    )
 
 
 def _distance(a: dict, b: dict) -> float:

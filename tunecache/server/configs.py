@@ -12,9 +12,25 @@ from ..key import TuneKey
 from ..records import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
 from ..transfer import FORMAT
 from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep
-from .schemas import (Arch, ConfigIn, ConfigOut, DeleteOut, ErrorOut, ExportOut, GenerationOut, ImportIn,
-                      ImportOut, KeyIn, Kernel, PublishOut, PurgeIn, PurgeOut, ReportIn, ReportOut,
-                      SubmissionOut)
+from .schemas import (
+    Arch,
+    ConfigIn,
+    ConfigOut,
+    DeleteOut,
+    ErrorOut,
+    ExportOut,
+    GenerationOut,
+    ImportIn,
+    ImportOut,
+    Kernel,
+    KeyIn,
+    PublishOut,
+    PurgeIn,
+    PurgeOut,
+    ReportIn,
+    ReportOut,
+    SubmissionOut,
+)
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
@@ -29,8 +45,7 @@ TUNING_SOURCES = ("worker", "pretune", "cli", "inline")
 
 
 def key_of(body: KeyIn) -> TuneKey:
-    return TuneKey(body.kernel, body.kernel_version, body.triton_version, body.arch, body.sm_count,
-                   dict(body.problem))
+    return TuneKey(body.kernel, body.kernel_version, body.triton_version, body.arch, body.sm_count, dict(body.problem))
 
 
 def check_kernel_config(kernel: str, config: dict) -> None:
@@ -60,9 +75,17 @@ def record_of(body: ConfigIn, source: str, provenance: dict | None = None) -> Co
     if impossible:
         raise HTTPException(422, impossible)
     given = provenance or dict(tuned_by=body.tuned_by, device_name=body.device_name, tuned_at=body.tuned_at)
-    return ConfigRecord(key=key, config=dict(body.config), median_ms=body.median_ms, tflops=body.tflops,
-                        candidates=body.candidates, default_ms=body.default_ms, vendor_ms=body.vendor_ms,
-                        source=source, **given)
+    return ConfigRecord(
+        key=key,
+        config=dict(body.config),
+        median_ms=body.median_ms,
+        tflops=body.tflops,
+        candidates=body.candidates,
+        default_ms=body.default_ms,
+        vendor_ms=body.vendor_ms,
+        source=source,
+        **given,
+    )
 
 
 def provenance(token: TokenRecord, body: ConfigIn) -> tuple[str, dict]:
@@ -84,21 +107,34 @@ def out(rec: ConfigRecord) -> ConfigOut:
     return ConfigOut.model_validate(rec.to_json())
 
 
-DigestOrPrefix = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$",
-                                     description="the key's sha256 digest, or a unique prefix of 8 or more of "
-                                                 "its hex digits (what `tunecache ls` shows)")]
+DigestOrPrefix = Annotated[
+    str,
+    Path(
+        pattern=r"^[0-9a-f]{8,64}$",
+        description="the key's sha256 digest, or a unique prefix of 8 or more of "
+        "its hex digits (what `tunecache ls` shows)",
+    ),
+]
 
 
-@router.get("/configs/{digest}", response_model=ConfigOut, summary="Look up by digest (or a unique prefix)",
-            responses={**NOT_FOUND, 409: {"model": ErrorOut, "description": "the prefix matches several digests"}})
-def get_config(digest: DigestOrPrefix, _: ReadToken, store: StoreDep, metrics: MetricsDep,
-               response: Response) -> ConfigOut:
+@router.get(
+    "/configs/{digest}",
+    response_model=ConfigOut,
+    summary="Look up by digest (or a unique prefix)",
+    responses={**NOT_FOUND, 409: {"model": ErrorOut, "description": "the prefix matches several digests"}},
+)
+def get_config(
+    digest: DigestOrPrefix, _: ReadToken, store: StoreDep, metrics: MetricsDep, response: Response
+) -> ConfigOut:
     generation = {GENERATION_HEADER: str(store.generation())}
     if len(digest) < 64:
         found = store.find_configs(digest)
         if len(found) > 1:
-            raise HTTPException(409, f"{len(found)} digests start with {digest}: "
-                                     f"{', '.join(r.digest[:16] for r in found[:5])}; give more digits")
+            raise HTTPException(
+                409,
+                f"{len(found)} digests start with {digest}: "
+                f"{', '.join(r.digest[:16] for r in found[:5])}; give more digits",
+            )
         digest = found[0].digest if found else digest
     rec = store.get_config(digest) if len(digest) == 64 else None
     metrics.lookup(rec is not None)
@@ -115,25 +151,37 @@ def lookup(body: KeyIn, _: ReadToken, store: StoreDep, metrics: MetricsDep, resp
     rec = store.get_config(key.digest)
     metrics.lookup(rec is not None)
     if rec is None:
-        raise HTTPException(404, f"no tuned config for {body.kernel} {dict(body.problem)} on "
-                                 f"{body.arch}:{body.sm_count} (digest {key.digest})", headers=generation)
+        raise HTTPException(
+            404,
+            f"no tuned config for {body.kernel} {dict(body.problem)} on "
+            f"{body.arch}:{body.sm_count} (digest {key.digest})",
+            headers=generation,
+        )
     response.headers.update(generation)
     return out(rec)
 
 
-@router.get("/generation", response_model=GenerationOut, summary="The fleet's generation",
-            description="Moves whenever a winner is removed or replaced. Hosts compare it with the one "
-                        "under which they copied a winner and recheck the copy when it moved.")
+@router.get(
+    "/generation",
+    response_model=GenerationOut,
+    summary="The fleet's generation",
+    description="Moves whenever a winner is removed or replaced. Hosts compare it with the one "
+    "under which they copied a winner and recheck the copy when it moved.",
+)
 def generation(_: ReadToken, store: StoreDep) -> GenerationOut:
     return GenerationOut(generation=store.generation())
 
 
-@router.post("/configs/{digest}/reports", response_model=ReportOut, responses=NOT_FOUND,
-             summary="Report a config that a host could not launch",
-             description="Kept as a failed trial of the key; if the reported config is the current winner, "
-                         "the key is queued for re-timing (once per winner, like a submission that beats it): a "
-                         "worker tunes it although a winner exists, and its measurement decides. A report never "
-                         "removes a winner by itself; an admin may delete it.")
+@router.post(
+    "/configs/{digest}/reports",
+    response_model=ReportOut,
+    responses=NOT_FOUND,
+    summary="Report a config that a host could not launch",
+    description="Kept as a failed trial of the key; if the reported config is the current winner, "
+    "the key is queued for re-timing (once per winner, like a submission that beats it): a "
+    "worker tunes it although a winner exists, and its measurement decides. A report never "
+    "removes a winner by itself; an admin may delete it.",
+)
 def report(digest: DigestPath, body: ReportIn, token: PublishToken, store: StoreDep) -> ReportOut:
     found, job = store.report(digest, dict(body.config), body.error, token.name)
     if not found:
@@ -142,46 +190,77 @@ def report(digest: DigestPath, body: ReportIn, token: PublishToken, store: Store
 
 
 @router.get("/configs", response_model=list[ConfigOut], summary="List tuned configs")
-def list_configs(_: ReadToken, store: StoreDep,
-                 kernel: Optional[Kernel] = Query(None), arch: Optional[Arch] = Query(None),
-                 limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=10**9)) -> list[ConfigOut]:
+def list_configs(
+    _: ReadToken,
+    store: StoreDep,
+    kernel: Optional[Kernel] = Query(None),
+    arch: Optional[Arch] = Query(None),
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=10**9),
+) -> list[ConfigOut]:
     return [out(r) for r in store.list_configs(kernel=kernel, arch=arch, limit=limit, offset=offset)]
 
 
-@router.post("/configs", response_model=PublishOut, summary="Publish a tuning result",
-             description="The config is checked against the kernel's config space, and its time against "
-                         "what the device class can physically do (422 below it). Every result is recorded "
-                         "as a submission. Results of `worker` (and `admin`) tokens, the fleet's own tuning "
-                         "hosts, may become the winner: the faster of the stored and the new result is "
-                         "kept (the new one must be 3% faster to replace). Results of `publish` tokens never "
-                         "make or replace a winner: when the key has none, or the result claims to beat it, "
-                         "the key is queued for a worker of its device class to tune (`status` says "
-                         "which). Provenance (`source`, `tuned_by`, `device_name`) is set from the token.")
+@router.post(
+    "/configs",
+    response_model=PublishOut,
+    summary="Publish a tuning result",
+    description="The config is checked against the kernel's config space, and its time against "
+    "what the device class can physically do (422 below it). Every result is recorded "
+    "as a submission. Results of `worker` (and `admin`) tokens, the fleet's own tuning "
+    "hosts, may become the winner: the faster of the stored and the new result is "
+    "kept (the new one must be 3% faster to replace). Results of `publish` tokens never "
+    "make or replace a winner: when the key has none, or the result claims to beat it, "
+    "the key is queued for a worker of its device class to tune (`status` says "
+    "which). Provenance (`source`, `tuned_by`, `device_name`) is set from the token.",
+)
 def publish(body: ConfigIn, token: PublishToken, store: StoreDep, metrics: MetricsDep) -> PublishOut:
     source, given = provenance(token, body)
     rec = record_of(body, source, given)
-    trials = [TrialRecord(config=t.config, status=t.status, median_ms=t.median_ms, error=t.error)
-              for t in body.trials]
+    trials = [TrialRecord(config=t.config, status=t.status, median_ms=t.median_ms, error=t.error) for t in body.trials]
     if token.allows("worker"):
         kept, won, sid = store.publish(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)
         metrics.publishes.labels("accepted" if won else "kept_existing").inc()
         return PublishOut(accepted=won, status="won" if won else "kept_existing", submission_id=sid, kept=out(kept))
     winner, sid, job = store.submit(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)
     metrics.publishes.labels("queued" if job else "recorded").inc()
-    return PublishOut(accepted=False, status="queued" if job else "recorded", submission_id=sid,
-                      kept=None if winner is None else out(winner), job=None if job is None else job.status)
+    return PublishOut(
+        accepted=False,
+        status="queued" if job else "recorded",
+        submission_id=sid,
+        kept=None if winner is None else out(winner),
+        job=None if job is None else job.status,
+    )
 
 
-@router.get("/configs/{digest}/submissions", response_model=list[SubmissionOut],
-            summary="Every result published for a key")
-def submissions(digest: DigestPath, _: ReadToken, store: StoreDep,
-                limit: int = Query(1000, ge=1, le=10000)) -> list[SubmissionOut]:
+@router.get(
+    "/configs/{digest}/submissions", response_model=list[SubmissionOut], summary="Every result published for a key"
+)
+def submissions(
+    digest: DigestPath, _: ReadToken, store: StoreDep, limit: int = Query(1000, ge=1, le=10000)
+) -> list[SubmissionOut]:
     rows = store.submissions(digest, limit=limit)
-    return [SubmissionOut(**s.key.fields(), digest=s.digest, id=s.id, config=s.config, median_ms=s.median_ms,
-                          tflops=s.tflops, candidates=s.candidates, default_ms=s.default_ms, vendor_ms=s.vendor_ms,
-                          device_name=s.device_name, tuned_by=s.tuned_by, source=s.source,
-                          submitted_by=s.submitted_by, accepted=s.accepted, tune_seconds=s.tune_seconds,
-                          created_at=s.created_at) for s in rows]
+    return [
+        SubmissionOut(
+            **s.key.fields(),
+            digest=s.digest,
+            id=s.id,
+            config=s.config,
+            median_ms=s.median_ms,
+            tflops=s.tflops,
+            candidates=s.candidates,
+            default_ms=s.default_ms,
+            vendor_ms=s.vendor_ms,
+            device_name=s.device_name,
+            tuned_by=s.tuned_by,
+            source=s.source,
+            submitted_by=s.submitted_by,
+            accepted=s.accepted,
+            tune_seconds=s.tune_seconds,
+            created_at=s.created_at,
+        )
+        for s in rows
+    ]
 
 
 @router.delete("/configs/{digest}", response_model=DeleteOut, responses=NOT_FOUND, summary="Delete a config")
@@ -193,13 +272,18 @@ def delete_config(digest: DigestPath, token: AdminToken, store: StoreDep) -> Del
 
 
 @router.get("/export", response_model=ExportOut, summary="Export tuned configs (for `tunecache import`)")
-def export(_: ReadToken, store: StoreDep, kernel: Optional[Kernel] = Query(None),
-           arch: Optional[Arch] = Query(None)) -> ExportOut:
+def export(
+    _: ReadToken, store: StoreDep, kernel: Optional[Kernel] = Query(None), arch: Optional[Arch] = Query(None)
+) -> ExportOut:
     return ExportOut(format=FORMAT, configs=[out(r) for r in store.list_configs(kernel=kernel, arch=arch)])
 
 
-@router.post("/import", response_model=ImportOut, summary="Import an export",
-             description="Each entry is validated on its own; bad ones are reported, good ones published.")
+@router.post(
+    "/import",
+    response_model=ImportOut,
+    summary="Import an export",
+    description="Each entry is validated on its own; bad ones are reported, good ones published.",
+)
 def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: MetricsDep) -> ImportOut:
     stored = kept = 0
     rejected: list[str] = []
@@ -207,8 +291,9 @@ def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: Metrics
         try:
             rec = record_of(ConfigIn.model_validate(entry), source="import")
         except ValidationError as e:
-            rejected.append(f"#{i}: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                                  for x in e.errors()[:5]))
+            rejected.append(
+                f"#{i}: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
+            )
             continue
         except HTTPException as e:
             rejected.append(f"#{i}: {e.detail}")
@@ -217,25 +302,43 @@ def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: Metrics
         stored += won
         kept += not won
         metrics.publishes.labels("accepted" if won else "kept_existing").inc()
-    store.audit(token, "config.import", f"configs:{len(body.configs)}",
-                {"stored": stored, "kept": kept, "rejected": len(rejected)})
+    store.audit(
+        token,
+        "config.import",
+        f"configs:{len(body.configs)}",
+        {"stored": stored, "kept": kept, "rejected": len(rejected)},
+    )
     return ImportOut(stored=stored, kept=kept, rejected=rejected)
 
 
-@router.post("/admin/purge", response_model=PurgeOut, summary="Remove everything one token submitted (admin)",
-             description="Removes every winner that a submission of the named token made, and every submission "
-                         "it sent; queues each displaced key for a worker to tune again (a failed job is left "
-                         "for `tunecache jobs retry`) and moves the generation, so that hosts drop their copies "
-                         "within TUNECACHE_FLEET_TTL_S or at their next generation poll. `tunecache fleet purge "
-                         "--token NAME` does the same on the database.")
+@router.post(
+    "/admin/purge",
+    response_model=PurgeOut,
+    summary="Remove everything one token submitted (admin)",
+    description="Removes every winner that a submission of the named token made, and every submission "
+    "it sent; queues each displaced key for a worker to tune again (a failed job is left "
+    "for `tunecache jobs retry`) and moves the generation, so that hosts drop their copies "
+    "within TUNECACHE_FLEET_TTL_S or at their next generation poll. `tunecache fleet purge "
+    "--token NAME` does the same on the database.",
+)
 def purge(body: PurgeIn, token: AdminToken, store: StoreDep) -> PurgeOut:
     report = store.purge_token(body.token_name, dry_run=body.dry_run)
     if not body.dry_run:
-        store.audit(token, "config.purge", f"token:{body.token_name}",
-                    {"removed": [r.digest for r in report.removed], "submissions": report.submissions})
+        store.audit(
+            token,
+            "config.purge",
+            f"token:{body.token_name}",
+            {"removed": [r.digest for r in report.removed], "submissions": report.submissions},
+        )
     return purge_out(report)
 
 
 def purge_out(report: PurgeReport) -> PurgeOut:
-    return PurgeOut(token_name=report.token_name, dry_run=report.dry_run, removed=[out(r) for r in report.removed],
-                    jobs=report.jobs, submissions_removed=report.submissions, generation=report.generation)
+    return PurgeOut(
+        token_name=report.token_name,
+        dry_run=report.dry_run,
+        removed=[out(r) for r in report.removed],
+        jobs=report.jobs,
+        submissions_removed=report.submissions,
+        generation=report.generation,
+    )

@@ -174,8 +174,9 @@ def groups_of(configs: Iterable[ConfigRecord]) -> list[Group]:
         shapes = []
         for r in recs:
             text = shape_of(r.key.problem)
-            shapes.append(Shape(r.digest, text, r.median_ms, r.default_ms, r.vendor_ms,
-                                order=_order(kernel, r.key.problem, text)))
+            shapes.append(
+                Shape(r.digest, text, r.median_ms, r.default_ms, r.vendor_ms, order=_order(kernel, r.key.problem, text))
+            )
         shapes.sort(key=lambda s: s.order)
         names = [r.device_name for r in recs if r.device_name]
         out.append(Group(kernel, arch, sms, max(set(names), key=names.count) if names else "", shapes))
@@ -199,10 +200,18 @@ def _tune_seconds(store: Store, digests: list[str]) -> dict[str, float]:
 _TUNED_VS_DEFAULT = "#3b6fb6"
 _TUNED_VS_VENDOR = "#e08a2c"
 _TUNE_TIME = "#5a9e6f"
-_RC = {"svg.fonttype": "none", "text.parse_math": False, "font.family": "sans-serif",
-       "font.sans-serif": ["DejaVu Sans", "Liberation Sans", "Arial"], "font.size": 9,
-       "axes.spines.top": False, "axes.spines.right": False, "axes.titlesize": 10,
-       "axes.titleweight": "bold", "axes.titlelocation": "left"}
+_RC = {
+    "svg.fonttype": "none",
+    "text.parse_math": False,
+    "font.family": "sans-serif",
+    "font.sans-serif": ["DejaVu Sans", "Liberation Sans", "Arial"],
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titlesize": 10,
+    "axes.titleweight": "bold",
+    "axes.titlelocation": "left",
+}
 _MARK = re.compile(r'<g id="(tcm-\d+-\d+)">')
 
 
@@ -232,16 +241,30 @@ def _figure_svg(group: Group, fig_no: int) -> str:
         tops = [1.0]
         for i, s in enumerate(shapes):
             for dy, ratio, other_ms, series, color, who in (
-                    (-h / 2, s.vs_default, s.default_ms, "speedup-default", _TUNED_VS_DEFAULT, "the default config"),
-                    (h / 2, s.vs_vendor, s.vendor_ms, "speedup-vendor", _TUNED_VS_VENDOR, group.vendor)):
+                (-h / 2, s.vs_default, s.default_ms, "speedup-default", _TUNED_VS_DEFAULT, "the default config"),
+                (h / 2, s.vs_vendor, s.vendor_ms, "speedup-vendor", _TUNED_VS_VENDOR, group.vendor),
+            ):
                 if ratio is None:
-                    ax.text(0.01, i + dy, f"{who}: not measured", transform=blended_transform_factory(
-                        ax.transAxes, ax.transData), va="center", fontsize=7, color="#999", style="italic")
+                    ax.text(
+                        0.01,
+                        i + dy,
+                        f"{who}: not measured",
+                        transform=blended_transform_factory(ax.transAxes, ax.transData),
+                        va="center",
+                        fontsize=7,
+                        color="#999",
+                        style="italic",
+                    )
                     continue
                 tops.append(ratio)
                 (bar,) = ax.barh([i + dy], [ratio], height=h, color=color)
-                mark(bar, series, s, f"{s.shape}: tuned {s.median_ms:.4f} ms vs {who} {other_ms:.4f} ms "
-                                     f"= {ratio:.2f}× ({'faster' if ratio >= 1 else 'slower'})")
+                mark(
+                    bar,
+                    series,
+                    s,
+                    f"{s.shape}: tuned {s.median_ms:.4f} ms vs {who} {other_ms:.4f} ms "
+                    f"= {ratio:.2f}× ({'faster' if ratio >= 1 else 'slower'})",
+                )
                 ax.text(ratio, i + dy, f" {ratio:.2f}×", va="center", fontsize=7, color="#333")
         ax.axvline(1.0, color="#555", lw=0.8, ls="--")
         ax.set_xlim(0, max(tops) * 1.18)
@@ -252,17 +275,32 @@ def _figure_svg(group: Group, fig_no: int) -> str:
         ax.set_axisbelow(True)
         from matplotlib.patches import Patch
 
-        fig.legend(handles=[Patch(color=_TUNED_VS_DEFAULT, label="tuned vs the default config"),
-                            Patch(color=_TUNED_VS_VENDOR, label=f"tuned vs {group.vendor}"),
-                            Patch(color=_TUNE_TIME, label="tuning time")],
-                   loc="outside upper right", ncols=3, fontsize=8, frameon=False)
+        fig.legend(
+            handles=[
+                Patch(color=_TUNED_VS_DEFAULT, label="tuned vs the default config"),
+                Patch(color=_TUNED_VS_VENDOR, label=f"tuned vs {group.vendor}"),
+                Patch(color=_TUNE_TIME, label="tuning time"),
+            ],
+            loc="outside upper right",
+            ncols=3,
+            fontsize=8,
+            frameon=False,
+        )
         # right: how long tuning the shape took
         times = [s.tune_s for s in shapes if s.tune_s is not None]
         log = bool(times) and max(times) / max(min(times), 1e-3) > 30
         for i, s in enumerate(shapes):
             if s.tune_s is None:
-                at.text(0.01, i, "not recorded", transform=blended_transform_factory(at.transAxes, at.transData),
-                        va="center", fontsize=7, color="#999", style="italic")
+                at.text(
+                    0.01,
+                    i,
+                    "not recorded",
+                    transform=blended_transform_factory(at.transAxes, at.transData),
+                    va="center",
+                    fontsize=7,
+                    color="#999",
+                    style="italic",
+                )
                 continue
             (bar,) = at.barh([i], [max(s.tune_s, 0.05)], height=0.6, color=_TUNE_TIME)
             mark(bar, "tune-time", s, f"{s.shape}: tuned in {_duration(s.tune_s)}")
@@ -279,12 +317,11 @@ def _figure_svg(group: Group, fig_no: int) -> str:
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
     svg = buf.getvalue()
-    svg = svg[svg.index("<svg"):]
+    svg = svg[svg.index("<svg") :]
 
     def annotate(m: re.Match) -> str:
         series, digest, title = marks[m.group(1)]
-        return (f'<g id="{m.group(1)}" class="mark {series}" data-digest="{e(digest)}">'
-                f"<title>{e(title)}</title>")
+        return f'<g id="{m.group(1)}" class="mark {series}" data-digest="{e(digest)}"><title>{e(title)}</title>'
 
     return _MARK.sub(annotate, svg)
 
@@ -296,9 +333,14 @@ _render_lock = threading.Lock()
 def plots_html(store: Store, groups: list[Group]) -> str:
     """The plots section's figures, rendered at most once per PLOT_CACHE_S for the same tuned
     configs (concurrent reloads wait for one render, then share it)."""
-    fingerprint = hashlib.sha256(json.dumps(
-        [[g.kernel, g.device, [[s.digest, s.median_ms, s.default_ms, s.vendor_ms] for s in g.plotted]]
-         for g in groups]).encode()).hexdigest()
+    fingerprint = hashlib.sha256(
+        json.dumps(
+            [
+                [g.kernel, g.device, [[s.digest, s.median_ms, s.default_ms, s.vendor_ms] for s in g.plotted]]
+                for g in groups
+            ]
+        ).encode()
+    ).hexdigest()
     key = (store.safe_url, fingerprint)
 
     def fresh() -> str | None:
@@ -324,8 +366,10 @@ def _render(store: Store, groups: list[Group]) -> str:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return ('<p class="note">The plots need matplotlib, part of the service\'s install '
-                '(<code>pip install "tunecache[server]"</code>).</p>')
+        return (
+            '<p class="note">The plots need matplotlib, part of the service\'s install '
+            '(<code>pip install "tunecache[server]"</code>).</p>'
+        )
     times = _tune_seconds(store, [s.digest for g in groups for s in g.plotted])
     parts = []
     for no, g in enumerate(groups):
@@ -335,8 +379,10 @@ def _render(store: Store, groups: list[Group]) -> str:
         missing_vendor = sum(s.vendor_ms is None for s in g.plotted)
         notes = []
         if missing_default or missing_vendor:
-            notes.append(f"not measured in the tuning run: the default config for {missing_default}, "
-                         f"{g.vendor} for {missing_vendor} of {len(g.plotted)} shape(s)")
+            notes.append(
+                f"not measured in the tuning run: the default config for {missing_default}, "
+                f"{g.vendor} for {missing_vendor} of {len(g.plotted)} shape(s)"
+            )
         if len(g.shapes) > len(g.plotted):
             notes.append(f"the first {len(g.plotted)} of {len(g.shapes)} shapes (smallest first)")
         name = f" · {g.device_name}" if g.device_name else ""
@@ -344,7 +390,8 @@ def _render(store: Store, groups: list[Group]) -> str:
             f'<figure class="plot" data-kernel="{e(g.kernel)}" data-device="{e(g.device)}">'
             f"<figcaption><b>{e(g.kernel)}</b> on <b>{e(g.device)}</b>{e(name)} · {len(g.shapes)} shape(s)"
             + "".join(f'<span class="note"> · {e(n)}</span>' for n in notes)
-            + f"</figcaption>{_figure_svg(g, no)}</figure>")
+            + f"</figcaption>{_figure_svg(g, no)}</figure>"
+        )
     return "\n".join(parts)
 
 
@@ -374,7 +421,8 @@ tr:nth-child(even) td { background: var(--bg2) }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums }
 td code, td.mono { font: 12px/1.35 ui-monospace, "DejaVu Sans Mono", monospace }
 td.err { white-space: pre-wrap; max-width: 60ch; color: #8a1c14 }
-td.cfg code { display: inline-block; max-width: 24ch; overflow: hidden; text-overflow: ellipsis; vertical-align: bottom }
+td.cfg code { display: inline-block; max-width: 24ch; overflow: hidden; text-overflow: ellipsis;
+              vertical-align: bottom }
 .empty { color: var(--mut); font-style: italic }
 .note { color: var(--mut); font-size: 12px }
 figure.plot { margin: 1em 0 1.6em } figure.plot svg { max-width: 100%; height: auto }
@@ -415,8 +463,15 @@ won), and how long tuning each shape took. Hover a bar for its times.</p>
 """
 
 
-def _table(head: list[str], rows: list[list[str]], *, empty: str, numeric: Iterable[int] = (),
-           classes: dict[int, str] | None = None, cls: str = "") -> str:
+def _table(
+    head: list[str],
+    rows: list[list[str]],
+    *,
+    empty: str,
+    numeric: Iterable[int] = (),
+    classes: dict[int, str] | None = None,
+    cls: str = "",
+) -> str:
     """An HTML table; cells are HTML already (escaped by the caller)."""
     if not rows:
         return f'<p class="empty">{e(empty)}</p>'
@@ -440,7 +495,7 @@ def _shape_cell(problem: dict, unreadable: str | None = None) -> str:
     full = shape_of(problem)
     short = _short(full)
     title = f' title="{e(full)}"' if short != full else ""
-    return f'<code{title}>{e(short)}</code>'
+    return f"<code{title}>{e(short)}</code>"
 
 
 def _device(arch: str, sm_count: int) -> str:
@@ -475,34 +530,87 @@ def _queue_tables(store: Store, now: datetime, counts: dict[str, int]) -> dict[s
     rows = []
     for j in queued:
         wait = _secs(j.not_before, now)
-        rows.append([_digest(j.digest), e(j.key.kernel), _device(j.key.arch, j.key.sm_count),
-                     _shape_cell(j.key.problem, j.unreadable), str(j.priority), f"{j.attempts}/{j.max_attempts}",
-                     e(age(_secs(j.created_at, now))), _when(j.not_before),
-                     "ready" if wait is None or wait >= 0 else e(age(wait)) + " (backoff)",
-                     _error(j.last_error)])
-    out = {"queued": _table(["digest", "kernel", "device", "shape", "priority", "attempts", "age",
-                             "not before (UTC)", "claimable", "last error"], rows,
-                            empty="No job is queued.", numeric=(4, 5, 6), classes={9: "err"}) + more("queued", len(queued))}
+        rows.append(
+            [
+                _digest(j.digest),
+                e(j.key.kernel),
+                _device(j.key.arch, j.key.sm_count),
+                _shape_cell(j.key.problem, j.unreadable),
+                str(j.priority),
+                f"{j.attempts}/{j.max_attempts}",
+                e(age(_secs(j.created_at, now))),
+                _when(j.not_before),
+                "ready" if wait is None or wait >= 0 else e(age(wait)) + " (backoff)",
+                _error(j.last_error),
+            ]
+        )
+    out = {
+        "queued": _table(
+            [
+                "digest",
+                "kernel",
+                "device",
+                "shape",
+                "priority",
+                "attempts",
+                "age",
+                "not before (UTC)",
+                "claimable",
+                "last error",
+            ],
+            rows,
+            empty="No job is queued.",
+            numeric=(4, 5, 6),
+            classes={9: "err"},
+        )
+        + more("queued", len(queued))
+    }
     running = store.list_jobs(status="running", limit=MAX_JOBS)
     rows = []
     for j in running:
         left = _secs(j.lease_expires_at, now)
         lease = "" if left is None else (f"lapsed {age(left)} ago" if left >= 0 else age(left))
-        rows.append([_digest(j.digest), e(j.key.kernel), _device(j.key.arch, j.key.sm_count),
-                     _shape_cell(j.key.problem, j.unreadable), e(j.lease_owner or ""),
-                     f"{j.attempts}/{j.max_attempts}", e(age(_secs(j.created_at, now))), _when(j.lease_expires_at),
-                     e(lease)])
-    out["running"] = _table(["digest", "kernel", "device", "shape", "worker", "attempt", "age",
-                             "lease until (UTC)", "lease"], rows, empty="No job is running.",
-                            numeric=(5, 6)) + more("running", len(running))
+        rows.append(
+            [
+                _digest(j.digest),
+                e(j.key.kernel),
+                _device(j.key.arch, j.key.sm_count),
+                _shape_cell(j.key.problem, j.unreadable),
+                e(j.lease_owner or ""),
+                f"{j.attempts}/{j.max_attempts}",
+                e(age(_secs(j.created_at, now))),
+                _when(j.lease_expires_at),
+                e(lease),
+            ]
+        )
+    out["running"] = _table(
+        ["digest", "kernel", "device", "shape", "worker", "attempt", "age", "lease until (UTC)", "lease"],
+        rows,
+        empty="No job is running.",
+        numeric=(5, 6),
+    ) + more("running", len(running))
     failed: list[JobRecord] = store.list_jobs(status="failed", limit=MAX_JOBS)
     failed += store.list_jobs(status="quarantined", limit=MAX_JOBS)
-    rows = [[_digest(j.digest), e(j.key.kernel), _device(j.key.arch, j.key.sm_count),
-             _shape_cell(j.key.problem, j.unreadable), e(j.status), f"{j.attempts}/{j.max_attempts}",
-             e(age(_secs(j.created_at, now))), _error(j.last_error)] for j in failed]
-    out["failed"] = _table(["digest", "kernel", "device", "shape", "status", "attempts", "age", "last error (tail)"],
-                           rows, empty="No job has failed.", numeric=(5, 6), classes={7: "err"}) \
-        + more("failed", sum(j.status == "failed" for j in failed))
+    rows = [
+        [
+            _digest(j.digest),
+            e(j.key.kernel),
+            _device(j.key.arch, j.key.sm_count),
+            _shape_cell(j.key.problem, j.unreadable),
+            e(j.status),
+            f"{j.attempts}/{j.max_attempts}",
+            e(age(_secs(j.created_at, now))),
+            _error(j.last_error),
+        ]
+        for j in failed
+    ]
+    out["failed"] = _table(
+        ["digest", "kernel", "device", "shape", "status", "attempts", "age", "last error (tail)"],
+        rows,
+        empty="No job has failed.",
+        numeric=(5, 6),
+        classes={7: "err"},
+    ) + more("failed", sum(j.status == "failed" for j in failed))
     return out
 
 
@@ -516,15 +624,26 @@ def lookup_stats(metrics: Any) -> dict[str, float | None]:
     hits = _metric(metrics, "tunecache_lookup_hits_total")
     misses = _metric(metrics, "tunecache_lookup_misses_total")
     n = hits + misses
-    return {"hits": hits, "misses": misses, "lookups": n, "hit_rate": hits / n if n else None,
-            "miss_rate": misses / n if n else None}
+    return {
+        "hits": hits,
+        "misses": misses,
+        "lookups": n,
+        "hit_rate": hits / n if n else None,
+        "miss_rate": misses / n if n else None,
+    }
 
 
 def _lookups(metrics: Any) -> str:
     st = lookup_stats(metrics)
-    pct = (lambda v: "–" if v is None else f"{100 * v:.1f}%")
-    rows = [["lookups", f"{st['lookups']:.0f}", ""], ["hits", f"{st['hits']:.0f}", pct(st["hit_rate"])],
-            ["misses", f"{st['misses']:.0f}", pct(st["miss_rate"])]]
+
+    def pct(v):
+        return "–" if v is None else f"{100 * v:.1f}%"
+
+    rows = [
+        ["lookups", f"{st['lookups']:.0f}", ""],
+        ["hits", f"{st['hits']:.0f}", pct(st["hit_rate"])],
+        ["misses", f"{st['misses']:.0f}", pct(st["miss_rate"])],
+    ]
     if metrics is not None:
         for fam in metrics.registry.collect():
             if fam.name in ("tunecache_publishes", "tunecache_job_events"):
@@ -534,11 +653,18 @@ def _lookups(metrics: Any) -> str:
                         rows.append([e(f"{what}: {next(iter(s.labels.values()), '')}"), f"{s.value:.0f}", ""])
         count = _metric(metrics, "tunecache_tune_seconds_count")
         if count:
-            rows.append(["mean tuning time of a job", _duration(_metric(metrics, "tunecache_tune_seconds_sum") / count),
-                         f"{count:.0f} jobs"])
-    return (_table(["", "count", "rate"], rows, empty="", numeric=(1, 2))
-            + '<p class="note">Since this service process started (<code>/metrics</code> has them for '
-              'Prometheus; with several processes, each counts its own).</p>')
+            rows.append(
+                [
+                    "mean tuning time of a job",
+                    _duration(_metric(metrics, "tunecache_tune_seconds_sum") / count),
+                    f"{count:.0f} jobs",
+                ]
+            )
+    return (
+        _table(["", "count", "rate"], rows, empty="", numeric=(1, 2))
+        + '<p class="note">Since this service process started (<code>/metrics</code> has them for '
+        "Prometheus; with several processes, each counts its own).</p>"
+    )
 
 
 def _summary(groups: list[Group]) -> str:
@@ -546,13 +672,39 @@ def _summary(groups: list[Group]) -> str:
     for g in groups:
         d = [s.vs_default for s in g.shapes if s.vs_default is not None]
         v = [s.vs_vendor for s in g.shapes if s.vs_vendor is not None]
-        rows.append([e(g.kernel), _device(g.arch, g.sm_count), e(g.device_name), str(len(g.shapes)),
-                     _x(_geomean(d)), _x(min(d) if d else None), _x(max(d) if d else None),
-                     f"{len(d)}/{len(g.shapes)}", e(g.vendor), _x(_geomean(v)),
-                     f"{sum(x >= 1 for x in v)}/{len(v)}" if v else "–"])
-    return _table(["kernel", "device", "name", "shapes", "vs default (geomean)", "worst", "best", "measured",
-                   "vendor", "vs vendor (geomean)", "shapes at or past the vendor"], rows,
-                  empty="Nothing is tuned yet.", numeric=(3, 4, 5, 6, 7, 9, 10))
+        rows.append(
+            [
+                e(g.kernel),
+                _device(g.arch, g.sm_count),
+                e(g.device_name),
+                str(len(g.shapes)),
+                _x(_geomean(d)),
+                _x(min(d) if d else None),
+                _x(max(d) if d else None),
+                f"{len(d)}/{len(g.shapes)}",
+                e(g.vendor),
+                _x(_geomean(v)),
+                f"{sum(x >= 1 for x in v)}/{len(v)}" if v else "–",
+            ]
+        )
+    return _table(
+        [
+            "kernel",
+            "device",
+            "name",
+            "shapes",
+            "vs default (geomean)",
+            "worst",
+            "best",
+            "measured",
+            "vendor",
+            "vs vendor (geomean)",
+            "shapes at or past the vendor",
+        ],
+        rows,
+        empty="Nothing is tuned yet.",
+        numeric=(3, 4, 5, 6, 7, 9, 10),
+    )
 
 
 def _configs(configs: list[ConfigRecord], total: int) -> str:
@@ -561,14 +713,50 @@ def _configs(configs: list[ConfigRecord], total: int) -> str:
         cfg = json.dumps(r.config, separators=(",", ":"))
         vs_d = None if r.default_ms is None else r.default_ms / r.median_ms
         vs_v = None if r.vendor_ms is None else r.vendor_ms / r.median_ms
-        rows.append([_digest(r.digest), e(r.key.kernel), _device(r.key.arch, r.key.sm_count),
-                     _shape_cell(r.key.problem), _ms(r.median_ms), _ms(r.default_ms), _ms(r.vendor_ms), _x(vs_d),
-                     _x(vs_v), "–" if r.tflops is None else f"{r.tflops:.1f}", str(r.candidates), e(r.source),
-                     _when(r.tuned_at)[:16], f'<code title="{e(cfg)}">{e(cfg)}</code>'])
+        rows.append(
+            [
+                _digest(r.digest),
+                e(r.key.kernel),
+                _device(r.key.arch, r.key.sm_count),
+                _shape_cell(r.key.problem),
+                _ms(r.median_ms),
+                _ms(r.default_ms),
+                _ms(r.vendor_ms),
+                _x(vs_d),
+                _x(vs_v),
+                "–" if r.tflops is None else f"{r.tflops:.1f}",
+                str(r.candidates),
+                e(r.source),
+                _when(r.tuned_at)[:16],
+                f'<code title="{e(cfg)}">{e(cfg)}</code>',
+            ]
+        )
     note = f'<p class="note">the first {len(rows)} of {total}</p>' if total > len(rows) else ""
-    return _table(["digest", "kernel", "device", "shape", "ms", "default ms", "vendor ms", "vs default",
-                   "vs vendor", "TFLOP/s", "configs", "source", "tuned (UTC)", "config"], rows,
-                  empty="Nothing is tuned yet.", numeric=(4, 5, 6, 7, 8, 9, 10), classes={13: "cfg"}) + note
+    return (
+        _table(
+            [
+                "digest",
+                "kernel",
+                "device",
+                "shape",
+                "ms",
+                "default ms",
+                "vendor ms",
+                "vs default",
+                "vs vendor",
+                "TFLOP/s",
+                "configs",
+                "source",
+                "tuned (UTC)",
+                "config",
+            ],
+            rows,
+            empty="Nothing is tuned yet.",
+            numeric=(4, 5, 6, 7, 8, 9, 10),
+            classes={13: "cfg"},
+        )
+        + note
+    )
 
 
 def render_page(store: Store, metrics: Any = None) -> str:
@@ -586,17 +774,32 @@ def render_page(store: Store, metrics: Any = None) -> str:
     cards = "".join(
         f'<div class="card{" " + k if k else ""}"><div class="n">{e(str(n))}</div><div class="l">{e(label)}</div></div>'
         for label, n, k in (
-            ("tuned configs", counts.get("tuned_configs", 0), ""), ("queued", jobs["queued"], ""),
-            ("running", jobs["running"], ""), ("done", jobs["done"], ""),
+            ("tuned configs", counts.get("tuned_configs", 0), ""),
+            ("queued", jobs["queued"], ""),
+            ("running", jobs["running"], ""),
+            ("done", jobs["done"], ""),
             ("failed", jobs["failed"], "bad" if jobs["failed"] else ""),
             ("quarantined", jobs["quarantined"], "bad" if jobs["quarantined"] else ""),
-            ("lookup hit rate", rate, ""), ("lookups", f"{st['lookups']:.0f}", "")))
+            ("lookup hit rate", rate, ""),
+            ("lookups", f"{st['lookups']:.0f}", ""),
+        )
+    )
     total = counts.get("tuned_configs", len(configs))
     queue_note = ""
     if jobs["queued"] or jobs["running"]:
-        queue_note = ('<p class="note">Ages count from when the job was queued; a running job whose lease '
-                      'lapses goes back to the queue (or fails on its last attempt).</p>')
+        queue_note = (
+            '<p class="note">Ages count from when the job was queued; a running job whose lease '
+            "lapses goes back to the queue (or fails on its last attempt).</p>"
+        )
     return _PAGE.format(
-        css=_CSS, db=e(store.dialect), now=e(str(now)[:19]), cards=cards, summary=_summary(groups),
-        plots=plots_html(store, groups) if groups else "", queue_note=queue_note,
-        **_queue_tables(store, now, jobs), lookups=_lookups(metrics), configs=_configs(configs, total))
+        css=_CSS,
+        db=e(store.dialect),
+        now=e(str(now)[:19]),
+        cards=cards,
+        summary=_summary(groups),
+        plots=plots_html(store, groups) if groups else "",
+        queue_note=queue_note,
+        **_queue_tables(store, now, jobs),
+        lookups=_lookups(metrics),
+        configs=_configs(configs, total),
+    )

@@ -114,19 +114,22 @@ def anonymous(request: Request) -> TokenRecord:
 def require(scope: str) -> Callable[..., TokenRecord]:
     """A dependency that admits a token with `scope` (a scope implies the lesser ones)."""
 
-    def check(request: Request,
-              creds: Annotated[Optional[HTTPAuthorizationCredentials], Depends(bearer)]) -> TokenRecord:
+    def check(
+        request: Request, creds: Annotated[Optional[HTTPAuthorizationCredentials], Depends(bearer)]
+    ) -> TokenRecord:
         app = request.app
         if creds is None or not creds.credentials:
             if scope == "read" and app.state.anonymous_read:
                 return anonymous(request)
-            raise HTTPException(401, "missing token: send 'Authorization: Bearer <token>' "
-                                     "(create one with `tunecache token create --scope ...`)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "missing token: send 'Authorization: Bearer <token>' "
+                "(create one with `tunecache token create --scope ...`)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         token = authenticate(request, creds.credentials)
         if not token.allows(scope):
-            raise HTTPException(403, f"token {token.name!r} has scopes {list(token.scopes)}; "
-                                     f"this needs {scope!r}")
+            raise HTTPException(403, f"token {token.name!r} has scopes {list(token.scopes)}; this needs {scope!r}")
         return token
 
     check.__name__ = f"require_{scope}"
@@ -150,8 +153,9 @@ def known_query_only(request: Request) -> None:
     unknown = sorted({k for k in request.query_params if k not in known})
     if unknown:
         shown = ", ".join(repr(k[:40]) for k in unknown[:5])
-        raise HTTPException(422, f"unknown query parameter(s) {shown}; this route takes "
-                                 f"{', '.join(sorted(known)) or 'none'}")
+        raise HTTPException(
+            422, f"unknown query parameter(s) {shown}; this route takes {', '.join(sorted(known)) or 'none'}"
+        )
 
 
 def _query_names(dependant) -> set[str]:

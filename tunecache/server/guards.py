@@ -52,22 +52,23 @@ class RateLimits:
         self.per_token, self.per_address = per_token, per_address
         self._limiter = strategies.MovingWindowRateLimiter(storage.storage_from_string(storage_uri))
         self._token_item = per_token and RateLimitItemPerSecond(per_token.amount, per_token.window_s, "tc-token")
-        self._address_item = per_address and RateLimitItemPerSecond(per_address.amount, per_address.window_s,
-                                                                     "tc-addr")
+        self._address_item = per_address and RateLimitItemPerSecond(per_address.amount, per_address.window_s, "tc-addr")
 
     @classmethod
     def from_settings(cls) -> "RateLimits":
         from .. import settings
 
-        return cls(Rate.of(*settings.rate_limit()), Rate.of(*settings.anon_rate_limit()),
-                   settings.rate_limit_storage())
+        return cls(Rate.of(*settings.rate_limit()), Rate.of(*settings.anon_rate_limit()), settings.rate_limit_storage())
 
     def hit_token(self, token: TokenRecord, address: str) -> None:
         """Count one request of this token from this address; 429 when over its rate."""
         if self._token_item is not None and not self._limiter.hit(self._token_item, str(token.id), address):
-            raise self._too_many(self._token_item, (str(token.id), address),
-                                 f"token {token.name!r} may send {self.per_token} from one address "
-                                 f"(TUNECACHE_RATE_LIMIT, TUNECACHE_RATE_BURST)")
+            raise self._too_many(
+                self._token_item,
+                (str(token.id), address),
+                f"token {token.name!r} may send {self.per_token} from one address "
+                f"(TUNECACHE_RATE_LIMIT, TUNECACHE_RATE_BURST)",
+            )
 
     def hit_address(self, address: str) -> None:
         """Count one request without a valid token from this address; 429 when over its rate."""
@@ -81,14 +82,17 @@ class RateLimits:
             raise self._too_many(self._address_item, (address,), self._address_words())
 
     def _address_words(self) -> str:
-        return (f"an address may send {self.per_address} without a valid token "
-                f"(TUNECACHE_ANON_RATE_LIMIT, TUNECACHE_ANON_RATE_BURST)")
+        return (
+            f"an address may send {self.per_address} without a valid token "
+            f"(TUNECACHE_ANON_RATE_LIMIT, TUNECACHE_ANON_RATE_BURST)"
+        )
 
     def _too_many(self, item: Any, keys: tuple[str, ...], why: str) -> HTTPException:
         reset = self._limiter.get_window_stats(item, *keys).reset_time
         retry = max(1, math.ceil(reset - time.time()))
-        return HTTPException(429, f"too many requests: {why}; retry after {retry} s",
-                             headers={"Retry-After": str(retry)})
+        return HTTPException(
+            429, f"too many requests: {why}; retry after {retry} s", headers={"Retry-After": str(retry)}
+        )
 
 
 def client_address(request: Request) -> str:
@@ -131,8 +135,9 @@ class BodyDeadline:
             except asyncio.TimeoutError:
                 timed_out = True
                 if not started:
-                    await _reply(send, 408, f"the request body was not received within {timeout:g} s "
-                                            f"(TUNECACHE_BODY_TIMEOUT_S)")
+                    await _reply(
+                        send, 408, f"the request body was not received within {timeout:g} s (TUNECACHE_BODY_TIMEOUT_S)"
+                    )
                 return {"type": "http.disconnect"}  # the app stops reading, and its answer is dropped
             if message["type"] != "http.request" or not message.get("more_body", False):
                 received = True
@@ -201,7 +206,15 @@ class BodyLimit:
 
 async def _reply(send, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -11,39 +11,78 @@ from ..faults import JobStateError
 from ..records import JOB_STATUSES, JobRecord
 from .configs import DigestPath, key_of
 from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
-from .schemas import (INT32_MAX, Arch, ClaimIn, ClaimOut, CompleteIn, DeleteOut, EnqueueIn, ErrorOut, FailIn,
-                      JobOut, JobStatusOut, LeaseHeldIn, LeaseIn, QueueOut, ReleaseIn)
+from .schemas import (
+    INT32_MAX,
+    Arch,
+    ClaimIn,
+    ClaimOut,
+    CompleteIn,
+    DeleteOut,
+    EnqueueIn,
+    ErrorOut,
+    FailIn,
+    JobOut,
+    JobStatusOut,
+    LeaseHeldIn,
+    LeaseIn,
+    QueueOut,
+    ReleaseIn,
+)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 JobId = Annotated[int, Path(ge=1, le=INT32_MAX, description="the job's id (from claim)")]
-LEASE_LOST = {403: {"model": ErrorOut, "description": "no lease secret was sent"},
-              409: {"model": ErrorOut, "description": "the secret does not hold the job's lease (any more)"}}
+LEASE_LOST = {
+    403: {"model": ErrorOut, "description": "no lease secret was sent"},
+    409: {"model": ErrorOut, "description": "the secret does not hold the job's lease (any more)"},
+}
 Status = Literal[JOB_STATUSES]  # type: ignore[valid-type]
 
 
 def job_out(job: JobRecord) -> JobOut:
-    return JobOut(**job.key.fields(), digest=job.digest, id=job.id, status=job.status, priority=job.priority,
-                  attempts=job.attempts, max_attempts=job.max_attempts, lease_owner=job.lease_owner,
-                  lease_expires_at=job.lease_expires_at, not_before=job.not_before, created_at=job.created_at,
-                  last_error=job.last_error, unreadable=job.unreadable, retime=job.retime)
+    return JobOut(
+        **job.key.fields(),
+        digest=job.digest,
+        id=job.id,
+        status=job.status,
+        priority=job.priority,
+        attempts=job.attempts,
+        max_attempts=job.max_attempts,
+        lease_owner=job.lease_owner,
+        lease_expires_at=job.lease_expires_at,
+        not_before=job.not_before,
+        created_at=job.created_at,
+        last_error=job.last_error,
+        unreadable=job.unreadable,
+        retime=job.retime,
+    )
 
 
 def _secret(job_id: int, body: LeaseHeldIn) -> str:
     if not body.lease_secret:
-        raise HTTPException(403, f"job {job_id}: no lease secret: heartbeat, complete, fail and release must send "
-                                 f"the `lease_secret` that POST /v1/jobs/claim returned (the owner name does not "
-                                 f"hold a lease; a worker older than the service does not send it: upgrade it)")
+        raise HTTPException(
+            403,
+            f"job {job_id}: no lease secret: heartbeat, complete, fail and release must send "
+            f"the `lease_secret` that POST /v1/jobs/claim returned (the owner name does not "
+            f"hold a lease; a worker older than the service does not send it: upgrade it)",
+        )
     return body.lease_secret
 
 
 def _lost(job_id: int) -> HTTPException:
-    return HTTPException(409, f"job {job_id} is not held by this lease secret: its lease ran out and it was claimed "
-                              f"again, it is finished or dropped, or the secret is not the one its claim returned")
+    return HTTPException(
+        409,
+        f"job {job_id} is not held by this lease secret: its lease ran out and it was claimed "
+        f"again, it is finished or dropped, or the secret is not the one its claim returned",
+    )
 
 
-@router.post("", response_model=JobOut, summary="Enqueue a tuning job",
-             description="One active job per digest: enqueueing a queued or running key returns its job.")
+@router.post(
+    "",
+    response_model=JobOut,
+    summary="Enqueue a tuning job",
+    description="One active job per digest: enqueueing a queued or running key returns its job.",
+)
 def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> JobOut:
     from tunecache_kernels.spaces import UnknownKernel, space_for
 
@@ -56,15 +95,24 @@ def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsD
 
 
 @router.get("", response_model=list[JobOut], summary="List jobs")
-def list_jobs(_: ReadToken, store: StoreDep, status: Optional[Status] = Query(None),
-              arch: Optional[Arch] = Query(None), sm_count: Optional[int] = Query(None, ge=0, le=100_000),
-              limit: int = Query(1000, ge=1, le=10000)) -> list[JobOut]:
+def list_jobs(
+    _: ReadToken,
+    store: StoreDep,
+    status: Optional[Status] = Query(None),
+    arch: Optional[Arch] = Query(None),
+    sm_count: Optional[int] = Query(None, ge=0, le=100_000),
+    limit: int = Query(1000, ge=1, le=10000),
+) -> list[JobOut]:
     return [job_out(j) for j in store.list_jobs(status=status, limit=limit, arch=arch, sm_count=sm_count)]
 
 
 @router.get("/stats", response_model=QueueOut, summary="Jobs per status (queue depth)")
-def stats(_: ReadToken, store: StoreDep, arch: Optional[Arch] = Query(None),
-          sm_count: Optional[int] = Query(None, ge=0, le=100_000)) -> QueueOut:
+def stats(
+    _: ReadToken,
+    store: StoreDep,
+    arch: Optional[Arch] = Query(None),
+    sm_count: Optional[int] = Query(None, ge=0, le=100_000),
+) -> QueueOut:
     return QueueOut(**store.job_counts(arch=arch, sm_count=sm_count))
 
 
@@ -76,11 +124,15 @@ def get_job(digest: DigestPath, _: ReadToken, store: StoreDep) -> JobOut:
     return job_out(job)
 
 
-@router.post("/{digest}/retry", response_model=JobOut, summary="Queue a failed job again (admin)",
-             description="A failed, quarantined or backing-off job goes back to the queue now with its attempts "
-                         "reset (its last error is kept). A running or done job, or a row that cannot be read, "
-                         "is a 409 that says what to do instead.",
-             responses={404: {"model": ErrorOut}, 409: {"model": ErrorOut, "description": "the job's state"}})
+@router.post(
+    "/{digest}/retry",
+    response_model=JobOut,
+    summary="Queue a failed job again (admin)",
+    description="A failed, quarantined or backing-off job goes back to the queue now with its attempts "
+    "reset (its last error is kept). A running or done job, or a row that cannot be read, "
+    "is a 409 that says what to do instead.",
+    responses={404: {"model": ErrorOut}, 409: {"model": ErrorOut, "description": "the job's state"}},
+)
 def retry(digest: DigestPath, token: AdminToken, store: StoreDep) -> JobOut:
     try:
         job = store.retry_job(digest)
@@ -92,9 +144,13 @@ def retry(digest: DigestPath, token: AdminToken, store: StoreDep) -> JobOut:
     return job_out(job)
 
 
-@router.delete("/{digest}", response_model=DeleteOut, summary="Drop a job (admin)",
-               description="In whatever state; a worker holding it loses its lease (its result is not published).",
-               responses={404: {"model": ErrorOut}})
+@router.delete(
+    "/{digest}",
+    response_model=DeleteOut,
+    summary="Drop a job (admin)",
+    description="In whatever state; a worker holding it loses its lease (its result is not published).",
+    responses={404: {"model": ErrorOut}},
+)
 def drop(digest: DigestPath, token: AdminToken, store: StoreDep) -> DeleteOut:
     job = store.get_job(digest)
     if job is None or not store.drop_job(digest):
@@ -103,14 +159,24 @@ def drop(digest: DigestPath, token: AdminToken, store: StoreDep) -> DeleteOut:
     return DeleteOut(deleted=True)
 
 
-@router.post("/claim", response_model=ClaimOut, summary="Lease the most urgent job of a device class",
-             description="The answer's `lease_secret` is shown once; heartbeat, complete, fail and release must "
-                         "send it. On the way, a job whose last attempt's lease ran out is marked failed and a "
-                         "row that cannot be read is quarantined; the claim goes on to the next job.")
+@router.post(
+    "/claim",
+    response_model=ClaimOut,
+    summary="Lease the most urgent job of a device class",
+    description="The answer's `lease_secret` is shown once; heartbeat, complete, fail and release must "
+    "send it. On the way, a job whose last attempt's lease ran out is marked failed and a "
+    "row that cannot be read is quarantined; the claim goes on to the next job.",
+)
 def claim(body: ClaimIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -> ClaimOut:
-    job = store.claim_job(body.owner, arch=body.arch, sm_count=body.sm_count, lease_s=body.lease_s,
-                          kernels=body.kernels, kernel_versions=body.kernel_versions,
-                          triton_version=body.triton_version)
+    job = store.claim_job(
+        body.owner,
+        arch=body.arch,
+        sm_count=body.sm_count,
+        lease_s=body.lease_s,
+        kernels=body.kernels,
+        kernel_versions=body.kernel_versions,
+        triton_version=body.triton_version,
+    )
     if job is None:
         return ClaimOut(job=None)
     metrics.job_events.labels("claimed").inc()
@@ -134,8 +200,12 @@ def complete(job_id: JobId, body: CompleteIn, _: WorkerToken, store: StoreDep, m
     return JobStatusOut(id=job_id, status="done")
 
 
-@router.post("/{job_id}/fail", response_model=JobStatusOut, responses=LEASE_LOST,
-             summary="Record a failure: back to the queue after a backoff, or failed after max attempts")
+@router.post(
+    "/{job_id}/fail",
+    response_model=JobStatusOut,
+    responses=LEASE_LOST,
+    summary="Record a failure: back to the queue after a backoff, or failed after max attempts",
+)
 def fail(job_id: JobId, body: FailIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -> JobStatusOut:
     status = store.fail_job(job_id, _secret(job_id, body), body.error, backoff_s=body.backoff_s)
     if status is None:
@@ -144,8 +214,12 @@ def fail(job_id: JobId, body: FailIn, _: WorkerToken, store: StoreDep, metrics: 
     return JobStatusOut(id=job_id, status=status)
 
 
-@router.post("/{job_id}/release", response_model=JobStatusOut, responses=LEASE_LOST,
-             summary="Give a leased job back now, without spending an attempt (a worker shutting down)")
+@router.post(
+    "/{job_id}/release",
+    response_model=JobStatusOut,
+    responses=LEASE_LOST,
+    summary="Give a leased job back now, without spending an attempt (a worker shutting down)",
+)
 def release(job_id: JobId, body: ReleaseIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -> JobStatusOut:
     if not store.release_job(job_id, _secret(job_id, body)):
         raise _lost(job_id)

@@ -17,10 +17,15 @@ class Metrics:
         self.enqueued = Counter("tunecache_jobs_enqueued", "Enqueue requests", registry=r)
         self.job_events = Counter("tunecache_job_events", "Worker job transitions", ["event"], registry=r)
         self.queue_depth = Gauge("tunecache_queue_depth", "Tuning jobs per status", ["status"], registry=r)
-        self.tune_seconds = Histogram("tunecache_tune_seconds", "Seconds a worker spent tuning one job",
-                                      buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600), registry=r)
-        self.token_checks = Counter("tunecache_token_checks", "Tokens looked up in the database (the token "
-                                    "cache did not know them)", registry=r)
+        self.tune_seconds = Histogram(
+            "tunecache_tune_seconds",
+            "Seconds a worker spent tuning one job",
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600),
+            registry=r,
+        )
+        self.token_checks = Counter(
+            "tunecache_token_checks", "Tokens looked up in the database (the token cache did not know them)", registry=r
+        )
 
     def lookup(self, hit: bool) -> None:
         self.lookups.inc()

@@ -10,8 +10,7 @@ import math
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      StringConstraints)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
 from ..records import MAX_BACKOFF_S, MAX_LEASE_S
 
@@ -64,30 +63,43 @@ def _clean_json(value: Any, depth: int = 0) -> Any:
 
 
 def _text(max_length: int, min_length: int = 0, pattern: str | None = None):
-    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=pattern),
-                     AfterValidator(_clean_str)]
+    return Annotated[
+        str,
+        StringConstraints(min_length=min_length, max_length=max_length, pattern=pattern),
+        AfterValidator(_clean_str),
+    ]
 
 
-Kernel = Annotated[str, StringConstraints(min_length=1, max_length=128), AfterValidator(_clean_str),
-                   Field(description="'<op>.<backend>' (e.g. 'matmul.hopper') or 'triton:<module>.<name>'",
-                         examples=["matmul.portable"])]
+Kernel = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=128),
+    AfterValidator(_clean_str),
+    Field(
+        description="'<op>.<backend>' (e.g. 'matmul.hopper') or 'triton:<module>.<name>'", examples=["matmul.portable"]
+    ),
+]
 Version = _text(64, 1)
 TritonVersion = _text(32, 1)
-Arch = Annotated[str, StringConstraints(pattern=r"^(sm_[0-9]{2,4}a?|cpu)$", max_length=16),
-                 Field(description="compute capability ('sm_90', 'sm_100') or 'cpu' (the interpreter)",
-                       examples=["sm_90"])]
+Arch = Annotated[
+    str,
+    StringConstraints(pattern=r"^(sm_[0-9]{2,4}a?|cpu)$", max_length=16),
+    Field(description="compute capability ('sm_90', 'sm_100') or 'cpu' (the interpreter)", examples=["sm_90"]),
+]
 SmCount = Annotated[int, Field(strict=True, ge=0, le=100_000, description="SM count (0 for the CPU interpreter)")]
-Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$"),
-                   Field(description="sha256 of the key's canonical JSON")]
+Digest = Annotated[
+    str, StringConstraints(pattern=r"^[0-9a-f]{64}$"), Field(description="sha256 of the key's canonical JSON")
+]
 Owner = _text(128, 1)
 Name = _text(128)
 FiniteNonNeg = Annotated[float, Field(strict=True, ge=0, le=1e12, allow_inf_nan=False)]
 # a measured time in milliseconds: positive and finite
 Millis = Annotated[float, Field(strict=True, gt=0, le=1e12, allow_inf_nan=False)]
 Scalar = Union[StrictBool, StrictInt, Annotated[float, Field(strict=True, allow_inf_nan=False)], StrictStr, None]
-Problem = Annotated[dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Scalar],
-                    Field(max_length=64, description="the canonical problem: dtypes, layouts, sizes"),
-                    AfterValidator(_clean_json)]
+Problem = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Scalar],
+    Field(max_length=64, description="the canonical problem: dtypes, layouts, sizes"),
+    AfterValidator(_clean_json),
+]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_clean_json)]
 
 
@@ -149,12 +161,23 @@ class ConfigIn(KeyIn):
     device_name: Name = Field("", description="the GPU it ran on: kept from a worker token only")
     tuned_by: Name = Field("", description="the host that tuned it: kept from a worker token only")
     tuned_at: Timestamp = Field(None, description="kept from a worker token only")
-    source: _text(16, 1, r"^[a-z_]+$") = Field("inline", description=(
-        "how it was tuned: kept from a worker token if one of worker, pretune, cli, inline; else the "
-        "service sets it (worker, admin, submission)"))
-    trials: Annotated[list[TrialIn], Field(max_length=MAX_TRIALS_PER_PUBLISH, description=(
-        f"the run's trials, at most {MAX_TRIALS_PER_PUBLISH} (more is a 422): the largest config space "
-        f"shipped has under 1,000 configs"))] = []
+    source: _text(16, 1, r"^[a-z_]+$") = Field(
+        "inline",
+        description=(
+            "how it was tuned: kept from a worker token if one of worker, pretune, cli, inline; else the "
+            "service sets it (worker, admin, submission)"
+        ),
+    )
+    trials: Annotated[
+        list[TrialIn],
+        Field(
+            max_length=MAX_TRIALS_PER_PUBLISH,
+            description=(
+                f"the run's trials, at most {MAX_TRIALS_PER_PUBLISH} (more is a 422): the largest config space "
+                f"shipped has under 1,000 configs"
+            ),
+        ),
+    ] = []
     tune_seconds: Optional[Annotated[float, Field(strict=True, ge=0, le=1e7, allow_inf_nan=False)]] = None
 
 
@@ -182,22 +205,27 @@ class ConfigOut(KeyOut):
 
 
 class PublishOut(BaseModel):
-    accepted: bool = Field(description="whether this submission is now the stored winner (only a worker's or "
-                                       "an admin's result can be)")
+    accepted: bool = Field(
+        description="whether this submission is now the stored winner (only a worker's or an admin's result can be)"
+    )
     status: Literal["won", "kept_existing", "queued", "recorded"] = Field(
         description="won: the new winner; kept_existing: a worker's result that did not beat the stored one; "
-                    "queued: a publish token's result, recorded, and the key queued for a worker of its device "
-                    "class to tune (re-time) before anything changes; recorded: a publish token's result that "
-                    "does not beat the winner, or whose winner was re-timed already: recorded only")
+        "queued: a publish token's result, recorded, and the key queued for a worker of its device "
+        "class to tune (re-time) before anything changes; recorded: a publish token's result that "
+        "does not beat the winner, or whose winner was re-timed already: recorded only"
+    )
     submission_id: int
-    kept: Optional[ConfigOut] = Field(description="the winner stored for this key after the publish (null: none "
-                                                  "yet, e.g. while a submission waits for its re-timing)")
+    kept: Optional[ConfigOut] = Field(
+        description="the winner stored for this key after the publish (null: none "
+        "yet, e.g. while a submission waits for its re-timing)"
+    )
     job: Optional[str] = Field(None, description="queued: the status of the key's tuning job")
 
 
 class PurgeIn(Model):
-    token_name: Name = Field(min_length=1, description="the token whose submissions and winners are removed "
-                                                       "(every token that had this name)")
+    token_name: Name = Field(
+        min_length=1, description="the token whose submissions and winners are removed (every token that had this name)"
+    )
     dry_run: StrictBool = Field(False, description="say what would be removed; change nothing")
 
 
@@ -205,8 +233,9 @@ class PurgeOut(BaseModel):
     token_name: str
     dry_run: bool
     removed: list[ConfigOut] = Field(description="the winners the token's submissions had made, now removed")
-    jobs: dict[str, str] = Field(description="{digest: the status of its tuning job}: queued again, or failed "
-                                             "(then `tunecache jobs retry`)")
+    jobs: dict[str, str] = Field(
+        description="{digest: the status of its tuning job}: queued again, or failed (then `tunecache jobs retry`)"
+    )
     submissions_removed: int
     generation: int = Field(description="the fleet's generation after; hosts drop their copies when it moved")
 
@@ -233,8 +262,9 @@ class DeleteOut(BaseModel):
 
 
 class GenerationOut(BaseModel):
-    generation: int = Field(description="moves whenever a winner is removed or replaced; hosts recheck "
-                                        "their copies when it does")
+    generation: int = Field(
+        description="moves whenever a winner is removed or replaced; hosts recheck their copies when it does"
+    )
 
 
 class ReportIn(Model):
@@ -279,14 +309,20 @@ class JobOut(KeyOut):
     max_attempts: int
     lease_owner: Optional[str] = Field(None, description="the lease holder's name (display only)")
     lease_expires_at: Optional[UtcTime] = None
-    not_before: Optional[UtcTime] = Field(None, description="a queued job is not claimed before this time "
-                                                            "(its backoff after a failure)")
+    not_before: Optional[UtcTime] = Field(
+        None, description="a queued job is not claimed before this time (its backoff after a failure)"
+    )
     created_at: Optional[UtcTime] = None
     last_error: Optional[str] = None
-    unreadable: Optional[str] = Field(None, description="why the row's fields cannot be read (its problem is "
-                                                        "shown empty); such a job is quarantined, never claimed")
-    retime: bool = Field(False, description="a re-timing: the key has a winner and a submission claimed to beat "
-                                            "it; a worker tunes it even so")
+    unreadable: Optional[str] = Field(
+        None,
+        description="why the row's fields cannot be read (its problem is "
+        "shown empty); such a job is quarantined, never claimed",
+    )
+    retime: bool = Field(
+        False,
+        description="a re-timing: the key has a winner and a submission claimed to beat it; a worker tunes it even so",
+    )
 
 
 class QueueOut(BaseModel):
@@ -297,37 +333,52 @@ class QueueOut(BaseModel):
     quarantined: int = 0
 
 
-LeaseSeconds = Annotated[float, Field(strict=True, ge=1, le=MAX_LEASE_S, allow_inf_nan=False,
-                                      description=f"seconds, at most {MAX_LEASE_S:g} (more is a 422); "
-                                                  f"heartbeats renew it")]
+LeaseSeconds = Annotated[
+    float,
+    Field(
+        strict=True,
+        ge=1,
+        le=MAX_LEASE_S,
+        allow_inf_nan=False,
+        description=f"seconds, at most {MAX_LEASE_S:g} (more is a 422); heartbeats renew it",
+    ),
+]
 
 
 class ClaimIn(Model):
-    owner: Owner = Field(description="the lease holder's name, for people (the dashboard, `tunecache jobs "
-                                     "ls`); the lease itself is held by the secret the claim returns")
+    owner: Owner = Field(
+        description="the lease holder's name, for people (the dashboard, `tunecache jobs "
+        "ls`); the lease itself is held by the secret the claim returns"
+    )
     arch: Arch
     sm_count: SmCount
     lease_s: LeaseSeconds = 60.0
     kernels: Optional[Annotated[list[Kernel], Field(max_length=1000)]] = None
     kernel_versions: Optional[Annotated[dict[Kernel, Version], Field(max_length=1000)]] = Field(
-        None, description="{kernel: version} this worker runs; only jobs it reproduces are claimed")
+        None, description="{kernel: version} this worker runs; only jobs it reproduces are claimed"
+    )
     triton_version: Optional[TritonVersion] = None
 
 
 class ClaimOut(BaseModel):
     job: Optional[JobOut] = Field(description="the leased job, or null when none is waiting")
-    lease_secret: Optional[str] = Field(None, description="the lease's secret, returned once (the service keeps "
-                                                          "only its hash): heartbeat, complete, fail and release "
-                                                          "must send it")
+    lease_secret: Optional[str] = Field(
+        None,
+        description="the lease's secret, returned once (the service keeps "
+        "only its hash): heartbeat, complete, fail and release "
+        "must send it",
+    )
 
 
 class LeaseHeldIn(Model):
     """A call on a leased job: the lease's secret (from the claim) says who holds it."""
 
-    lease_secret: Optional[_text(128)] = Field(None, description="the secret the claim returned (required: "
-                                                                 "without it the call is a 403)")
-    owner: Optional[Owner] = Field(None, description="ignored: the secret holds the lease; the owner named "
-                                                     "in the claim is kept, for display only")
+    lease_secret: Optional[_text(128)] = Field(
+        None, description="the secret the claim returned (required: without it the call is a 403)"
+    )
+    owner: Optional[Owner] = Field(
+        None, description="ignored: the secret holds the lease; the owner named in the claim is kept, for display only"
+    )
 
 
 class LeaseIn(LeaseHeldIn):
@@ -340,9 +391,17 @@ class CompleteIn(LeaseHeldIn):
 
 class FailIn(LeaseHeldIn):
     error: _text(8000)
-    backoff_s: Annotated[float, Field(strict=True, ge=0, le=MAX_BACKOFF_S, allow_inf_nan=False,
-                                      description=f"seconds before the next attempt, doubling per attempt; at most "
-                                                  f"{MAX_BACKOFF_S:g} (more is a 422)")] = 5.0
+    backoff_s: Annotated[
+        float,
+        Field(
+            strict=True,
+            ge=0,
+            le=MAX_BACKOFF_S,
+            allow_inf_nan=False,
+            description=f"seconds before the next attempt, doubling per attempt; at most "
+            f"{MAX_BACKOFF_S:g} (more is a 422)",
+        ),
+    ] = 5.0
 
 
 class ReleaseIn(LeaseHeldIn):
@@ -369,11 +428,15 @@ class HealthOut(BaseModel):
     status: Literal["ok"]
     database: str
     schema_revision: Optional[str] = None
-    queue_stuck: bool = Field(False, description="some device class's queue is stuck (see `queue`); the status "
-                                                 "stays 200: the service itself is fine")
+    queue_stuck: bool = Field(
+        False,
+        description="some device class's queue is stuck (see `queue`); the status "
+        "stays 200: the service itself is fine",
+    )
     stuck_after_s: Optional[float] = Field(None, description="the threshold (TUNECACHE_QUEUE_STUCK_S)")
-    quarantined_jobs: int = Field(0, description="jobs whose rows cannot be read (`tunecache jobs ls --status "
-                                                 "quarantined`)")
+    quarantined_jobs: int = Field(
+        0, description="jobs whose rows cannot be read (`tunecache jobs ls --status quarantined`)"
+    )
     queue: list[QueueHealthOut] = Field([], description="per device class with waiting or running jobs")
 
 

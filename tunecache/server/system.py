@@ -18,13 +18,16 @@ router = APIRouter(tags=["system"])
 TOO_MANY = {429: {"model": ErrorOut, "description": "over the address's request rate (see Retry-After)"}}
 
 
-@router.get("/healthz", response_model=HealthOut, summary="Liveness and database reachability",
-            dependencies=[Depends(rate_limited_address)],
-            responses={503: {"model": ErrorOut, "description": "the database is unreachable"}, **TOO_MANY})
+@router.get(
+    "/healthz",
+    response_model=HealthOut,
+    summary="Liveness and database reachability",
+    dependencies=[Depends(rate_limited_address)],
+    responses={503: {"model": ErrorOut, "description": "the database is unreachable"}, **TOO_MANY},
+)
 def healthz(store: StoreDep) -> HealthOut:
-    from ..migrate import current_revision
-
     from .. import settings
+    from ..migrate import current_revision
     from .schemas import QueueHealthOut
 
     try:
@@ -36,22 +39,38 @@ def healthz(store: StoreDep) -> HealthOut:
     except SQLAlchemyError as e:
         raise HTTPException(503, f"database unreachable: {type(e).__name__}") from None
     after = settings.queue_stuck_s()
-    queue = [QueueHealthOut(**w.__dict__, stuck=w.waiting > 0 and w.running == 0 and w.oldest_wait_s > after)
-             for w in waits]
-    return HealthOut(status="ok", database=store.dialect, schema_revision=rev, stuck_after_s=after,
-                     queue_stuck=any(q.stuck for q in queue), quarantined_jobs=quarantined, queue=queue)
+    queue = [
+        QueueHealthOut(**w.__dict__, stuck=w.waiting > 0 and w.running == 0 and w.oldest_wait_s > after) for w in waits
+    ]
+    return HealthOut(
+        status="ok",
+        database=store.dialect,
+        schema_revision=rev,
+        stuck_after_s=after,
+        queue_stuck=any(q.stuck for q in queue),
+        quarantined_jobs=quarantined,
+        queue=queue,
+    )
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
-            description="Off (404) when the service serves its metrics on an address of their own "
-                        "(`tunecache serve --metrics-port`).",
-            dependencies=[Depends(rate_limited_address)],
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-                       404: {"model": ErrorOut, "description": "metrics are served on their own port"}, **TOO_MANY})
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    description="Off (404) when the service serves its metrics on an address of their own "
+    "(`tunecache serve --metrics-port`).",
+    dependencies=[Depends(rate_limited_address)],
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        404: {"model": ErrorOut, "description": "metrics are served on their own port"},
+        **TOO_MANY,
+    },
+)
 def metrics(request: Request, store: StoreDep, m: MetricsDep) -> Response:
     if request.app.state.metrics_address is not None:
-        raise HTTPException(404, "metrics are served on their own port (tunecache serve --metrics-port), "
-                                 "not on the API's")
+        raise HTTPException(
+            404, "metrics are served on their own port (tunecache serve --metrics-port), not on the API's"
+        )
     return Response(m.render(store), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -63,8 +82,12 @@ def metrics(request: Request, store: StoreDep, m: MetricsDep) -> Response:
 DASHBOARD_COOKIE = "tunecache_token"
 DASHBOARD_COOKIE_S = 12 * 3600
 # never framed (clickjacking), never kept by a proxy or the browser's cache
-_PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
-                 "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+_PAGE_HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+}
 
 _LOGIN = """<!doctype html>
 <html><head><meta charset="utf-8"><title>tunecache fleet</title>
@@ -80,8 +103,11 @@ _LOGIN = """<!doctype html>
 
 
 def _login_page(error: str = "", *, forget: bool = False) -> HTMLResponse:
-    page = HTMLResponse(_LOGIN.format(error=f'\n<p class="err">{html.escape(error)}</p>' if error else ""),
-                        status_code=401, headers=_PAGE_HEADERS)
+    page = HTMLResponse(
+        _LOGIN.format(error=f'\n<p class="err">{html.escape(error)}</p>' if error else ""),
+        status_code=401,
+        headers=_PAGE_HEADERS,
+    )
     if forget:
         page.delete_cookie(DASHBOARD_COOKIE, path="/")
     return page
@@ -130,8 +156,15 @@ async def login(request: Request) -> Response:
             raise
         return _login_page("That token is invalid, expired or revoked.")
     page = RedirectResponse("/", status_code=303, headers=_PAGE_HEADERS)
-    page.set_cookie(DASHBOARD_COOKIE, secret, max_age=DASHBOARD_COOKIE_S, path="/", httponly=True,
-                    samesite="strict", secure=request.url.scheme == "https")
+    page.set_cookie(
+        DASHBOARD_COOKIE,
+        secret,
+        max_age=DASHBOARD_COOKIE_S,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
     return page
 
 

@@ -1,0 +1,296 @@
+"""The Hopper (sm_90a) Gluon backends on an sm_90 GPU: their results against PyTorch over grids
+like the seeds' tests (strides 1-3, paddings 0-1, filters 1x1 to 5x5, odd channel counts, batch
+1 and 128, asymmetric stride; matmul with odd M/N/K and both layouts), and direct launches. Their
+spaces, pruning and compiles on the CPU are in tests/integration/test_hopper_spaces.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tunecache.key import DeviceClass
+from tunecache_kernels import conv2d_fprop_hopper as fprop
+from tunecache_kernels import conv2d_wgrad_hopper as wgrad
+from tunecache_kernels import gluon_host as gh
+from tunecache_kernels import matmul_hopper as mm
+from tunecache_kernels import problems
+
+# ---- GPU: results against PyTorch --------------------------------------------------------------
+
+_has_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+gpu = pytest.mark.skipif(not _has_sm90, reason="needs a CUDA sm_90 GPU (H100/H200)")
+
+
+def _rel_err(out, ref):
+    o, r = out.double(), ref.double()
+    return ((o - r).norm() / r.norm()).item()
+
+
+def _poison(numel, dtype):
+    """Leave NaNs where the next allocation of this size will land, so an element the kernel
+    never writes shows up as NaN instead of a stale right answer."""
+    t = torch.full((numel,), float("nan"), device="cuda", dtype=dtype)
+    del t
+
+
+def _check(out, ref, tol):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    err = _rel_err(out, ref)
+    assert err < tol, f"relative error {err:.3g}"
+
+
+MATMUL_CASES = [
+    (256, 256, 256),
+    (1000, 1000, 2000),
+    (333, 517, 129),
+    (77, 65, 33),
+    (1, 4096, 64),
+    (4096, 8, 256),
+    (2049, 1023, 1536),
+    (128, 8192, 512),
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layouts", ["rr", "rc", "cr", "cc"])
+@pytest.mark.parametrize("M,N,K", MATMUL_CASES)
+def test_matmul_matches_torch(M, N, K, layouts, dtype):
+    torch.manual_seed(M * 7 + N * 3 + K)
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(K, N, device="cuda", dtype=dtype)
+    if layouts[0] == "c":
+        a = a.t().contiguous().t()
+    if layouts[1] == "c":
+        b = b.t().contiguous().t()
+    p = mm.problem(a, b)
+    ref = a.float() @ b.float()
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+    configs = [
+        mm.default_config(p, dev),
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+    ]
+    for c in configs:
+        _poison(M * gh.round_up(N, 8), dtype)
+        _check(mm.launch(c, a, b), ref, 1e-2)
+
+
+# the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,
+# strides 1-3, paddings 0-1 (the batch-128 half on the smaller channel pairing)
+CONV_GRID = [
+    (N, H, W, Ci, Co, R, S, st, pd)
+    for N in (1, 128)
+    for H, W in ((64, 64), (64, 32))
+    for Ci, Co in (((128, 128), (384, 384), (128, 384)) if N == 1 else ((128, 128),))
+    for R, S in ((1, 1), (2, 2), (3, 3), (1, 3))
+    for st in (1, 2, 3)
+    for pd in (0, 1)
+]
+CONV_EXTRA = [
+    (16, 32, 32, 5, 96, 3, 3, 1, 1),  # Ci padded for TMA
+    (3, 15, 17, 5, 7, 3, 3, 2, 1),  # odd everything
+    (4, 20, 12, 40, 200, 5, 5, (1, 2), (1, 0)),  # 5x5, asymmetric stride and padding
+    (16, 1, 8, 96, 128, 1, 2, (1, 2), 0),  # asymmetric stride, one-row image
+    (16, 2, 2, 512, 768, 2, 2, (2, 2), 0),  # small spatial
+    (2, 9, 9, 3, 13, 5, 5, 1, 1),  # 5x5 over 3 channels
+    (128, 14, 14, 1024, 256, 1, 1, 1, 0),  # 1x1 pointwise (tiled, no im2col)
+]
+
+
+def _conv_ids(case):
+    return "x".join(str(v).replace(" ", "") for v in case)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
+def test_conv2d_fprop_matches_torch(case):
+    N, H, W, Ci, Co, R, S, st, pd = case
+    torch.manual_seed(hash(case) % 1000)
+    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+    p = fprop.problem(x, w, st, pd)
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+    ref = fprop.reference(x.float(), w.float(), st, pd)
+    configs = [fprop.default_config(p, dev)]
+    if case in CONV_EXTRA or (N == 1 and R == 3 and Ci == 128 and Co == 384):
+        configs += [
+            c
+            for c in (
+                {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+                {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+            )
+            if fprop.resources_ok(c)
+        ]
+    for c in configs:
+        _poison(p["gemm_M"] * gh.round_up(Co, 8), torch.bfloat16)
+        _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
+def test_conv2d_wgrad_matches_torch(case):
+    N, H, W, Ci, Co, R, S, st, pd = case
+    torch.manual_seed(hash(case) % 1000 + 1)
+    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+    p = wgrad.problem(x, g, R, S, st, pd)
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+    ref = wgrad.reference(x.float(), g.float(), R, S, st, pd)
+    base = wgrad.default_config(p, dev)
+    configs = [base, dict(base, SPLIT_K=1), dict(base, SPLIT_K=wgrad.STREAM_K)]
+    if case in CONV_EXTRA:
+        small = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+        configs += [small, dict(small, SPLIT_K=wgrad.STREAM_K)]
+    for c in configs:
+        _poison(Co * R * S * gh.round_up(Ci, 8), torch.bfloat16)
+        _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_wgrad_split_k_is_deterministic():
+    torch.manual_seed(0)
+    x = torch.randn(32, 28, 28, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(32, 28, 28, 128, device="cuda", dtype=torch.bfloat16)
+    for split in (16, wgrad.STREAM_K):
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+        first = wgrad.launch(c, x, g, 3, 3, 1, 1)
+        for _ in range(3):
+            assert torch.equal(wgrad.launch(c, x, g, 3, 3, 1, 1), first)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_conv_fp16_and_bf16(dtype):
+    torch.manual_seed(1)
+    x = torch.randn(8, 20, 20, 64, device="cuda", dtype=dtype)
+    w = torch.randn(96, 3, 3, 64, device="cuda", dtype=dtype)
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+    p = fprop.problem(x, w, 2, 1)
+    y = fprop.launch(fprop.default_config(p, dev), x, w, 2, 1)
+    assert y.dtype == dtype
+    _check(y, fprop.reference(x.float(), w.float(), 2, 1), 1e-2)
+    g = torch.randn_like(y)
+    pw = wgrad.problem(x, g, 3, 3, 2, 1)
+    gw = wgrad.launch(wgrad.default_config(pw, dev), x, g, 3, 3, 2, 1)
+    assert gw.dtype == dtype
+    _check(gw, wgrad.reference(x.float(), g.float(), 3, 3, 2, 1), 1e-2)
+
+
+# ---- direct launches: a (config, problem)'s second and later launches skip JITFunction.run ------
+
+
+def _no_jit(monkeypatch, *fns):
+    """Make JITFunction.run fail for `fns`: a launch must then go through its plan."""
+
+    def boom(*a, **k):
+        raise AssertionError("JITFunction.run called on a planned launch")
+
+    for fn in fns:
+        monkeypatch.setattr(fn, "run", boom)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layouts", ["rr", "cc"])
+def test_matmul_direct_launch_matches_torch_on_new_data(monkeypatch, layouts):
+    M, N, K = 333, 517, 129  # N padded for TMA: the output is sliced
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+
+    def operands(seed):
+        torch.manual_seed(seed)
+        a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+        if layouts[0] == "c":
+            a = a.t().contiguous().t()
+        if layouts[1] == "c":
+            b = b.t().contiguous().t()
+        return a, b
+
+    a, b = operands(0)
+    _check(mm.launch(c, a, b), a.float() @ b.float(), 1e-2)  # JIT: builds the plan
+    _no_jit(monkeypatch, mm.matmul_kernel)
+    for seed in (1, 2, 3):
+        del a, b  # the next operands may land at the freed addresses: cached maps stay right
+        a, b = operands(seed)
+        _poison(M * gh.round_up(N, 8), torch.float16)
+        _check(mm.launch(c, a, b), a.float() @ b.float(), 1e-2)
+    # a plan built on aligned operands, then a base address TMA cannot take: copied, still right
+    if layouts == "rr":
+        a2 = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+        b2 = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+        monkeypatch.undo()
+        mm.launch(c, a2, b2)
+        _no_jit(monkeypatch, mm.matmul_kernel)
+        flat = torch.randn(256 * 256 + 1, device="cuda", dtype=torch.float16)
+        a3 = flat[1:].view(256, 256)  # 2 bytes past a 16-byte boundary
+        assert a3.data_ptr() % 16
+        _check(mm.launch(c, a3, b2), a3.float() @ b2.float(), 1e-2)
+    # another config of the same problem has no plan yet: it goes to the JIT (here: fails)
+    with pytest.raises(AssertionError, match="planned launch"):
+        mm.launch(dict(c, GROUP_M=8), a, b)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [(3, 15, 17, 5, 7, 3, 3, 2, 1), (4, 20, 12, 40, 200, 5, 5, (1, 2), (1, 0)), (8, 14, 14, 64, 96, 1, 1, 1, 0)],
+    ids=_conv_ids,
+)
+def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
+    N, H, W, Ci, Co, R, S, st, pd = case
+    cf = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    cw = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+    cw1 = dict(cw, SPLIT_K=1)
+    cws = dict(cw, SPLIT_K=wgrad.STREAM_K)
+
+    def data(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+        y = fprop.reference(x.float(), w.float(), st, pd)
+        g = torch.randn(y.shape, device="cuda", dtype=torch.bfloat16)
+        return x, w, g
+
+    def check_all(x, w, g):
+        _check(fprop.launch(cf, x, w, st, pd), fprop.reference(x.float(), w.float(), st, pd), 1e-2)
+        ref_w = wgrad.reference(x.float(), g.float(), R, S, st, pd)
+        _check(wgrad.launch(cw, x, g, R, S, st, pd), ref_w, 1e-2)
+        _check(wgrad.launch(cw1, x, g, R, S, st, pd), ref_w, 1e-2)
+        _check(wgrad.launch(cws, x, g, R, S, st, pd), ref_w, 1e-2)
+
+    check_all(*data(0))  # JIT: builds the plans
+    _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+    for seed in (1, 2):
+        check_all(*data(seed))
+    # the same problem with stride given as a tuple shares the plan; a bool stride still raises
+    x, w, g = data(3)
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    _check(fprop.launch(cf, x, w, (sh, sw), (ph, pw)), fprop.reference(x.float(), w.float(), st, pd), 1e-2)
+    with pytest.raises((TypeError, AssertionError)):
+        fprop.launch(cf, x, w, True, pd)
+
+
+@gpu
+@pytest.mark.gpu
+def test_direct_launch_off_switch_and_hooks_use_the_jit(monkeypatch):
+    from triton import knobs
+
+    a = torch.randn(128, 64, device="cuda", dtype=torch.float16)
+    b = torch.randn(64, 128, device="cuda", dtype=torch.float16)
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    mm.launch(c, a, b)
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda md: seen.append(md))
+    _check(mm.launch(c, a, b), a.float() @ b.float(), 1e-2)
+    assert seen, "a launch hook must see the launch (JIT path)"

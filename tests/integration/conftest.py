@@ -1,0 +1,44 @@
+"""Fixtures of the integration tests: a real `tunecache serve` (uvicorn on loopback) over the
+session's Postgres database or over a SQLite file, with a token per scope. The helpers they
+are built from are in support/fleet.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.fleet import Server, make_tokens, reset_fleet_tables, start_fleet
+
+
+@pytest.fixture(scope="module")
+def fleet(pg_url, tmp_path_factory):
+    """A running service over the session's Postgres database, and a token per scope."""
+    from tunecache.store import Store
+
+    Store(pg_url).close()  # migrate before the server and the tests touch it
+    tokens = make_tokens(pg_url)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = Server(pg_url, log).start()
+    server.tokens = tokens
+    server.db_url = pg_url
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def sqlite_fleet(tmp_path_factory):
+    """The same service as `fleet`, over a SQLite file (the store's other engine)."""
+    d = tmp_path_factory.mktemp("sqlite-fleet")
+    server = start_fleet(f"sqlite:///{d / 'fleet.sqlite'}", d)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def clean_fleet(fleet):
+    """`fleet` with its queue and configs emptied (tokens stay), and the clients forgotten."""
+    reset_fleet_tables(fleet.db_url)
+    from tunecache import client
+
+    client.reset_clients()
+    yield fleet
+    client.reset_clients()

@@ -1,0 +1,109 @@
+"""The Blackwell kernels, compiled for sm_100a on the CPU, are what they claim to be.
+
+No Blackwell GPU is needed (or used): each kernel is compiled for an explicit sm_100a
+target and its PTX (`kernel.asm["ptx"]`) is read for
+- tcgen05 MMA into tensor memory (alloc, mma, commit, ld), not a WGMMA or mma.sync fallback;
+- warp specialization: the partition dispatch (a jump table over warp groups) and the
+  register split (worker warps shrink with setmaxnreg.dec, the epilogue grows with .inc);
+- the code of each partition (load, MMA, epilogue), found through the PTX line table;
+- TMA: bulk tensor loads (im2col mode for the conv activations) and, where the epilogue
+  uses it, TMA stores.
+What this cannot show is that the kernels run correctly: that needs a Blackwell GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from tunecache.compile import canonical_problem, compile_in_fresh_processes, device_for
+from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell, matmul_blackwell
+
+ARCH = "sm_100a"
+MODULES = {
+    "matmul": matmul_blackwell,
+    "conv2d_fprop": conv2d_fprop_blackwell,
+    "conv2d_wgrad": conv2d_wgrad_blackwell,
+}
+# the partitions each kernel's warp_specialize runs: (default/epilogue, MMA, load)
+PARTITIONS = {
+    "matmul": (gluon_blackwell.tma_store_epilogue, gluon_blackwell.mma_partition, matmul_blackwell._load_partition),
+    "conv2d_fprop": (
+        gluon_blackwell.tma_store_epilogue,
+        gluon_blackwell.mma_partition,
+        conv2d_fprop_blackwell._load_partition,
+    ),
+    "conv2d_wgrad": (
+        conv2d_wgrad_blackwell._epilogue_partition,
+        gluon_blackwell.mma_partition,
+        conv2d_wgrad_blackwell._load_partition,
+    ),
+}
+TMA_STORE = {"matmul": True, "conv2d_fprop": True, "conv2d_wgrad": False}
+IM2COL = {"matmul": False, "conv2d_fprop": True, "conv2d_wgrad": True}
+
+
+@pytest.fixture(scope="module")
+def ptx_of():
+    # one batch of compiles in fresh processes: earlier tests ran the CPU interpreter in this one
+    device = device_for(ARCH)
+    jobs = []
+    for op, mod in MODULES.items():
+        p = canonical_problem(op)
+        jobs.append((mod, p, mod.default_config(p, device), 0))
+    ptx = {op: out["asm"]["ptx"] for op, out in zip(MODULES, compile_in_fresh_processes(jobs, device, ARCH))}
+    return ptx.__getitem__
+
+
+def _lines_in_ptx(ptx: str) -> set[tuple[str, int]]:
+    """(source file basename, line) pairs of the PTX line table."""
+    files = {m.group(1): os.path.basename(m.group(2)) for m in re.finditer(r'\.file\s+(\d+)\s+"([^"]+)"', ptx)}
+    return {(files.get(f, "?"), int(line)) for f, line in re.findall(r"\.loc\s+(\d+)\s+(\d+)\s+\d+", ptx)}
+
+
+def _body_lines(jit_fn) -> tuple[str, range]:
+    fn = jit_fn.fn
+    src, first = inspect.getsourcelines(fn)
+    return os.path.basename(inspect.getsourcefile(fn)), range(first + 1, first + len(src))
+
+
+@pytest.mark.parametrize("op", sorted(MODULES))
+def test_tcgen05_mma_into_tensor_memory(op, ptx_of):
+    ptx = ptx_of(op)
+    assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx), "no tcgen05 MMA in the PTX"
+    for instr in ("tcgen05.alloc", "tcgen05.commit", "tcgen05.ld", "tcgen05.dealloc"):
+        assert instr in ptx, f"{instr} missing: the accumulator does not live in tensor memory"
+    assert "wgmma" not in ptx and "mma.sync" not in ptx
+
+
+@pytest.mark.parametrize("op", sorted(MODULES))
+def test_warp_specialized_partitions(op, ptx_of):
+    ptx = ptx_of(op)
+    # the partitions are dispatched on the warp index through a jump table
+    assert ".branchtargets" in ptx and "brx.idx" in ptx
+    # one-warp load and MMA partitions give registers back; the epilogue takes them
+    workers = int(gluon_blackwell.WORKER_REGS.value)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{workers};", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+\d+;", ptx)
+    # and each partition's code is in there (the line table points into its body)
+    lines = _lines_in_ptx(ptx)
+    for part in PARTITIONS[op]:
+        fname, body = _body_lines(part)
+        assert any((fname, n) in lines for n in body), f"{part.__name__} ({fname}) has no code in the PTX"
+
+
+@pytest.mark.parametrize("op", sorted(MODULES))
+def test_tma_loads_and_stores(op, ptx_of):
+    ptx = ptx_of(op)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.(im2col\.)?mbarrier", ptx)
+    assert loads, "no TMA loads"
+    assert any(loads) == IM2COL[op], "TMA im2col mode expected exactly for the conv activations"
+    stores = re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
+    assert bool(stores) == TMA_STORE[op]
+    # the loads complete on mbarriers that the consumers wait on
+    assert "mbarrier.try_wait" in ptx

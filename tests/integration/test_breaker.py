@@ -1,0 +1,187 @@
+"""A service that is down, hangs or answers garbage never fails the library's call, and once
+the circuit breaker is open the call pays no timeout."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from support.fleet import Server
+
+TIMEOUT_S = 1.0
+FAILURES = 3
+
+
+class GarbageServer:
+    """A TCP server that answers every request with the same bytes."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                    self.requests += 1
+                    conn.sendall(self.reply)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _http(status: str, body: bytes) -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+GARBAGE = {
+    "not HTTP": b"\x00\xff\xfe garbage, not an HTTP response\r\n\r\n",
+    "not JSON": _http("200 OK", b"<html>{oops"),
+    "wrong JSON": _http("200 OK", b'{"config": 5, "job": [1]}'),
+    "500": _http("500 Internal Server Error", b'{"detail": "boom"}'),
+}
+
+
+@pytest.fixture
+def fleet_env(db_url, monkeypatch):
+    from tunecache import client
+
+    monkeypatch.setenv("TUNECACHE_BACKEND", "portable")
+    monkeypatch.setenv("TUNECACHE_SERVER_TIMEOUT_S", str(TIMEOUT_S))
+    monkeypatch.setenv("TUNECACHE_BREAKER_FAILURES", str(FAILURES))
+    monkeypatch.setenv("TUNECACHE_BREAKER_OPEN_S", "60")
+    monkeypatch.setenv("TUNECACHE_TOKEN", "tc_whatever")
+    client.reset_clients()
+    yield monkeypatch
+    client.reset_clients()
+
+
+def _call(i: int) -> float:
+    """One library call on a shape not seen before (so it goes past the memo); its seconds."""
+    from tunecache import ops
+
+    a, b = torch.randn(8 + i, 8), torch.randn(8, 8)
+    t0 = time.perf_counter()
+    out = ops.matmul(a, b)
+    elapsed = time.perf_counter() - t0
+    torch.testing.assert_close(out, a @ b)
+    return elapsed
+
+
+def _key(i: int):
+    from tunecache import registry
+    from tunecache.key import interpreter_device
+    from tunecache.tuner import make_key
+    from tunecache_kernels import problems
+
+    p = problems.matmul_problem(torch.empty(8 + i, 8, device="meta"), torch.empty(8, 8, device="meta"))
+    return make_key(registry.backend_module("matmul", "portable"), p, interpreter_device())
+
+
+def _assert_breaker_spares_the_call(url: str, monkeypatch) -> None:
+    from tunecache.client import fleet_client
+    from tunecache.store import default_store
+
+    monkeypatch.setenv("TUNECACHE_SERVER_URL", url)
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "tune")
+    # policy tune: the fleet has nothing usable, so the call tunes locally and succeeds
+    _call(0)
+    assert default_store().get_config(_key(0).digest) is not None
+    # policy default: lookup and enqueue both go to the fleet
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
+    _call(1)
+    fleet = fleet_client(url)
+    assert fleet.breaker.is_open, f"{FAILURES} failures in a row must open the breaker"
+    # open: a call with two fleet requests (lookup, enqueue) pays neither timeout
+    elapsed = _call(2)
+    assert elapsed < TIMEOUT_S, f"the call took {elapsed:.2f} s with the breaker open"
+    keys = [_key(i) for i in range(100)]
+    t0 = time.perf_counter()
+    for k in keys:
+        assert fleet.lookup(k) is None
+        assert fleet.enqueue(k) is None
+    assert time.perf_counter() - t0 < 0.1, "an open breaker answers at once"
+
+
+def test_service_stopped(fleet_env, clean_fleet, tmp_path, pg_url):
+    server = Server(pg_url, tmp_path / "s.log").start()
+    url = server.url
+    server.stop()
+    _assert_breaker_spares_the_call(url, fleet_env)
+
+
+def test_service_hanging(fleet_env, pg_url, tmp_path):
+    server = Server(pg_url, tmp_path / "s.log").start()
+    server.pause()  # accepts connections (the kernel's backlog), answers nothing
+    try:
+        t0 = time.perf_counter()
+        _assert_breaker_spares_the_call(server.url, fleet_env)
+        # only the calls before the breaker opened waited for the timeout
+        assert time.perf_counter() - t0 < (FAILURES + 2) * TIMEOUT_S + 30
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", list(GARBAGE))
+def test_service_answering_garbage(fleet_env, kind):
+    server = GarbageServer(GARBAGE[kind])
+    try:
+        _assert_breaker_spares_the_call(server.url, fleet_env)
+        assert server.requests >= FAILURES, "the client did talk to it"
+        seen = server.requests
+        _call(3)
+        assert server.requests == seen, "an open breaker sends nothing"
+    finally:
+        server.close()
+
+
+def test_breaker_closes_again_when_the_service_is_back(fleet_env, clean_fleet, pg_url, tmp_path):
+    import httpx
+
+    from tunecache.client import FleetClient
+
+    fleet = clean_fleet
+    key = _key(5)
+    body = {
+        **key.fields(),
+        "config": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+        "median_ms": 1.0,
+    }
+    httpx.post(f"{fleet.url}/v1/configs", json=body, headers={"Authorization": f"Bearer {fleet.tokens['worker']}"})
+    server = Server(pg_url, tmp_path / "s.log").start()
+    client = FleetClient(server.url, fleet.tokens["read"], timeout_s=0.5, failures=2, open_s=1.0)
+    try:
+        assert client.lookup(key) is not None
+        server.pause()
+        assert client.lookup(key) is None and client.lookup(key) is None
+        assert client.breaker.is_open
+        server.resume()
+        assert client.lookup(key) is None, "still open: no request is sent"
+        time.sleep(1.1)
+        rec = client.lookup(key)  # half-open: one trial call, it succeeds, the breaker closes
+        assert rec is not None and rec.config == body["config"] and not client.breaker.is_open
+    finally:
+        client.close()
+        server.stop()

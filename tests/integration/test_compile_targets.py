@@ -1,0 +1,202 @@
+"""Every config of every Gluon space compiles for its target on this CPU-only host, and the
+pruning rules agree with the compiler.
+
+Blackwell spaces are compiled for sm_100a, Hopper spaces for sm_90a, each on a
+representative problem per op (tunecache.compile.REPRESENTATIVE: large enough that no tile
+is larger than the problem). For every config of the whole space:
+- a config that passes the backend's prune() must compile and fit the device (the
+  compiler's shared memory within the per-block limit, tensor memory within 512 columns);
+- a config that prune() drops must not be one that compiles and fits: pruning may only
+  remove what the compiler would reject or the device could not launch.
+Registers are the one judgment call: a config whose registers spill (ptxas gives it a stack
+frame) still launches, so prune() may keep it, and it is slow, so prune() may drop it.
+The configs the rules drop are compiled too, to check the second point. Identical kernels
+are compiled once and in parallel on every core (tunecache.compile), so the whole run fits a
+CI budget on a 2-core machine.
+
+Only compilation is checked here: that the Blackwell kernels compute the right answer needs a
+Blackwell GPU (the shared host code runs on an H100 through the Hopper backend's tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+
+import pytest
+
+pytest.importorskip("triton")
+
+from tunecache.compile import ConfigReport, canonical_problem, compile_configs, device_for
+from tunecache.shapes import OPS
+from tunecache_kernels.spaces import space_for
+
+TARGETS = {"blackwell": "sm_100a", "hopper": "sm_90a"}
+
+
+def _module(op: str, backend: str):
+    name = f"tunecache_kernels.{op}_{backend}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            pytest.skip(f"kernels/{op}_{backend}.py does not exist (yet)")
+        raise
+
+
+def _show(reports: list[ConfigReport], limit: int = 8) -> str:
+    lines = []
+    for r in reports[:limit]:
+        err = (r.error or "").strip().splitlines()
+        lines.append(
+            f"  {json.dumps(r.config)}: compiled={r.compiled} shared={r.shared} tmem={r.tmem} "
+            f"stack={r.stack_bytes} "
+            f"-- {err[-1] if err else ''}"
+        )
+    if len(reports) > limit:
+        lines.append(f"  ... and {len(reports) - limit} more")
+    return "\n".join(lines)
+
+
+# the spaces are compiled a slice at a time: pytest shows progress, and a failure names its slice
+CHUNK = 240
+
+
+def _slices():
+    for op in OPS:
+        for backend in sorted(TARGETS):
+            try:
+                n = len(space_for(f"{op}.{backend}"))
+            except KeyError:
+                n = 0
+            for i in range(max(1, -(-n // CHUNK))):
+                yield pytest.param(op, backend, i, id=f"{op}-{backend}-{i + 1}of{max(1, -(-n // CHUNK))}")
+
+
+@pytest.mark.parametrize("op,backend,part", list(_slices()))
+def test_space_compiles_and_pruning_agrees(op, backend, part, record_property):
+    mod = _module(op, backend)
+    arch = TARGETS[backend]
+    configs = list(space_for(mod.KERNEL))[part * CHUNK : (part + 1) * CHUNK]
+    problem = canonical_problem(op)
+    device = device_for(arch)
+    t0 = time.perf_counter()
+    kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, problem, device)}
+    reports = compile_configs(mod, problem, configs, device)
+    for r in reports:
+        r.pruned = json.dumps(r.config, sort_keys=True) not in kept
+    wall = time.perf_counter() - t0
+    assert len(reports) == len(configs)
+
+    compiles = sum(1 for r in reports for k in r.kernels if not k.reused)
+    record_property("configs", len(reports))
+    record_property("distinct_kernels", compiles)
+    record_property("wall_seconds", round(wall, 1))
+    print(
+        f"{mod.KERNEL} for {arch}, configs {part * CHUNK}-{part * CHUNK + len(configs)}: {compiles} distinct "
+        f"kernels, {sum(not r.pruned for r in reports)} kept by prune, {sum(r.ok for r in reports)} fit, "
+        f"{wall:.1f} s"
+    )
+
+    kept_but_broken = [r for r in reports if not r.pruned and not r.ok]
+    assert not kept_but_broken, (
+        f"{len(kept_but_broken)} config(s) of {mod.KERNEL} pass prune() but fail to compile or do not fit "
+        f"{arch}:\n{_show(kept_but_broken)}"
+    )
+    pruned_but_fit = [r for r in reports if r.pruned and r.ok and not r.stack_bytes]
+    assert not pruned_but_fit, (
+        f"{len(pruned_but_fit)} config(s) of {mod.KERNEL} are dropped by prune() although they compile, fit "
+        f"{arch} and spill no registers (prune may only drop what the compiler or the device rejects; "
+        f"problem-size heuristics belong in config_space()):\n{_show(pruned_but_fit)}"
+    )
+
+
+# Problems that take the other code paths of the kernels: operands stored transposed,
+# 1x1 convolutions read by plain tiled TMA, channel counts padded for TMA, strided windows.
+VARIANTS = {
+    "matmul": [
+        {"M": 1000, "N": 520, "K": 96, "dtype": "float16", "a_layout": "col", "b_layout": "col"},
+        {"M": 64, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"},
+    ],
+    "conv2d_fprop": [
+        {"N": 8, "H": 28, "W": 28, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+        {"N": 4, "H": 224, "W": 224, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3, "dtype": "bfloat16"},
+    ],
+    "conv2d_wgrad": [
+        {"N": 8, "H": 28, "W": 28, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+        {"N": 2, "H": 14, "W": 14, "Ci": 5, "Co": 96, "R": 3, "S": 3, "stride": 2, "padding": 1, "dtype": "bfloat16"},
+    ],
+}
+
+
+@pytest.mark.parametrize("backend", sorted(TARGETS))
+@pytest.mark.parametrize("op", OPS)
+def test_default_config_compiles_on_other_code_paths(op, backend):
+    mod = _module(op, backend)
+    arch = TARGETS[backend]
+    device = device_for(arch)
+    problems = [canonical_problem(op, v) for v in VARIANTS[op]]
+    problems = [p for p in problems if mod.supports(p, device)]
+    if not problems:
+        pytest.skip(f"{mod.KERNEL} supports none of the variant problems")
+    for p in problems:
+        cfg = mod.default_config(p, device)
+        assert cfg in mod.prune(mod.config_space(p, device), p, device), f"default {cfg} is not a candidate for {p}"
+        (report,) = compile_configs(mod, p, [cfg], device)
+        assert report.ok, f"{mod.KERNEL} default config {cfg} on {p}: {report.error}"
+
+
+# ---- the compile path itself -------------------------------------------------------------------
+
+
+def test_a_config_the_compiler_rejects_is_reported_not_raised():
+    from tunecache_kernels import matmul_blackwell as mod
+
+    device = device_for("sm_100a")
+    p = canonical_problem("matmul")
+    good = mod.default_config(p, device)
+    # a 256-row tile needs a 2-CTA MMA the kernel does not use; 7 stages of 128x256x128 do
+    # not fit shared memory: neither is in the space, both must come back as reports
+    bad_mma = dict(good, BLOCK_M=256)
+    too_big = dict(good, BLOCK_N=256, BLOCK_K=128, NUM_BUFFERS=7)
+    reports = compile_configs(mod, p, [bad_mma, good, too_big, good], device)
+    assert [r.config for r in reports] == [bad_mma, good, too_big, good]
+    assert not reports[0].compiled and not reports[0].ok and reports[0].error
+    assert reports[1].ok and reports[1].error is None and reports[1].shared > 0 and reports[1].tmem
+    assert reports[2].compiled and not reports[2].ok and "shared memory" in reports[2].error
+    assert reports[3].ok and reports[3].kernels[0].reused  # the same kernel, compiled once
+
+
+def test_cli_prints_one_json_line_per_candidate():
+    from typer.testing import CliRunner
+
+    from tunecache.cli import app
+    from tunecache_kernels import matmul_blackwell as mod
+
+    result = CliRunner().invoke(
+        app,
+        [
+            "compile",
+            "--op",
+            "matmul",
+            "--backend",
+            "blackwell",
+            "--arch",
+            "sm_100a",
+            "--problem",
+            "M=64,N=64,K=64,dtype=float16",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    p = canonical_problem("matmul", {"M": 64, "N": 64, "K": 64, "dtype": "float16"})
+    device = device_for("sm_100a")
+    assert [d["config"] for d in lines] == mod.prune(mod.config_space(p, device), p, device)
+    for d in lines:
+        assert d["kernel"] == "matmul.blackwell" and d["arch"] == "sm_100a"
+        assert d["ok"] and not d["pruned"] and d["shared"] > 0 and d["tmem"] > 0 and d["regs"] > 0
+        assert set(d) >= {"ok", "shared", "tmem", "regs", "seconds", "error"}
+
+    bad = CliRunner().invoke(app, ["compile", "--op", "matmul", "--backend", "blackwell", "--arch", "sm_80"])
+    assert bad.exit_code == 2 and "unknown target" in bad.output

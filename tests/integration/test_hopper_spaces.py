@@ -1,0 +1,195 @@
+"""The Hopper (sm_90a) Gluon backends on the CPU: their spaces and pruning, the host-side plans
+(split-K, stream-K, im2col geometry, direct-launch keys), and a sample of their configs compiled
+for sm_90a in fresh processes. Their results against PyTorch on an sm_90 GPU are in
+tests/gpu/test_hopper_kernels.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tunecache.key import DeviceClass
+from tunecache_kernels import conv2d_fprop_hopper as fprop
+from tunecache_kernels import conv2d_wgrad_hopper as wgrad
+from tunecache_kernels import gluon_host as gh
+from tunecache_kernels import gluon_launch as direct
+from tunecache_kernels import matmul_hopper as mm
+from tunecache_kernels import problems
+from tunecache_kernels.spaces import space_for
+
+H100 = DeviceClass("sm_90", 132, "NVIDIA H100 80GB HBM3")
+B200 = DeviceClass("sm_100", 148, "NVIDIA B200")
+MODULES = (mm, fprop, wgrad)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _problems():
+    """A few problems per op, meta tensors only (shapes are all the CPU tests need)."""
+    yield mm, problems.matmul_problem(_meta(4096, 4096), _meta(4096, 4096))
+    yield mm, problems.matmul_problem(_meta(128, 8192), _meta(8192, 8192))
+    yield mm, problems.matmul_problem(_meta(77, 33, dtype=torch.float16), _meta(65, 33, dtype=torch.float16).t())
+    for N, H, W, Ci, Co, R, S, st, pd in [
+        (128, 56, 56, 64, 64, 3, 3, 1, 1),
+        (128, 14, 14, 1024, 256, 1, 1, 1, 0),
+        (3, 15, 17, 5, 7, 5, 5, (2, 1), (1, 0)),
+    ]:
+        x = _meta(N, H, W, Ci)
+        yield fprop, problems.conv2d_fprop_problem(x, _meta(Co, R, S, Ci), st, pd)
+        sh, sw = st if isinstance(st, tuple) else (st, st)
+        ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+        P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+        yield wgrad, problems.conv2d_wgrad_problem(x, _meta(N, P, Q, Co), R, S, st, pd)
+
+
+PROBLEMS = list(_problems())
+
+
+# ---- CPU: spaces, pruning, defaults --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.KERNEL)
+def test_space_is_registered_plain_data(mod):
+    space = space_for(mod.KERNEL)
+    assert len(space) > 0
+    for cfg in space:
+        for v in cfg.values():
+            assert type(v) in (int, bool, str)
+        assert "num_warps" in cfg and "num_stages" in cfg
+
+
+@pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
+def test_pruned_configs_fit_shared_memory_and_stay_in_space(mod, p):
+    space = space_for(mod.KERNEL)
+    kept = mod.prune(mod.config_space(p, H100), p, H100)
+    assert kept, f"every config pruned for {p}"
+    for c in kept:
+        space.check(c)
+        assert mod.smem_bytes(c) <= gh.SMEM_LIMIT_BYTES
+        # the accumulator must fit the register file without spilling
+        assert c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
+
+
+@pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
+def test_default_config_is_in_space_and_survives_pruning(mod, p):
+    c = mod.default_config(p, H100)
+    space_for(mod.KERNEL).check(c)
+    assert c in mod.prune([c], p, H100)
+
+
+def test_prune_rejects_configs_over_shared_memory():
+    p = PROBLEMS[0][1]
+    big = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 6}
+    assert mm.smem_bytes(big) > gh.SMEM_LIMIT_BYTES
+    assert mm.prune([big], p, H100) == []
+
+
+def test_prune_keeps_the_seed_hopper_config():
+    # the tutorial's best Hopper matmul: 128x256x64, 3 buffers, 8 warps (~208 KB of smem)
+    p = PROBLEMS[0][1]
+    c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    assert mm.prune([c], p, H100) == [c]
+
+
+@pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
+def test_supports_only_sm90_half_precision(mod, p):
+    assert mod.supports(p, H100)
+    assert not mod.supports(p, B200)
+    assert not mod.supports({**p, "dtype": "float32"}, H100)
+    assert not mod.supports(p, DeviceClass("cpu", 0))
+
+
+def test_wgrad_split_plan_never_launches_empty_splits():
+    for k_iters, split in itertools.product((1, 5, 63, 64, 65, 1000), (1, 2, 4, 8, 16, 32)):
+        active, per = gh.split_k_plan(k_iters, split)
+        assert 1 <= active <= split
+        assert active * per >= k_iters > (active - 1) * per
+
+
+def _seed_wgrad_problem():
+    # the seeds' 384-channel 64x64 3x3 layer at batch 128: 81 output tiles of 128x128
+    return problems.conv2d_wgrad_problem(_meta(128, 64, 64, 384), _meta(128, 64, 64, 384), 3, 3, 1, 1)
+
+
+def test_wgrad_auto_split_fills_whole_waves():
+    # one split leaves 51 of 132 SMs idle and two leave a 30-unit second wave: SPLIT_K=0 picks
+    # a count whose units fill the SMs' waves at least 95%
+    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
+    w = wgrad.Work.of(_seed_wgrad_problem(), c, 132)
+    units = w.tiles * w.splits
+    assert w.tiles == 81 and w.splits > 1
+    assert units / (-(-units // 132) * 132) >= 0.95
+
+
+@pytest.mark.parametrize("sms", [132, 114, 7])
+def test_wgrad_stream_k_gives_every_cta_an_equal_run(sms):
+    p = problems.conv2d_wgrad_problem(_meta(128, 7, 7, 512), _meta(128, 7, 7, 512), 3, 3, 1, 1)
+    for bn in (64, 128, 256):
+        c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": wgrad.STREAM_K, "num_warps": 8, "num_stages": 4}
+        w = wgrad.Work.of(p, c, sms)
+        total = w.tiles * w.k_steps
+        assert w.stream and w.ctas <= sms and w.splits == 1
+        assert w.ctas * w.per >= total > (w.ctas - 1) * w.per  # every CTA has work, all work is covered
+        assert w.per - total / w.ctas < 1 + total / w.ctas / 100  # balanced to about 1%
+
+
+def test_im2col_geometry_limits():
+    # corners within the descriptor's signed 8-bit range; element strides 1..8
+    assert gh.im2col_ok(56, 56, 56, 56, (1, 1), (1, 1))
+    assert not gh.im2col_ok(64, 64, 7, 7, (9, 9), (0, 0))
+    lower, upper = gh.im2col_pixel_box(16, 16, 8, 8, (2, 2), (1, 1))
+    assert lower == [-1, -1] and upper == [7 * 2 + 1 - 16 - 1] * 2
+
+
+def test_descriptor_signatures_parse():
+    from triton.language import str_to_ty
+
+    t = str_to_ty(gh.desc_sig("bfloat16", [128, 64]), None)
+    assert list(t.block_type.shape) == [128, 64]
+    t = str_to_ty(gh.im2col_desc_sig("float16", [64, 32]), None)
+    assert list(t.block_type.shape) == [64, 32] and len(t.shape_type.types) == 4
+
+
+# ---- CPU: a sample of configs compiles for sm_90a (the CI test compiles them all) ---------------
+
+
+def _sample(mod, p, n=3):
+    kept = mod.prune(mod.config_space(p, H100), p, H100)
+    picks = [mod.default_config(p, H100), kept[0], kept[-1], kept[len(kept) // 2]]
+    out = []
+    for c in picks:
+        if c not in out:
+            out.append(c)
+    return out[: n + 1]
+
+
+@pytest.mark.parametrize(
+    "mod,p", [PROBLEMS[0], PROBLEMS[2], PROBLEMS[3], PROBLEMS[4], PROBLEMS[5]], ids=lambda x: getattr(x, "KERNEL", None)
+)
+def test_sample_configs_compile_for_sm90a(mod, p):
+    from tunecache.compile import compile_in_fresh_processes
+
+    jobs, is_reduce = [], []
+    for c in _sample(mod, p, n=1):
+        for i, spec in enumerate(mod.compile_specs(p, c, H100)):
+            jobs.append((mod, p, c, i))
+            is_reduce.append(spec.fn is gh.split_k_reduce_kernel)
+    # fresh processes: earlier tests may have run the CPU interpreter in this one
+    for (_, _, c, _), reduce, out in zip(jobs, is_reduce, compile_in_fresh_processes(jobs, H100, "sm_90a")):
+        assert out["shared"] <= gh.SMEM_LIMIT_BYTES, (c, out["shared"])
+        if not reduce:
+            assert "wgmma.mma_async" in out["asm"]["ptx"], c
+
+
+# ---- direct launches: the keys of their plans ----------------------------------------------------
+
+
+def test_plan_key_parts_reject_what_pair_must_check():
+    assert direct.int_pair_key(2) == (2, 2) and direct.int_pair_key((1, 2)) == (1, 2)
+    for v in (True, [1, 2], (1,), (1, 2, 3), (1.0, 2), (True, 1), "1"):
+        assert direct.int_pair_key(v) is None, v
+    assert direct.config_key({"a": 1, "b": 2}) != direct.config_key({"a": 1, "b": 3})

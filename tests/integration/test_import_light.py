@@ -1,0 +1,35 @@
+"""`import tunecache` is cheap: training jobs import it, and it must not drag in torch,
+Triton or SQLAlchemy before they are used. The config spaces import neither torch nor
+Triton (the service validates against them)."""
+
+from __future__ import annotations
+
+from support import run_py
+
+
+def test_import_tunecache_is_light():
+    out = run_py(
+        "import sys, tunecache; print(sorted(m for m in ('torch', 'triton', 'sqlalchemy', 'alembic', "
+        "'httpx') if m in sys.modules))"
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_config_spaces_import_neither_torch_nor_triton():
+    out = run_py(
+        "import sys; from tunecache_kernels.spaces import kernels, space_for; "
+        "ks = kernels(); [len(space_for(k)) for k in ks]; "
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules), len(ks))"
+    )
+    mods, n = out.stdout.split("]")
+    assert mods.strip() == "[" and int(n) >= 3
+
+
+def test_the_fleet_client_imports_no_database_layer():
+    """A host that only talks to the fleet loads the client, the queue adapters and the plain
+    records (tunecache.records): none of them may drag in SQLAlchemy (nor torch or Triton)."""
+    out = run_py(
+        "import sys, tunecache.client, tunecache.job_queue, tunecache.records, tunecache.faults; "
+        "print(sorted(m for m in ('torch', 'triton', 'sqlalchemy', 'alembic') if m in sys.modules))"
+    )
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,75 @@
+"""A kernel version covers exactly the code its backend runs: editing Hopper-only host code
+leaves Blackwell entries valid, and editing the matmul leaves the convolutions' entries valid.
+Each case edits one file of a temporary copy of the kernels and asks a fresh process (importing
+that copy) for every backend's version."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT
+
+BACKENDS = [
+    f"{op}.{b}" for op in ("matmul", "conv2d_fprop", "conv2d_wgrad") for b in ("blackwell", "hopper", "portable")
+]
+VERSIONS = (
+    "import json; from tunecache import registry; "
+    f"print(json.dumps({{k: registry.kernel_version(registry.module_for_kernel(k)) for k in {BACKENDS!r}}}))"
+)
+
+
+def _versions(kernels_dir) -> dict:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{kernels_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "TRITON_INTERPRET": "1",
+    }
+    proc = subprocess.run([sys.executable, "-c", VERSIONS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    base = tmp_path_factory.mktemp("kernels")
+    seen: dict = {}
+
+    def copy(edit: str | None):
+        if edit in seen:
+            return seen[edit]
+        root = base / (edit or "unedited").replace(".", "_")
+        shutil.copytree(ROOT / "kernels", root / "tunecache_kernels", ignore=shutil.ignore_patterns("__pycache__"))
+        if edit:
+            with open(root / "tunecache_kernels" / edit, "a") as f:
+                f.write("\n# an edit\n")
+        seen[edit] = _versions(root)
+        return seen[edit]
+
+    return copy
+
+
+@pytest.mark.parametrize(
+    "edited,moved",
+    [
+        ("gluon_hopper.py", {"matmul.hopper", "conv2d_fprop.hopper", "conv2d_wgrad.hopper"}),
+        ("gluon_launch.py", {"matmul.hopper", "conv2d_fprop.hopper", "conv2d_wgrad.hopper"}),
+        ("gluon_blackwell.py", {"matmul.blackwell", "conv2d_fprop.blackwell", "conv2d_wgrad.blackwell"}),
+        ("matmul_hopper.py", {"matmul.hopper"}),
+        ("conv2d_fprop_hopper.py", {"conv2d_fprop.hopper"}),
+        # the Gluon convolutions run geometry.is_pointwise (it picks the IM2COL variant); the problem
+        # functions beside it shape the key's problem, not a kernel's code
+        (
+            "geometry.py",
+            {"conv2d_fprop.hopper", "conv2d_fprop.blackwell", "conv2d_wgrad.hopper", "conv2d_wgrad.blackwell"},
+        ),
+    ],
+)
+def test_an_edit_moves_exactly_the_versions_of_the_backends_that_run_it(copies, edited, moved):
+    before, after = copies(None), copies(edited)
+    assert {k for k in BACKENDS if before[k] != after[k]} == moved

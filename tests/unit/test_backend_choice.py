@@ -1,0 +1,70 @@
+"""The launcher picks blackwell on capability 10.x, hopper on 9.0, portable elsewhere —
+decided from device facts alone, so a CPU host can key (and pre-tune for) any device."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunecache import registry
+from tunecache.key import DeviceClass, TuneKey
+
+BF16_MM = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
+CONV = {
+    "N": 128,
+    "H": 56,
+    "W": 56,
+    "Ci": 64,
+    "Co": 64,
+    "R": 3,
+    "S": 3,
+    "stride_h": 1,
+    "stride_w": 1,
+    "pad_h": 1,
+    "pad_w": 1,
+    "P": 56,
+    "Q": 56,
+    "dtype": "bfloat16",
+    "gemm_M": 128 * 56 * 56,
+    "gemm_N": 64,
+    "gemm_K": 576,
+}
+
+
+@pytest.mark.parametrize(
+    "arch,expected",
+    [("sm_100", "blackwell"), ("sm_103", "blackwell"), ("sm_90", "hopper"), ("sm_80", "portable"), ("cpu", "portable")],
+)
+def test_backend_by_capability(arch, expected):
+    dev = DeviceClass(arch, 148)
+    assert registry.backend_for("matmul", dev, BF16_MM).BACKEND == expected
+    assert registry.backend_for("conv2d_fprop", dev, CONV).BACKEND == expected
+
+
+def test_fp32_falls_back_to_portable_on_hopper():
+    p = dict(BF16_MM, dtype="float32")
+    assert registry.backend_for("matmul", DeviceClass("sm_90", 132), p).BACKEND == "portable"
+
+
+def test_sm_count_separates_device_classes():
+    sxm = TuneKey("matmul.hopper", "v", "3.9.0", "sm_90", 132, BF16_MM)
+    pcie = TuneKey("matmul.hopper", "v", "3.9.0", "sm_90", 114, BF16_MM)
+    assert sxm.digest != pcie.digest
+
+
+def test_device_facts_can_be_given(monkeypatch):
+    import torch
+
+    from tunecache.key import device_of
+
+    monkeypatch.setenv("TUNECACHE_DEVICE", "sm_100:148:NVIDIA B200")
+    dev = device_of(torch.empty(1))
+    assert (dev.arch, dev.sm_count, dev.capability) == ("sm_100", 148, (10, 0))
+    with pytest.raises(ValueError, match="ARCH:SM_COUNT"):
+        DeviceClass.parse("sm_90")
+
+
+def test_kernel_version_tracks_source_and_space():
+    mod = registry.backend_module("matmul", "portable")
+    v = registry.kernel_version(mod)
+    assert len(v) == 16 and v == registry.kernel_version(mod)
+    assert v != registry.kernel_version(registry.backend_module("conv2d_fprop", "portable"))

@@ -1,0 +1,68 @@
+"""Miss policies: tune (block and tune), default (run a default now, pick up the winner
+later without a restart), strict (raise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tunecache import MissingConfig, ops
+from tunecache.store import default_store
+from tunecache.tuner import tune
+
+
+def test_strict_raises_naming_the_kernel(db_url, monkeypatch):
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "strict")
+    with pytest.raises(MissingConfig, match=r"matmul\.\w+ .*TUNECACHE_MISS_POLICY=strict"):
+        ops.matmul(torch.randn(8, 8), torch.randn(8, 8))
+
+
+def test_unknown_policy_is_rejected(db_url, monkeypatch):
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "sometimes")
+    with pytest.raises(ValueError, match="TUNECACHE_MISS_POLICY must be one of"):
+        ops.matmul(torch.randn(8, 8), torch.randn(8, 8))
+
+
+def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
+    from tunecache import registry
+    from tunecache.key import interpreter_device
+
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
+    monkeypatch.setenv("TUNECACHE_RECHECK_S", "0")
+    a, b = torch.randn(40, 24), torch.randn(24, 36)
+    torch.testing.assert_close(ops.matmul(a, b), a @ b)
+    store = default_store()
+    assert store.counts()["trials"] == 0, "policy default must not tune inline"
+    (job,) = store.list_jobs()
+    assert job.status == "queued"
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
+    assert entry.provisional
+    # a worker tunes the queued key...
+    mod = registry.module_for_kernel(job.key.kernel)
+    result = tune(mod, dict(job.key.problem), interpreter_device(), source="worker")
+    store.put_config(result.record(interpreter_device()), result.trials)
+    # ...and the running process switches to the winner on its next call
+    torch.testing.assert_close(ops.matmul(a, b), a @ b)
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
+    assert not entry.provisional and entry.config == result.config
+
+
+def test_default_prefers_the_nearest_tuned_neighbour(db_url, monkeypatch):
+    from tunecache import registry
+    from tunecache.key import interpreter_device
+    from tunecache.launcher import nearest_neighbour
+    from tunecache_kernels import problems
+
+    mod = registry.backend_module("matmul", "portable")
+    dev = interpreter_device()
+    near = problems.matmul_problem(torch.randn(64, 64), torch.randn(64, 64))
+    far = problems.matmul_problem(torch.randn(16, 16), torch.randn(16, 16))
+    store = default_store()
+    tuned_near = tune(mod, near, dev)
+    far_result = tune(mod, far, dev)
+    for r in (tuned_near, far_result):
+        store.put_config(r.record(dev), r.trials)
+    query = problems.matmul_problem(torch.randn(60, 64), torch.randn(64, 60))
+    assert nearest_neighbour(mod, query, dev, store) == tuned_near.config
+    other_dtype = problems.matmul_problem(torch.randn(60, 64).half(), torch.randn(64, 60).half())
+    assert nearest_neighbour(mod, other_dtype, dev, store) is None
