@@ -2,7 +2,8 @@
 service on Postgres: behind a read token unless anonymous reads are on; per device class and
 kernel, what tuning bought (the tuned config against the default config and against the vendor's
 op) and each shape's tuning time as plots with a mark per shape; the queue with ages; the hit and
-miss rates. A screenshot is kept in benchmarks/results/dashboard-<date>.png."""
+miss rates. The screenshot is written beside the test's own files (an example is kept in
+benchmarks/results/dashboard-20261123.png)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import ROOT
 from support.fleet import Server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -225,6 +225,7 @@ def test_the_dashboard_renders_its_plots_in_chromium(clean_fleet, tmp_path):
     with Image.open(shot) as img:  # much of the page is drawn: not one colour
         colours = img.convert("RGB").resize((350, 500)).getcolors(maxcolors=1 << 16)
         assert colours is None or len(colours) > 50
-        out = ROOT / "benchmarks" / "results" / f"dashboard-{date.today():%Y%m%d}.png"
-        img.convert("RGB").quantize(colors=128).save(out, optimize=True)  # small enough to keep
+        # the test's artifact (benchmarks/results/dashboard-20261123.png is one, kept as an example)
+        out = shot.with_name(f"dashboard-{date.today():%Y%m%d}.png")
+        img.convert("RGB").quantize(colors=128).save(out, optimize=True)
     assert out.stat().st_size > 20_000

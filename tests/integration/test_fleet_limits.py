@@ -166,19 +166,21 @@ def test_unknown_tokens_are_cached_as_misses_and_limited_per_address(tight):
     before = metric(tight, "tunecache_token_checks_total", reader)
     with api(tight, reader) as a:
         assert a.get("/v1/whoami").status_code == 200  # known (cached) from now on
-    flood = []
+    flood, started = [], time.monotonic()
     for _ in range(30):
         with api(tight, "tc_" + secrets.token_urlsafe(32)) as a:
             flood.append(a.get("/v1/configs"))
+    # 10 per 2 s window per address: a loaded machine that takes longer over the flood sees more windows
+    allowed = 10 * (1 + int((time.monotonic() - started) // 2))
     codes = [r.status_code for r in flood]
-    assert set(codes) == {401, 429} and codes.count(401) <= 10, codes
+    assert set(codes) == {401, 429} and codes.count(401) <= allowed, codes
     limited = next(r for r in flood if r.status_code == 429)
     assert int(limited.headers["retry-after"]) >= 1 and "TUNECACHE_ANON_RATE_LIMIT" in limited.json()["detail"]
     with api(tight, reader) as a:  # a known token keeps working from the same address
         assert a.get("/v1/configs").status_code == 200
     until_window_passes(limited)
     checks = metric(tight, "tunecache_token_checks_total", reader) - before
-    assert checks <= 10, f"{checks} database lookups for 30 made-up tokens: the rest were refused before"
+    assert checks <= allowed, f"{checks} database lookups for 30 made-up tokens: the rest were refused before"
 
 
 def test_a_publish_has_at_most_2000_trials(clean_svc):
