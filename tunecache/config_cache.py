@@ -98,36 +98,36 @@ class ConfigCache:
 
     # ---- get ----------------------------------------------------------------------------
 
-    def read_config(self, digest: str) -> ConfigRecord | None:
-        """The local store's winner for `digest` (None: none, or no store). A warm host's first
-        call reads it without opening the Store (`tunecache.quick_read`)."""
+    def _read(self, what: str, quick: Callable[[str], Any], slow: Callable[["Store"], Any], default: Any) -> Any:
+        """A read a warm host's first call makes: `tunecache.quick_read` without opening the
+        Store, else the Store (`default` without one, or on a fault)."""
         from . import quick_read
 
-        rec = quick_read.config(settings.db_url(), digest)
-        if rec is not quick_read.UNKNOWN:
-            return rec
+        found = quick(settings.db_url())
+        if found is not quick_read.UNKNOWN:
+            return found
         store = self.store()
-        return None if store is None else self.store_call("read", lambda: store.get_config(digest))
+        return default if store is None else self.store_call(what, lambda: slow(store), default)
+
+    def read_config(self, digest: str) -> ConfigRecord | None:
+        """The local store's winner for `digest` (None: none, or no store)."""
+        from . import quick_read
+
+        return self._read("read", lambda url: quick_read.config(url, digest), lambda s: s.get_config(digest), None)
 
     def read_trials(self, digest: str) -> list[TrialRecord]:
         """The local store's trials of `digest` (none without a store)."""
         from . import quick_read
 
-        found = quick_read.trials(settings.db_url(), digest)
-        if found is not quick_read.UNKNOWN:
-            return found
-        store = self.store()
-        return [] if store is None else self.store_call("read trials", lambda: store.trials(digest), [])
+        return self._read("read trials", lambda url: quick_read.trials(url, digest), lambda s: s.trials(digest), [])
 
     def read_selfcheck(self, *k: Any) -> tuple[bool, str | None] | None:
         """A backend's stored self-check verdict, as `Store.get_selfcheck` answers it."""
         from . import quick_read
 
-        found = quick_read.selfcheck(settings.db_url(), *k)
-        if found is not quick_read.UNKNOWN:
-            return found
-        store = self.store()
-        return None if store is None else self.store_call("read a self-check", lambda: store.get_selfcheck(*k))
+        return self._read(
+            "read a self-check", lambda url: quick_read.selfcheck(url, *k), lambda s: s.get_selfcheck(*k), None
+        )
 
     def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
         """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
