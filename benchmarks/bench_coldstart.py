@@ -7,7 +7,14 @@ process (tuning with a few candidates), so the call finds its config and its bin
 should compile. The peer is `triton.autotune(cache_results=True)` on Triton's tutorial matmul,
 also warm, in the same run.
 
-    python benchmarks/bench_coldstart.py [--repeats 3] [--profile]
+    python benchmarks/bench_coldstart.py [--repeats 3] [--profile] [--fleet]
+
+--fleet adds a host that never tuned (item 4): a `tunecache serve` on loopback over SQLite
+holds the winners, published by the setup processes with a worker token (with their compiled
+kernels, as any tuning host publishes them); each fleet case is a fresh process with an empty
+store and an empty Triton cache whose first call finds its config at the fleet. Two kinds of
+fresh host are measured: one that never ran Triton (its first launch also builds Triton's C
+launcher, once per host), and one that ran `tunecache sync` first (which builds it).
 
 Prints seconds per case and the ratio to the peer; writes JSON with a `summary` to
 benchmarks/results/coldstart-<device>.json. --profile adds each case's top functions by
@@ -24,7 +31,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
+
+import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -97,6 +107,82 @@ def run_child(code: str, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+OPS = [c for c in CASES if c.startswith("ops.")]
+
+
+def _compiled_kernels(triton_cache: Path) -> int:
+    """Entries of Triton's cache that were compiled here (a kernel installed from the fleet
+    holds only its metadata and cubin; a compile leaves its IRs too)."""
+    if not triton_cache.is_dir():
+        return 0
+    return sum(
+        1 for d in triton_cache.iterdir() if d.is_dir() and any(f.suffix in (".ptx", ".ttgir") for f in d.iterdir())
+    )
+
+
+class Fleet:
+    """`tunecache serve` over a SQLite file on a free loopback port, with a worker and a read token."""
+
+    def __init__(self, tmp: Path) -> None:
+        import socket
+
+        from tunecache.store import Store
+
+        url = f"sqlite:///{tmp / 'fleet.sqlite'}"
+        store = Store(url)
+        self.worker, _ = store.create_token("bench-worker", ["worker"])
+        self.read, _ = store.create_token("bench-read", ["read"])
+        store.close()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(tmp / "fleet.log", "ab")
+        cmd = [sys.executable, "-m", "tunecache.cli", "serve", "--port", str(port), "--db-url", url]
+        self.proc = subprocess.Popen(cmd + ["--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT)
+        for _ in range(600):
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError(f"the fleet service did not start: see {tmp / 'fleet.log'}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
+    """Each op's first call on fresh hosts: (a) nothing but the fleet; (b) after `tunecache sync`."""
+    rows = {}
+    for mode in ("fresh", "after sync"):
+        for case in [c for c in args.cases.split(",") if c in OPS]:
+            times, compiled, sync_s = [], [], []
+            for i in range(args.repeats):
+                host = tmp / f"host-{mode.replace(' ', '-')}-{case}-{i}"
+                host_env = {
+                    **env,
+                    "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
+                    "TRITON_CACHE_DIR": str(host / "triton-cache"),
+                    "TUNECACHE_SERVER_URL": fleet.url,
+                    "TUNECACHE_TOKEN": fleet.read,
+                }
+                if mode == "after sync":
+                    t0 = time.perf_counter()
+                    subprocess.run([sys.executable, "-m", "tunecache.cli", "sync"], env=host_env, check=True)
+                    sync_s.append(time.perf_counter() - t0)
+                times.append(run_child(child_code(case, args.configs, False), host_env)["seconds"])
+                compiled.append(_compiled_kernels(host / "triton-cache"))
+            rows[f"{case} ({mode})"] = {
+                "seconds": statistics.median(times),
+                "runs": times,
+                "kernels_compiled": compiled,
+                **({"sync_seconds": sync_s} if sync_s else {}),
+            }
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per case (the median is reported)")
@@ -104,6 +190,7 @@ def main() -> None:
     ap.add_argument("--setup-candidates", type=int, default=4, help="TUNECACHE_MAX_CANDIDATES when filling the store")
     ap.add_argument("--profile", action="store_true", help="add a cProfile of each case to the JSON")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    ap.add_argument("--fleet", action="store_true", help="also: first calls on fresh hosts with a fleet hit")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -118,6 +205,9 @@ def main() -> None:
         env.pop(k, None)
     cases = [c for c in args.cases.split(",") if c]
     setup_env = {**env, "TUNECACHE_MAX_CANDIDATES": str(args.setup_candidates)}
+    fleet = Fleet(tmp) if args.fleet else None
+    if fleet is not None:  # the setup processes are the fleet's tuning hosts
+        setup_env.update(TUNECACHE_SERVER_URL=fleet.url, TUNECACHE_TOKEN=fleet.worker)
     for case in cases:  # fill the store and Triton's cache (tuning happens here, not timed)
         print(f"setup: {case} ...", flush=True)
         run_child(child_code(case, args.configs, False), setup_env)
@@ -128,13 +218,30 @@ def main() -> None:
         rows[case] = {"seconds": statistics.median(times), "runs": times}
         if args.profile:
             rows[case]["profile"] = run_child(child_code(case, args.configs, True), env)["profile"]
+    fleet_rows = {}
+    if fleet is not None:
+        try:
+            fleet_rows = fleet_cases(args, env, fleet, tmp)
+        finally:
+            fleet.stop()
     peer = rows.get(PEER, {}).get("seconds")
     print(f"\nfirst call on a warm host (beyond import torch and CUDA init), median of {args.repeats}:")
     for case, r in rows.items():
         ratio = f"{r['seconds'] / peer:5.2f}x the peer" if peer else ""
         print(f"  {case:40s} {r['seconds']:7.3f} s  {ratio}")
+    if fleet_rows:
+        print("\nfirst call on a host that never tuned, fleet hit (empty store and Triton cache):")
+        for case, r in fleet_rows.items():
+            print(f"  {case:40s} {r['seconds']:7.3f} s  kernels compiled {r['kernels_compiled']}")
     ours = {c: r["seconds"] for c, r in rows.items() if c != PEER}
+    worst_op = max((r["seconds"] for c, r in rows.items() if c in OPS), default=None)
+    fresh = [r["seconds"] for c, r in fleet_rows.items() if c.endswith("(fresh)")]
+    synced = [r["seconds"] for c, r in fleet_rows.items() if c.endswith("(after sync)")]
     summary = {
+        "warm_first_call_s": worst_op,
+        "fleet_first_call_s": max(fresh) if fresh else None,
+        "fleet_first_call_after_sync_s": max(synced) if synced else None,
+        "fleet_kernels_compiled": sum(sum(r["kernels_compiled"]) for r in fleet_rows.values()) if fleet_rows else None,
         "seconds": ours,
         "peer": PEER,
         "peer_seconds": peer,
@@ -144,7 +251,8 @@ def main() -> None:
         "device": device_info().get("device"),
     }
     name = args.out.stem if args.out else f"coldstart-{(summary['device'] or 'cpu').replace(' ', '_')}"
-    path = write_results(name, {"summary": summary, "cases": rows}, args.out.parent if args.out else RESULTS)
+    payload = {"summary": summary, "cases": rows, "fleet_cases": fleet_rows}
+    path = write_results(name, payload, args.out.parent if args.out else RESULTS)
     print(f"wrote {path}")
 
 

@@ -123,26 +123,35 @@ def tune(
             f"already tuned ({where}): {mod.KERNEL} {json.dumps(rec.config)} ({rec.median_ms:.4f} ms); --force to redo"
         )
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("timed{task.fields[compiled]} · {task.fields[best]}"),
         TimeElapsedColumn(),
-        TextColumn("{task.fields[best]}"),
+        TextColumn("left"),
+        TimeRemainingColumn(),
     )
     with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task(f"{mod.KERNEL} on {device}", total=None, best="")
+        task = bar.add_task(f"tuning {mod.KERNEL} on {device}", total=None, compiled="", best="best: —")
+        # the tuner calls back as candidates compile (Gluon kernels, in parallel before their
+        # timing) and as they are timed; the bar counts the timed ones
+        state = {"compiled": None, "best": None}
 
         def progress(stage, i, n, best_ms):
-            what = "compiling" if stage == "compile" else "timing"
+            if stage == "compile":
+                state["compiled"] = max(state["compiled"] or 0, i)
+            else:
+                bar.update(task, completed=i)
+            if best_ms is not None:
+                state["best"] = best_ms
             bar.update(
                 task,
-                description=f"{what} {mod.KERNEL} on {device}",
-                completed=i,
                 total=n,
-                best="" if best_ms is None else f"best so far {best_ms:.4f} ms",
+                compiled="" if state["compiled"] is None else f" · {state['compiled']}/{n} compiled",
+                best="best: —" if state["best"] is None else f"best {state['best']:.4f} ms",
             )
 
         try:
@@ -151,7 +160,13 @@ def tune(
             )
         except TuneError as e:
             _fail(str(e))
-    kept, won = CACHE.keep(result.record(device), result.trials, run_id=result.run_id, tune_seconds=result.seconds)
+    kept, won = CACHE.keep(
+        result.record(device),
+        result.trials,
+        run_id=result.run_id,
+        tune_seconds=result.seconds,
+        binaries=result.binaries,
+    )
     if not won:
         console.print(
             f"[dim]the store keeps a faster result: {json.dumps(kept.config)} ({kept.median_ms:.4f} ms)[/dim]"
@@ -301,6 +316,111 @@ def import_(path: Path = typer.Argument(..., help="a JSON file written by `tunec
 
 
 @app.command()
+def sync(
+    gpu: int = typer.Option(0, help="CUDA device index whose device class to fetch"),
+    device: Optional[str] = typer.Option(
+        None,
+        help="a device class instead, as ARCH:SMS (e.g. sm_90:132): warm a store and a Triton cache for "
+        "other machines, e.g. while building their image",
+    ),
+    binaries: bool = typer.Option(True, help="also install the winners' compiled kernels into Triton's cache"),
+    all_kernels: bool = typer.Option(
+        False,
+        help="the winners of every kernel (your @tunecache.autotune kernels too), not only of the ops installed here",
+    ),
+) -> None:
+    """Copy every fleet winner of this device class into this host's store, and their compiled
+    kernels into Triton's cache, in one request: run it as a job starts, and no call of the job
+    waits for the fleet or compiles a kernel the fleet has. Needs TUNECACHE_SERVER_URL (and
+    TUNECACHE_TOKEN, a read token). A result tuned on this host is never replaced."""
+    import time as _time
+
+    from .binaries import Binary
+    from .client import FleetClient
+    from .config_cache import CACHE
+    from .key import DeviceClass, local_device, triton_version
+    from .records import ConfigRecord
+    from .settings import device_override, server_token, server_url
+    from .worker import tunable_kernels
+
+    url = server_url()
+    if not url:
+        _fail("sync needs TUNECACHE_SERVER_URL (and TUNECACHE_TOKEN): the fleet to copy from")
+    t0 = _time.perf_counter()
+    given = device or device_override()
+    try:
+        dev = DeviceClass.parse(given) if given else local_device(gpu)
+    except ValueError as e:
+        _fail(f"--device: {e}")
+    versions = None if all_kernels else tunable_kernels(dev)
+    client = FleetClient(url, server_token(), timeout_s=300, max_bytes=1 << 30)
+    answer = client.sync(dev, triton_version(), versions, binaries)
+    if answer is None:
+        _fail(f"the fleet at {url} could not be reached (see the warning above)")
+    status, body = answer
+    if status != 200:
+        _fail(f"the fleet answered {status}: {body}")
+    store = _store()
+    recs: dict[str, ConfigRecord] = {}
+    new = same = own = bad = 0
+    for entry in body.get("configs", []):
+        try:
+            rec = ConfigRecord.from_json(entry)
+        except (ValueError, KeyError, TypeError) as e:
+            bad += 1
+            err.print(f"  skipped a malformed entry: {e}")
+            continue
+        rec.source = "fleet"
+        recs[rec.digest] = rec
+        before = store.get_config(rec.digest)
+        if not store.put_fleet_copy(rec, body.get("generation")):
+            own += 1
+        elif before is not None and before.config == rec.config:
+            same += 1
+        else:
+            new += 1
+    installed = 0
+    if binaries:
+        fetched = dict(body.get("binaries") or {})
+        for digest in body.get("more_binaries") or []:
+            got = client.binaries(digest) if digest in recs else None
+            if got is not None and got[0] == recs[digest].config:
+                fetched[digest] = [b.to_json() for b in got[1]]
+        for digest, found in fetched.items():
+            if digest not in recs:
+                continue
+            try:
+                kernels = [Binary.from_json(b) for b in found]
+            except ValueError as e:
+                err.print(f"  skipped the compiled kernels of {digest[:12]}: {e}")
+                continue
+            installed += CACHE.install_binaries(None, recs[digest], kernels)
+    vouched = set()
+    for rec in recs.values():  # a fleet winner is its backend's verdict on this class (selfcheck.vouch)
+        if rec.key.kernel in vouched or rec.key.kernel.startswith("triton:"):
+            continue
+        try:
+            from . import registry, selfcheck
+
+            selfcheck.vouch(registry.module_for_kernel(rec.key.kernel), dev, rec)
+            vouched.add(rec.key.kernel)
+        except (KeyError, ValueError):
+            continue
+    if not given and dev.arch != "cpu":
+        # Triton builds its C launcher on a host's first launch (a second or more, once per
+        # host and Triton): here, so that the job's first call need not
+        from triton.runtime import driver
+
+        driver.active.get_current_device()
+    console.print(
+        f"synced {len(recs)} winner(s) of {dev} from {url} in {_time.perf_counter() - t0:.1f} s: "
+        f"{new} new or changed, {same} unchanged, {own} tuned here (kept)"
+        + (f", {installed} compiled kernel(s) installed into Triton's cache" if binaries else "")
+        + (f", {bad} malformed skipped" if bad else "")
+    )
+
+
+@app.command()
 def doctor() -> None:
     """Versions, device, store location and counts."""
     from importlib.metadata import PackageNotFoundError, version
@@ -438,6 +558,7 @@ def serve(
         os.environ["TUNECACHE_METRICS_PORT"], os.environ["TUNECACHE_METRICS_HOST"] = str(metrics_port), metrics_host
     try:  # a bad limit fails here, naming its variable, not in every worker process
         settings.rate_limit(), settings.anon_rate_limit(), settings.body_timeout_s(), settings.job_ttl_s()
+        settings.lookup_cache_s()
         if settings.metrics_address() is not None and workers > 1:
             _fail(
                 "--metrics-port serves one process's metrics: use it with --workers 1 (run one process per "
@@ -508,7 +629,14 @@ def pretune(
     from .key import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from .pretune import ManifestError, load_manifest, plan
     from .pretune import pretune as run_pretune
@@ -534,8 +662,10 @@ def pretune(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("shapes · {task.fields[running]}"),
         TimeElapsedColumn(),
-        TextColumn("{task.fields[running]}"),
+        TextColumn("left"),
+        TimeRemainingColumn(),
         console=err,
     ) as bar:
         task = bar.add_task(f"pretune {m.name}", total=None, running="")
@@ -546,8 +676,9 @@ def pretune(
                 bar.update(task, running="nothing to do")
 
         def on_progress(finished, n, statuses):
-            running = sum(s == "running" for s in statuses.values())
-            bar.update(task, completed=bar.tasks[task].total - n + finished, running=f"{running} running")
+            counts = {s: sum(v == s for v in statuses.values()) for s in ("running", "queued", "failed")}
+            running = ", ".join(f"{c} {s}" for s, c in counts.items() if c or s == "running")
+            bar.update(task, completed=bar.tasks[task].total - n + finished, running=running)
 
         try:
             report = run_pretune(

@@ -37,6 +37,7 @@ import httpcore
 import httpx
 
 from . import settings
+from .binaries import Binary
 from .errors import short
 from .job_queue import ClaimedJob
 from .key import DeviceClass, TuneKey
@@ -446,13 +447,15 @@ class FleetClient:
         params = {"device": device, **{k: str(v) for k, v in shape.items()}, **pins}
         return self._get_json(f"{API}/best/{op}", params)
 
-    def _get_json(self, path: str, params: dict | None, method: str = "GET") -> tuple[int, Any] | None:
+    def _get_json(
+        self, path: str, params: dict | None, method: str = "GET", json: Any = None
+    ) -> tuple[int, Any] | None:
         """A call (a GET unless told) whose 4xx answers matter to the caller: (status, the JSON
         body, or a 4xx's `detail`); None when the service could not be reached (a breaker failure)."""
         if not self.breaker.allow():
             return None
         try:
-            status, body = self._exchange(method, path, None, params)
+            status, body = self._exchange(method, path, json, params)
             if status >= 500:
                 raise Unavailable(f"answered {status}")
             data = jsonlib.loads(body)
@@ -521,6 +524,42 @@ class FleetClient:
         if res is None:
             return None
         return res[1] if res[0] == 200 else False
+
+    # ---- a winner's compiled kernels (tunecache.binaries) ----------------------------------
+
+    def publish_binaries(self, key: TuneKey, config: dict, binaries: list[Binary]) -> bool | None:
+        """Send the compiled kernels of the winner `config` (a worker token's right); True if
+        kept, False if refused (4xx), None if the fleet could not be reached."""
+        body = {"config": config, "binaries": [b.to_json() for b in binaries]}
+        res = self._call("PUT", f"{API}/configs/{key.digest}/binaries", _expect("stored"), json=body)
+        return None if res is None else res[0] == 200
+
+    def binaries(self, digest: str) -> tuple[dict, list[Binary]] | None:
+        """(the winner's config, its compiled kernels) as the fleet has them; None on a miss or
+        when the fleet could not answer."""
+
+        def parse(body: Any) -> tuple[dict, list[Binary]]:
+            if not isinstance(body, dict) or body.get("digest") != digest or not isinstance(body.get("config"), dict):
+                raise ValueError("expected {digest, config, binaries} for the digest asked")
+            return body["config"], [Binary.from_json(b) for b in body.get("binaries") or []]
+
+        res = self._call("GET", f"{API}/configs/{digest}/binaries", parse)
+        return res[1] if res is not None and res[0] == 200 else None
+
+    def sync(
+        self, device: DeviceClass, triton_version: str, kernel_versions: Mapping[str, str] | None, binaries: bool = True
+    ) -> tuple[int, Any] | None:
+        """`POST /v1/sync`: (200, {generation, configs, binaries, more_binaries}) or (4xx, the
+        service's words); None when unreachable. Make this client with a `max_bytes` and
+        `timeout_s` to match (an answer holds up to 64 MiB of compiled kernels)."""
+        body = {
+            "arch": device.arch,
+            "sm_count": device.sm_count,
+            "triton_version": triton_version,
+            "kernel_versions": None if kernel_versions is None else dict(kernel_versions),
+            "binaries": binaries,
+        }
+        return self._get_json(f"{API}/sync", None, "POST", body)
 
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> dict | None:
         """Ask the fleet to tune this key (one active job per key). None if it could not be sent."""

@@ -154,6 +154,7 @@ class ConfigCache:
         store = self.store()
         if store is not None:  # write-through: the next process on this host needs no network
             self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        self.install_binaries(fleet, frec)
         return frec
 
     def _stale(self, rec: ConfigRecord) -> bool:
@@ -195,7 +196,41 @@ class ConfigCache:
                 self.store_call("mark a fleet copy", lambda: store.mark_fleet_checked(key.digest, fleet.generation))
             else:
                 self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        if frec.config != rec.config:
+            self.install_binaries(fleet, frec)
         return frec
+
+    def install_binaries(self, fleet: Any, rec: ConfigRecord, found: "list | None" = None) -> int:
+        """Put the compiled kernels of a fleet winner into this host's Triton cache, so that its
+        first launch does not compile (tunecache.binaries); `found`: already fetched. Each is
+        checked against the key; nothing here fails the caller's call. Returns how many were
+        written."""
+        if rec.key.arch == "cpu" or not settings.fleet_binaries():
+            return 0
+        from . import binaries
+
+        if found is None:
+            got = fleet.binaries(rec.digest)
+            if got is None or got[0] != rec.config:
+                return 0
+            found = got[1]
+        written = 0
+        for b in found:
+            why = binaries.refusal(b, rec.key.arch, rec.key.triton_version)
+            if why:
+                log.warning(
+                    "tunecache: not installing a compiled kernel of %s %s: %s", rec.key.kernel, rec.digest[:12], why
+                )
+                continue
+            try:
+                written += binaries.install(b)
+            except Exception as e:  # noqa: BLE001 - a full or read-only disk...: Triton compiles it as before
+                self.warn_once(
+                    f"tunecache: could not write a fleet kernel into Triton's cache ({short(e)}); "
+                    "kernels are compiled here as before"
+                )
+                break
+        return written
 
     # ---- keep, drop, enqueue ----------------------------------------------------------------
 
@@ -207,9 +242,11 @@ class ConfigCache:
         run_id: str | None = None,
         tune_seconds: float | None = None,
         publish: bool = True,
+        binaries: list | None = None,
     ) -> tuple[ConfigRecord, bool]:
-        """Store a result (unless a faster one is kept) and publish it; returns (the record to
-        run, whether `rec` won). A store that cannot write keeps nothing and `rec` runs."""
+        """Store a result (unless a faster one is kept) and publish it, with its compiled
+        kernels (`binaries`) when the fleet made it the winner; returns (the record to run,
+        whether `rec` won). A store that cannot write keeps nothing and `rec` runs."""
         trials = list(trials)
         store = self.store()
         kept, won = rec, True
@@ -220,7 +257,9 @@ class ConfigCache:
         if won and publish:
             fleet = self.fleet()
             if fleet is not None:
-                fleet.publish(rec, trials, tune_seconds=tune_seconds)
+                sent = fleet.publish(rec, trials, tune_seconds=tune_seconds)
+                if binaries and isinstance(sent, dict) and sent.get("accepted"):
+                    fleet.publish_binaries(rec.key, rec.config, binaries)
         return kept, won
 
     def drop(self, key: TuneKey, config: dict, reason: str, *, where: str = "stored") -> None:

@@ -144,6 +144,27 @@ def reference(msg: dict) -> dict:
     return {"status": "ok", "median_ms": ms}
 
 
+def binaries(msg: dict) -> dict:
+    """Launch one config once more and say which of Triton's cache entries the launch used:
+    the winner's compiled kernels, for the fleet (tunecache.binaries)."""
+    if _STATE.get("digest") != msg["digest"]:
+        return {"status": "failed", "error": "the trial runner lost the problem's inputs"}
+    if not _STATE["on_gpu"] or os.environ.get("TRITON_INTERPRET") == "1":
+        return {"status": "ok", "binaries": {}}
+    import torch
+
+    from tunecache.binaries import capture
+
+    mod, args = _STATE["mod"], _STATE["args"]
+    try:
+        with capture() as seen:
+            mod.launch(msg["config"], *args)
+            torch.cuda.synchronize()
+    except Exception as e:
+        return {"status": "failed", "error": _short(e)}
+    return {"status": "ok", "binaries": seen}
+
+
 HANDLERS: dict[str, Callable[[dict], dict]] = {
     "hello": hello,
     "compile": compile_spec,
@@ -151,6 +172,7 @@ HANDLERS: dict[str, Callable[[dict], dict]] = {
     "setup": setup,
     "trial": trial,
     "reference": reference,
+    "binaries": binaries,
 }
 
 

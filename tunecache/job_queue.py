@@ -20,6 +20,7 @@ from .key import DeviceClass, TuneKey
 from .records import ConfigRecord, JobRecord, TrialRecord, whoami
 
 if TYPE_CHECKING:  # the fleet client loads neither; a StoreQueue is handed a store already open
+    from .binaries import Binary
     from .client import FleetClient
     from .store import Store
 
@@ -74,6 +75,7 @@ class JobQueue(Protocol):
     def fail(self, job: ClaimedJob, error: str, backoff_s: float = 5.0) -> bool | None: ...
     def release(self, job: ClaimedJob) -> bool | None: ...
     def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any: ...
+    def publish_binaries(self, rec: ConfigRecord, binaries: list[Binary]) -> bool | None: ...
 
     # operators
     def jobs(
@@ -141,6 +143,13 @@ class StoreQueue:
 
     def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any:
         return True  # the tuner stored it in this very store
+
+    def publish_binaries(self, rec: ConfigRecord, binaries: list[Binary]) -> bool | None:
+        """A fleet's database (not a host's own SQLite file, whose kernels are in this host's
+        Triton cache already) keeps them for the hosts that copy the winner."""
+        if not binaries or self.store.dialect == "sqlite":
+            return None
+        return self.store.put_binaries(rec.digest, rec.config, binaries, self.actor)
 
     def jobs(self, status: str | None = None, limit: int = 1000, device: DeviceClass | None = None) -> list[JobRecord]:
         from .engine import STORE_ERRORS
@@ -219,6 +228,9 @@ class FleetQueue:
 
     def publish(self, rec: ConfigRecord, trials: Iterable[TrialRecord], tune_seconds: float | None) -> Any:
         return self.client.publish(rec, trials, tune_seconds=tune_seconds)
+
+    def publish_binaries(self, rec: ConfigRecord, binaries: list[Binary]) -> bool | None:
+        return self.client.publish_binaries(rec.key, rec.config, binaries) if binaries else None
 
     def _answer(self, res: tuple[int, Any] | None, what: str) -> Any:
         if res is None:

@@ -88,9 +88,12 @@ class Op:
                 on_gpu = device_tensor.device.type == "cuda"
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
+                looked_up = None if forced else _fleet_vouches(every[0], problem, device)
                 mods = every if forced else selfcheck.trusted(every, device, where)
+                if mods and mods[0] is not every[0]:
+                    looked_up = None  # another backend's key
                 entry = (
-                    _decide(self, raw, mods, problem, device, where)
+                    _decide(self, raw, mods, problem, device, where, looked_up)
                     if mods
                     else _reference_entry(every[0], problem, device)
                 )
@@ -264,11 +267,33 @@ def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[.
     return progress
 
 
-def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: DeviceClass, torch_device: str) -> Entry:
+def _fleet_vouches(mod: ModuleType, problem: dict, device: DeviceClass) -> "list[ConfigRecord | None] | None":
+    """A fleet winner for this very call is the backend's verdict on this device class (see
+    `selfcheck.vouch`): a host that never tuned runs the fleet's kernel without a first-contact
+    check of its own (which would compile and run other kernels in another process first).
+    Returns [what the lookup found] for `_decide`, None when no fleet is configured."""
+    if CACHE.fleet() is None:
+        return None
+    rec = CACHE.get(make_key(mod, problem, device), launchable(mod, problem, device))
+    if rec is not None:
+        selfcheck.vouch(mod, device, rec)
+    return [rec]
+
+
+def _decide(
+    op: Op,
+    raw: tuple,
+    mods: list[ModuleType],
+    problem: dict,
+    device: DeviceClass,
+    torch_device: str,
+    looked_up: "list[ConfigRecord | None] | None" = None,
+) -> Entry:
+    """`looked_up`: [the preferred backend's lookup], when `_fleet_vouches` made it already."""
     mod, fallbacks = mods[0], tuple(mods[1:])
     key = make_key(mod, problem, device)
     check = launchable(mod, problem, device)
-    rec = CACHE.get(key, check)
+    rec = looked_up[0] if looked_up is not None else CACHE.get(key, check)
     if rec is not None:
         return _entry(op, raw, mod, problem, device, rec.config, key, rec=rec, fallbacks=fallbacks)
     policy = settings.miss_policy()
@@ -283,7 +308,13 @@ def _decide(op: Op, raw: tuple, mods: list[ModuleType], problem: dict, device: D
         except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
             log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(e))
             return _reference_entry(mod, problem, device)
-        kept, _ = CACHE.keep(result.record(device), result.trials, run_id=result.run_id, tune_seconds=result.seconds)
+        kept, _ = CACHE.keep(
+            result.record(device),
+            result.trials,
+            run_id=result.run_id,
+            tune_seconds=result.seconds,
+            binaries=result.binaries,
+        )
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
     CACHE.enqueue(key)

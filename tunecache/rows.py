@@ -181,6 +181,23 @@ class ApiTokenRow(Base):
     )
 
 
+class KernelBinaryRow(Base):
+    """A compiled kernel of a winner (tunecache.binaries): one of Triton's cache entries, its
+    files base64 in `files`, for the config it was built for. Only the fleet's tuning hosts
+    upload them; they are served only while that config is the key's winner."""
+
+    __tablename__ = "kernel_binaries"
+    __table_args__ = (UniqueConstraint("digest", "triton_hash", name="uq_kernel_binaries_digest_hash"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), index=True)
+    config: Mapped[Any] = mapped_column(JSON)
+    triton_hash: Mapped[str] = mapped_column(String(64))
+    files: Mapped[Any] = mapped_column(JSON)  # {file name: base64}
+    size: Mapped[int] = mapped_column(Integer)
+    uploaded_by: Mapped[str] = mapped_column(String(128), default="", index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
 class AuditRow(Base):
     """One admin action: who (the token, or `cli:user@host`), what, on what, when, details."""
 

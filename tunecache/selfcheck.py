@@ -18,10 +18,14 @@ import threading
 import time
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from . import settings
 from .errors import short
 from .key import DeviceClass, torch_device_for, triton_version
+
+if TYPE_CHECKING:
+    from .records import ConfigRecord
 
 log = logging.getLogger("tunecache")
 
@@ -145,6 +149,39 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
                 )
         _VERDICTS[k] = v
         return v
+
+
+def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:
+    """Take a fleet winner of this backend version on this device class as its verdict: a
+    tuning host of the class ran the backend in its isolated runner and checked every output
+    against PyTorch (and only tuning hosts make fleet winners). Kept like this host's own
+    verdict, unless one is already kept (a failed one stays failed); `tunecache selftest
+    --force` runs the check itself. Returns whether the fleet's word was taken."""
+    from .config_cache import CACHE
+    from .registry import kernel_version
+
+    k = (mod.KERNEL, kernel_version(mod), triton_version(), device.arch, device.sm_count)
+    if (
+        rec.source != "fleet"
+        or (rec.key.kernel, rec.key.kernel_version, rec.key.triton_version, rec.key.arch, rec.key.sm_count) != k
+    ):
+        return False
+    with _LOCK:
+        if k in _VERDICTS or CACHE.read_selfcheck(*k) is not None:
+            return False
+        detail = (
+            f"vouched for by the fleet: its winner {rec.digest[:12]} ran and was checked on "
+            f"{rec.device_name or device} by {rec.tuned_by or 'a tuning host'}"
+        )
+        v = Verdict(mod.KERNEL, device, k[1], True, detail)
+        store = CACHE.store()
+        if store is not None:
+            CACHE.store_call(
+                "keep a self-check",
+                lambda: store.put_selfcheck(*k, ok=True, detail=detail, seconds=0.0, device_name=device.name),
+            )
+        _VERDICTS[k] = v
+        return True
 
 
 def trusted(mods: list[ModuleType], device: DeviceClass, torch_device: str | None = None) -> list[ModuleType]:

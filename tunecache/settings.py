@@ -68,6 +68,13 @@ def candidate_timeout_s() -> float:
     return _seconds("TUNECACHE_CANDIDATE_TIMEOUT_S", 60.0)
 
 
+def fleet_binaries() -> bool:
+    """TUNECACHE_FLEET_BINARIES: a host that copies a fleet winner also installs its compiled
+    kernels into Triton's cache (built by the fleet's tuning hosts), so it need not compile
+    them; 0 makes this host compile everything itself."""
+    return _flag("TUNECACHE_FLEET_BINARIES", True)
+
+
 def fleet_ttl_s() -> float:
     """TUNECACHE_FLEET_TTL_S: after how long a host rechecks its copy of a fleet winner (sooner
     when the fleet's generation moves: a winner was removed or replaced)."""
@@ -195,6 +202,7 @@ RATE_BURST = 200
 ANON_RATE_LIMIT = 20.0  # per client address, for what costs the database without a valid token
 ANON_RATE_BURST = 100
 BODY_TIMEOUT_S = 10.0
+LOOKUP_CACHE_S = 10.0  # how long a service process answers a lookup from memory (the token cache's lag)
 JOB_TTL_S = 7 * 86400.0
 
 
@@ -221,6 +229,13 @@ def rate_limit_storage() -> str:
     """TUNECACHE_RATE_LIMIT_STORAGE: where the counters live, as a `limits` storage URI
     (memory://, the default, counts per service process; redis://host:6379 shares them)."""
     return os.environ.get("TUNECACHE_RATE_LIMIT_STORAGE", "").strip() or "memory://"
+
+
+def lookup_cache_s() -> float:
+    """TUNECACHE_LOOKUP_CACHE_S: a service process answers lookups from memory; a change made
+    through another process or on the database is seen within this time (a write through the
+    process at once; see tunecache.server.lookups); 0 asks the database every time."""
+    return _env_number("TUNECACHE_LOOKUP_CACHE_S", LOOKUP_CACHE_S, float, 0, strict=False)
 
 
 def body_timeout_s() -> float:

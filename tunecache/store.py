@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from .binaries import Binary
 from .engine import STORE_ERRORS, dialect_insert, insert_ignore, make_engine, sqlite_path, sqlite_url
 from .faults import JobStateError, NewerSchemaError, ReadOnlyStoreError, StoreError, describe_fault, fault_kind
 from .key import TuneKey
@@ -53,6 +54,7 @@ from .rows import (
     AuditRow,
     Base,
     FleetMetaRow,
+    KernelBinaryRow,
     ResultColumns,
     SelfCheckRow,
     SubmissionRow,
@@ -423,8 +425,87 @@ class Store:
             if row is None:
                 return False
             s.delete(row)
+            s.execute(KernelBinaryRow.__table__.delete().where(KernelBinaryRow.digest == digest))
             self._bump_generation(s)
             return True
+
+    # ---- a winner's compiled kernels (tunecache.binaries) ---------------------------------
+
+    def put_binaries(self, digest: str, config: dict, binaries: list[Binary], uploaded_by: str) -> bool:
+        """Keep `binaries` as the compiled kernels of the key's winner, replacing the key's
+        others; False (nothing kept) unless `config` is the winner's config. Callers check each
+        binary against the key first (`binaries.refusal`)."""
+        with self._write() as s:
+            row = s.execute(
+                select(TunedConfigRow).where(TunedConfigRow.digest == digest).with_for_update()
+            ).scalar_one_or_none()
+            if row is None or row.config != config:
+                return False
+            s.execute(KernelBinaryRow.__table__.delete().where(KernelBinaryRow.digest == digest))
+            for b in binaries:
+                s.add(
+                    KernelBinaryRow(
+                        digest=digest,
+                        config=config,
+                        triton_hash=b.triton_hash,
+                        files=b.to_json()["files"],
+                        size=sum(len(x) for x in b.files.values()),
+                        uploaded_by=uploaded_by,
+                        created_at=utcnow(),
+                    )
+                )
+            return True
+
+    def get_binaries(self, digests: Iterable[str]) -> dict[str, list[Binary]]:
+        """The compiled kernels of each key's winner (those built for its current config)."""
+        digests = list(digests)
+        out: dict[str, list[Binary]] = {}
+        with self._read() as s:
+            for i in range(0, len(digests), 500):
+                chunk = digests[i : i + 500]
+                q = (
+                    select(KernelBinaryRow, TunedConfigRow.config)
+                    .join(TunedConfigRow, TunedConfigRow.digest == KernelBinaryRow.digest)
+                    .where(KernelBinaryRow.digest.in_(chunk))
+                    .order_by(KernelBinaryRow.id)
+                )
+                for row, winner_config in s.execute(q):
+                    if row.config != winner_config:
+                        continue
+                    try:
+                        binary = Binary.from_json({"triton_hash": row.triton_hash, "files": row.files})
+                    except ValueError as e:
+                        log.warning("tunecache: skipping unreadable binary of %s (%s)", row.digest[:12], e)
+                        continue
+                    out.setdefault(row.digest, []).append(binary)
+        return out
+
+    def device_configs(
+        self, arch: str, sm_count: int, triton_version: str, kernel_versions: Mapping[str, str] | None = None
+    ) -> list[ConfigRecord]:
+        """Every winner of one device class and Triton, of the given kernel versions (all when
+        None): what `tunecache sync` copies to a host."""
+        with self._read() as s:
+            q = (
+                select(TunedConfigRow)
+                .where(TunedConfigRow.arch == arch)
+                .where(TunedConfigRow.sm_count == sm_count)
+                .where(TunedConfigRow.triton_version == triton_version)
+                .order_by(TunedConfigRow.id)
+            )
+            if kernel_versions is not None:
+                pairs = [
+                    and_(TunedConfigRow.kernel == k, TunedConfigRow.kernel_version == v)
+                    for k, v in kernel_versions.items()
+                ]
+                q = q.where(or_(*pairs) if pairs else false())
+            out = []
+            for row in s.execute(q).scalars():
+                try:
+                    out.append(config_record(row))
+                except (ValueError, TypeError, KeyError) as e:
+                    log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
+            return out
 
     def counts(self) -> dict[str, int]:
         with self._read() as s:
@@ -994,6 +1075,9 @@ class Store:
             s.flush()
             for rec in removed:
                 jobs[rec.digest] = self._queue_timing(s, rec.key, retime=False).status
+            gone = [row.digest for row in rows]
+            if gone:
+                s.execute(KernelBinaryRow.__table__.delete().where(KernelBinaryRow.digest.in_(gone)))
             # the winners this token's claims had queued a re-timing of may be re-timed again
             s.execute(
                 update(TunedConfigRow)
@@ -1003,6 +1087,8 @@ class Store:
                 .values(retime_queued_at=None)
             )
             n_subs = s.execute(SubmissionRow.__table__.delete().where(SubmissionRow.submitted_by == name)).rowcount
+            # the compiled kernels the token's tuning hosts uploaded, for any key
+            s.execute(KernelBinaryRow.__table__.delete().where(KernelBinaryRow.uploaded_by == name))
             if rows:
                 self._bump_generation(s)
         return PurgeReport(name, removed, jobs, n_subs, self.generation())

@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 from . import settings
+from .binaries import Binary
 from .key import DeviceClass, TuneKey, triton_version
 from .records import ConfigRecord, TrialRecord, whoami
 from .registry import kernel_version
@@ -45,6 +46,8 @@ class TuneResult:
     source: str = "inline"
     default_ms: float | None = None  # the backend's untuned default, same run
     vendor_ms: float | None = None  # the vendor's op (torch's reference: cuBLAS / cuDNN on a GPU), same run
+    # the winner's compiled kernels as this host's Triton cached them (tunecache.binaries)
+    binaries: list[Binary] = field(default_factory=list)
 
     def record(self, device: DeviceClass) -> ConfigRecord:
         """The winner as the store and the fleet keep it."""
@@ -106,13 +109,13 @@ def tune(
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
     trials: list[TrialRecord] = []
     if progress:
-        progress("compile", 0, len(candidates), None)
+        progress("start", 0, len(candidates), None)
     runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
 
     # quick round: each candidate is checked and timed as soon as its binary is ready, while
     # the others still compile
     quick: dict[int, float] = {}
-    for n, i in enumerate(_compiled(mod, problem, device, candidates, trials)):
+    for n, i in enumerate(_compiled(mod, problem, device, candidates, trials, progress)):
         if progress:
             progress("time", n, len(candidates), min(quick.values()) if quick else None)
         res = runner.run(candidates[i], QUICK_TIMING if on_gpu else {"cpu_reps": 1})
@@ -156,6 +159,7 @@ def tune(
         source=source,
         default_ms=default_ms,
         vendor_ms=runner.vendor_ms({} if on_gpu else {"cpu_reps": 3}),
+        binaries=runner.binaries(best.config) if on_gpu else [],
     )
     log.info(
         "tunecache: tuned %s %s in %d candidates: %s (%.4f ms)",
@@ -169,17 +173,25 @@ def tune(
 
 
 def _compiled(
-    mod: ModuleType, problem: dict, device: DeviceClass, candidates: list[dict], trials: list[TrialRecord]
+    mod: ModuleType,
+    problem: dict,
+    device: DeviceClass,
+    candidates: list[dict],
+    trials: list[TrialRecord],
+    progress: Callable[[str, int, int, float | None], None] | None = None,
 ) -> Iterator[int]:
     """Indices of the candidates whose binaries are ready, as they become ready: Gluon
     candidates are compiled in parallel for the device's target (one that fails is a failed
-    trial); others compile at their first launch."""
+    trial); others compile at their first launch. `progress("compile", done, total, None)`
+    follows the compiles."""
     if device.arch == "cpu" or not hasattr(mod, "compile_specs"):
         yield from range(len(candidates))
         return
     from .compile import compile_configs_as_ready
 
-    for i, report in compile_configs_as_ready(mod, problem, candidates, device):
+    for done, (i, report) in enumerate(compile_configs_as_ready(mod, problem, candidates, device), 1):
+        if progress:
+            progress("compile", done, len(candidates), None)
         if report.ok:
             yield i
         else:
@@ -243,6 +255,25 @@ class Trials:
         except WorkerFailed as e:
             log.warning("tunecache: candidate %s of %s failed in isolation: %s", config, self.setup["module"], e.reason)
             return {"status": "failed", "error": e.reason}
+
+    def binaries(self, config: dict) -> list[Binary]:
+        """The compiled kernels a launch of `config` uses (read from this host's Triton cache),
+        for the fleet; none if they could not be found."""
+        from . import binaries
+        from .isolated import WorkerFailed
+
+        try:
+            self._ensure_setup()
+            res = self.worker.call(
+                {"cmd": "binaries", "digest": self.setup["digest"], "config": config}, settings.candidate_timeout_s()
+            )
+        except (WorkerFailed, TuneError) as e:
+            log.info("tunecache: could not find the compiled kernels of %s: %s", self.setup["module"], e)
+            return []
+        if res.get("status") != "ok":
+            log.info("tunecache: could not find the compiled kernels of %s: %s", self.setup["module"], res.get("error"))
+            return []
+        return binaries.read(res.get("binaries") or {})
 
     def vendor_ms(self, timing: dict) -> float | None:
         """The reference op's time on the same inputs (what the user would call without

@@ -222,6 +222,8 @@ class Worker:
             if sent is None:
                 # the service is unreachable: the lease runs out and the job is tuned again
                 return Outcome(job.id, key.kernel, "unpublished", seconds, "service unreachable")
+            if won(sent):  # hosts that copy the winner need not compile it
+                self.queue.publish_binaries(rec, result.binaries)
             self.queue.complete(job, tune_seconds=seconds)
         log.info(
             "tunecache: job %d: %s in %.1f s -> %s (%.4f ms)", job.id, key.kernel, seconds, rec.config, rec.median_ms
@@ -243,6 +245,11 @@ class Worker:
         log.warning("tunecache: job %d (%s) failed: %s", job.id, job.key.kernel, last_line(error, 300))
         self.queue.fail(job, error)
         return Outcome(job.id, job.key.kernel, "failed", detail=error)
+
+
+def won(sent: Any) -> bool:
+    """Whether a publish's answer says the result is now the winner (a store queue's True too)."""
+    return sent is True or (isinstance(sent, dict) and bool(sent.get("accepted")))
 
 
 def _ignore_signals() -> None:

@@ -8,6 +8,12 @@ import pytest
 
 from support.fleet import Server, make_tokens, reset_fleet_tables, start_fleet
 
+# The shared services' tables are emptied behind their backs between tests (`clean_fleet`),
+# which a service sees only after TUNECACHE_LOOKUP_CACHE_S: these answer every lookup from the
+# database. The lookup cache itself is tested in test_fleet_scale_out.py and measured by
+# benchmarks/bench_lookup.py, at its default.
+NO_LOOKUP_CACHE = {"TUNECACHE_LOOKUP_CACHE_S": "0"}
+
 
 @pytest.fixture(scope="module")
 def fleet(pg_url, tmp_path_factory):
@@ -17,7 +23,7 @@ def fleet(pg_url, tmp_path_factory):
     Store(pg_url).close()  # migrate before the server and the tests touch it
     tokens = make_tokens(pg_url)
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = Server(pg_url, log).start()
+    server = Server(pg_url, log, env=NO_LOOKUP_CACHE).start()
     server.tokens = tokens
     server.db_url = pg_url
     yield server
@@ -28,7 +34,7 @@ def fleet(pg_url, tmp_path_factory):
 def sqlite_fleet(tmp_path_factory):
     """The same service as `fleet`, over a SQLite file (the store's other engine)."""
     d = tmp_path_factory.mktemp("sqlite-fleet")
-    server = start_fleet(f"sqlite:///{d / 'fleet.sqlite'}", d)
+    server = start_fleet(f"sqlite:///{d / 'fleet.sqlite'}", d, env=NO_LOOKUP_CACHE)
     yield server
     server.stop()
 

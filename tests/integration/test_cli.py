@@ -21,6 +21,19 @@ def cli(*args, env=None, check=True):
     return proc
 
 
+def test_tune_shows_on_a_terminal_what_is_timed_of_how_many_the_best_so_far_and_time_left(db_url):
+    import re
+
+    proc = cli(
+        "tune", "matmul", "-p", "M=40,N=24,K=32,dtype=float32", env={"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+    )
+    shown, said = (re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", text) for text in (proc.stderr, proc.stdout))
+    frames = re.findall(r"tuning matmul\.portable on cpu:0 .*? (\d+)/(\d+) timed · best ([\d.]+) ms .*?left", shown)
+    assert frames, shown[-2000:]
+    assert {int(total) for _, total, _ in frames} == {int(re.search(r"(\d+) candidates", said).group(1))}
+    assert int(frames[-1][0]) == int(frames[-1][1]), "the last frame: every candidate timed"
+
+
 def test_tune_then_ls_show_export_import(db_url, tmp_path):
     out = cli("tune", "matmul", "--problem", "M=40,N=24,K=32,dtype=float32").stdout
     assert "matmul.portable" in out and "candidates" in out

@@ -21,6 +21,7 @@ from ..store import Store
 from . import audit, best, configs, identity, jobs, system
 from .deps import TokenCache, known_query_only
 from .guards import BodyDeadline, BodyLimit, RateLimits
+from .lookups import LookupCache
 from .metrics import Metrics
 from .schemas import ErrorOut
 
@@ -50,7 +51,7 @@ def create_app(
     store: Store | None = None,
 ) -> FastAPI:
     """The service over the store at `store_url` (default TUNECACHE_DB_URL), migrated to head."""
-    from importlib.metadata import version
+    from .. import __version__
 
     threads = settings.server_threads()
 
@@ -73,7 +74,7 @@ def create_app(
 
     app = FastAPIOffline(
         title="tunecache",
-        version=version("tunecache"),
+        version=__version__,  # from the source: a checkout run from its directory has no metadata
         lifespan=lifespan,
         dependencies=[Depends(known_query_only)],
         description="A fleet-shared autotune cache for Triton/Gluon kernels: look up the best "
@@ -84,6 +85,7 @@ def create_app(
     app.state.metrics = Metrics()
     app.state.tokens = TokenCache(on_query=app.state.metrics.token_checks.inc)
     app.state.rate_limits = RateLimits.from_settings()
+    app.state.lookups = LookupCache(settings.lookup_cache_s())
     # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off
     app.state.metrics_address = settings.metrics_address()
     app.state.anonymous_read = settings.anonymous_read() if anonymous_read is None else anonymous_read

@@ -1,19 +1,28 @@
-"""/v1/configs, /v1/lookup, /v1/export, /v1/import: tuned configs and their submissions."""
+"""/v1/configs, /v1/lookup, /v1/export, /v1/import, /v1/sync: tuned configs, their submissions and
+their compiled kernels."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
-from fastapi import APIRouter, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from .. import floor
 from ..key import TuneKey
 from ..records import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
+from ..store import Store
 from ..transfer import FORMAT
-from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep
+from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
+from .lookups import LookupCache, drops_lookups
+from .metrics import Metrics
 from .schemas import (
     Arch,
+    BinariesIn,
+    BinariesOut,
+    BinariesStoredOut,
+    BinaryJson,
     ConfigIn,
     ConfigOut,
     DeleteOut,
@@ -30,6 +39,8 @@ from .schemas import (
     ReportIn,
     ReportOut,
     SubmissionOut,
+    SyncIn,
+    SyncOut,
 )
 
 router = APIRouter(prefix="/v1", tags=["configs"])
@@ -123,42 +134,67 @@ DigestOrPrefix = Annotated[
     summary="Look up by digest (or a unique prefix)",
     responses={**NOT_FOUND, 409: {"model": ErrorOut, "description": "the prefix matches several digests"}},
 )
-def get_config(
-    digest: DigestOrPrefix, _: ReadToken, store: StoreDep, metrics: MetricsDep, response: Response
-) -> ConfigOut:
-    generation = {GENERATION_HEADER: str(store.generation())}
+async def get_config(digest: DigestOrPrefix, _: ReadToken, request: Request, metrics: MetricsDep) -> Response:
     if len(digest) < 64:
-        found = store.find_configs(digest)
-        if len(found) > 1:
-            raise HTTPException(
-                409,
-                f"{len(found)} digests start with {digest}: "
-                f"{', '.join(r.digest[:16] for r in found[:5])}; give more digits",
-            )
-        digest = found[0].digest if found else digest
+        digest = await run_in_threadpool(_unique_digest, request.app.state.store, digest)
+    return await _answer(request, digest, metrics, lambda: f"no tuned config with digest {digest}")
+
+
+def _unique_digest(store: Store, prefix: str) -> str:
+    """The one digest that starts with `prefix` (409 when several do; the prefix itself when none)."""
+    found = store.find_configs(prefix)
+    if len(found) > 1:
+        raise HTTPException(
+            409,
+            f"{len(found)} digests start with {prefix}: "
+            f"{', '.join(r.digest[:16] for r in found[:5])}; give more digits",
+        )
+    return found[0].digest if found else prefix
+
+
+async def _answer(request: Request, digest: str, metrics: Metrics, missing: Callable[[], str]) -> Response:
+    """The lookup's answer: from this process's LookupCache, else from the store (on the
+    thread pool) and kept there. Every answer, a miss too, says the fleet's generation."""
+    lookups: LookupCache = request.app.state.lookups
+    store = request.app.state.store
+    if lookups.generation_due():
+        await run_in_threadpool(lambda: lookups.note_generation(store.generation()))
+    cached = lookups.answer(digest)
+    if cached is None:
+        cached = await run_in_threadpool(_read, store, lookups, digest)
+    body, generation = cached
+    metrics.lookup(body is not None)
+    headers = {GENERATION_HEADER: str(generation)}
+    if body is None:
+        raise HTTPException(404, missing(), headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _read(store: Store, lookups: LookupCache, digest: str) -> tuple[bytes | None, int]:
+    epoch = lookups.epoch
+    generation = lookups.known_generation()
+    if generation is None:
+        generation = store.generation()
+        lookups.note_generation(generation)
+        epoch = lookups.epoch
     rec = store.get_config(digest) if len(digest) == 64 else None
-    metrics.lookup(rec is not None)
-    if rec is None:
-        raise HTTPException(404, f"no tuned config with digest {digest}", headers=generation)
-    response.headers.update(generation)
-    return out(rec)
+    body = None if rec is None else out(rec).model_dump_json().encode()
+    lookups.keep(digest, body, generation, epoch)
+    return body, generation
 
 
 @router.post("/lookup", response_model=ConfigOut, responses=NOT_FOUND, summary="Look up by key fields")
-def lookup(body: KeyIn, _: ReadToken, store: StoreDep, metrics: MetricsDep, response: Response) -> ConfigOut:
-    generation = {GENERATION_HEADER: str(store.generation())}
+async def lookup(body: KeyIn, _: ReadToken, request: Request, metrics: MetricsDep) -> Response:
     key = key_of(body)
-    rec = store.get_config(key.digest)
-    metrics.lookup(rec is not None)
-    if rec is None:
-        raise HTTPException(
-            404,
+    return await _answer(
+        request,
+        key.digest,
+        metrics,
+        lambda: (
             f"no tuned config for {body.kernel} {dict(body.problem)} on "
-            f"{body.arch}:{body.sm_count} (digest {key.digest})",
-            headers=generation,
-        )
-    response.headers.update(generation)
-    return out(rec)
+            f"{body.arch}:{body.sm_count} (digest {key.digest})"
+        ),
+    )
 
 
 @router.get(
@@ -168,8 +204,13 @@ def lookup(body: KeyIn, _: ReadToken, store: StoreDep, metrics: MetricsDep, resp
     description="Moves whenever a winner is removed or replaced. Hosts compare it with the one "
     "under which they copied a winner and recheck the copy when it moved.",
 )
-def generation(_: ReadToken, store: StoreDep) -> GenerationOut:
-    return GenerationOut(generation=store.generation())
+async def generation(_: ReadToken, request: Request) -> GenerationOut:
+    lookups: LookupCache = request.app.state.lookups
+    known = lookups.known_generation()
+    if known is None:
+        known = await run_in_threadpool(request.app.state.store.generation)
+        lookups.note_generation(known)
+    return GenerationOut(generation=known)
 
 
 @router.post(
@@ -181,6 +222,7 @@ def generation(_: ReadToken, store: StoreDep) -> GenerationOut:
     "the key is queued for re-timing (once per winner, like a submission that beats it): a "
     "worker tunes it although a winner exists, and its measurement decides. A report never "
     "removes a winner by itself; an admin may delete it.",
+    dependencies=[Depends(drops_lookups)],
 )
 def report(digest: DigestPath, body: ReportIn, token: PublishToken, store: StoreDep) -> ReportOut:
     found, job = store.report(digest, dict(body.config), body.error, token.name)
@@ -213,6 +255,7 @@ def list_configs(
     "make or replace a winner: when the key has none, or the result claims to beat it, "
     "the key is queued for a worker of its device class to tune (`status` says "
     "which). Provenance (`source`, `tuned_by`, `device_name`) is set from the token.",
+    dependencies=[Depends(drops_lookups)],
 )
 def publish(body: ConfigIn, token: PublishToken, store: StoreDep, metrics: MetricsDep) -> PublishOut:
     source, given = provenance(token, body)
@@ -263,7 +306,13 @@ def submissions(
     ]
 
 
-@router.delete("/configs/{digest}", response_model=DeleteOut, responses=NOT_FOUND, summary="Delete a config")
+@router.delete(
+    "/configs/{digest}",
+    response_model=DeleteOut,
+    responses=NOT_FOUND,
+    summary="Delete a config",
+    dependencies=[Depends(drops_lookups)],
+)
 def delete_config(digest: DigestPath, token: AdminToken, store: StoreDep) -> DeleteOut:
     if not store.delete_config(digest):
         raise HTTPException(404, f"no tuned config with digest {digest}")
@@ -283,6 +332,7 @@ def export(
     response_model=ImportOut,
     summary="Import an export",
     description="Each entry is validated on its own; bad ones are reported, good ones published.",
+    dependencies=[Depends(drops_lookups)],
 )
 def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: MetricsDep) -> ImportOut:
     stored = kept = 0
@@ -320,6 +370,7 @@ def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: Metrics
     "for `tunecache jobs retry`) and moves the generation, so that hosts drop their copies "
     "within TUNECACHE_FLEET_TTL_S or at their next generation poll. `tunecache fleet purge "
     "--token NAME` does the same on the database.",
+    dependencies=[Depends(drops_lookups)],
 )
 def purge(body: PurgeIn, token: AdminToken, store: StoreDep) -> PurgeOut:
     report = store.purge_token(body.token_name, dry_run=body.dry_run)
@@ -342,3 +393,85 @@ def purge_out(report: PurgeReport) -> PurgeOut:
         submissions_removed=report.submissions,
         generation=report.generation,
     )
+
+
+# ---- a winner's compiled kernels (tunecache.binaries), and a host's sync ------------------
+
+# compiled kernels in one sync answer; the rest are named for the host to fetch one by one
+SYNC_BINARY_BYTES = 64 << 20
+
+
+@router.put(
+    "/configs/{digest}/binaries",
+    response_model=BinariesStoredOut,
+    responses={**NOT_FOUND, 409: {"model": ErrorOut, "description": "the winner is another config"}},
+    summary="Publish the winner's compiled kernels (worker)",
+    description="The Triton cache entries (metadata and cubin) that a launch of the winner used on "
+    "the tuning host, so that hosts that copy the winner need not compile it. Only worker and "
+    "admin tokens: a binary is code that runs on the hosts' GPUs. Each is checked against the "
+    "key (its hash, its target GPU and Triton version); they replace the key's earlier ones and "
+    "are served while `config` is the key's winner.",
+    dependencies=[Depends(drops_lookups)],
+)
+def put_binaries(digest: DigestPath, body: BinariesIn, token: WorkerToken, store: StoreDep) -> BinariesStoredOut:
+    from ..binaries import Binary, refusal
+
+    rec = store.get_config(digest)
+    if rec is None:
+        raise HTTPException(404, f"no tuned config with digest {digest}")
+    if dict(body.config) != rec.config:
+        raise HTTPException(409, f"the winner of {digest[:12]} is {rec.config}, not {dict(body.config)}")
+    binaries = []
+    for i, b in enumerate(body.binaries):
+        try:
+            binary = Binary.from_json(b.model_dump())
+        except ValueError as e:
+            raise HTTPException(422, f"binaries.{i}: {e}") from None
+        why = refusal(binary, rec.key.arch, rec.key.triton_version)
+        if why:
+            raise HTTPException(422, f"binaries.{i}: {why}")
+        binaries.append(binary)
+    if len({b.triton_hash for b in binaries}) != len(binaries):
+        raise HTTPException(422, "binaries: the same triton_hash twice")
+    if not store.put_binaries(digest, rec.config, binaries, token.name):
+        raise HTTPException(409, f"the winner of {digest[:12]} changed meanwhile; tune again")
+    return BinariesStoredOut(stored=len(binaries))
+
+
+@router.get(
+    "/configs/{digest}/binaries",
+    response_model=BinariesOut,
+    responses=NOT_FOUND,
+    summary="The winner's compiled kernels",
+)
+def get_binaries(digest: DigestPath, _: ReadToken, store: StoreDep) -> BinariesOut:
+    rec = store.get_config(digest)
+    if rec is None:
+        raise HTTPException(404, f"no tuned config with digest {digest}")
+    found = store.get_binaries([digest]).get(digest, [])
+    return BinariesOut(digest=digest, config=rec.config, binaries=[BinaryJson(**b.to_json()) for b in found])
+
+
+@router.post(
+    "/sync",
+    response_model=SyncOut,
+    summary="Every winner of a device class (and its compiled kernels)",
+    description="What `tunecache sync` copies to a host in one request: the winners of one device "
+    "class and Triton version, of the given kernel versions, with their compiled kernels (up to "
+    "64 MiB of them; `more_binaries` names the digests whose kernels did not fit).",
+)
+def sync(body: SyncIn, _: ReadToken, store: StoreDep) -> SyncOut:
+    generation = store.generation()
+    recs = store.device_configs(body.arch, body.sm_count, body.triton_version, body.kernel_versions)
+    binaries: dict[str, list[BinaryJson]] = {}
+    more: list[str] = []
+    if body.binaries and recs:
+        size = 0
+        for digest, found in store.get_binaries([r.digest for r in recs]).items():
+            n = sum(len(x) for b in found for x in b.files.values())
+            if size + n > SYNC_BINARY_BYTES:
+                more.append(digest)
+                continue
+            size += n
+            binaries[digest] = [BinaryJson(**b.to_json()) for b in found]
+    return SyncOut(generation=generation, configs=[out(r) for r in recs], binaries=binaries, more_binaries=more)

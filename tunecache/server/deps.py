@@ -8,6 +8,7 @@ from typing import Annotated, Any, Callable, Optional
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from ..records import TokenRecord, hash_token, utcnow
 from ..store import Store
@@ -25,11 +26,15 @@ TOKEN_CACHE_MAX = 4096
 ANONYMOUS = TokenRecord(id=0, name="anonymous", scopes=("read",), created_at=None)  # type: ignore[arg-type]
 
 
-def get_store(request: Request) -> Store:
+# Dependencies are `async def` where they need no database: FastAPI runs a plain `def` one on
+# the thread pool, and a hop there costs more than a cached lookup itself.
+
+
+async def get_store(request: Request) -> Store:
     return request.app.state.store
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
@@ -114,7 +119,7 @@ def anonymous(request: Request) -> TokenRecord:
 def require(scope: str) -> Callable[..., TokenRecord]:
     """A dependency that admits a token with `scope` (a scope implies the lesser ones)."""
 
-    def check(
+    async def check(
         request: Request, creds: Annotated[Optional[HTTPAuthorizationCredentials], Depends(bearer)]
     ) -> TokenRecord:
         app = request.app
@@ -127,7 +132,11 @@ def require(scope: str) -> Callable[..., TokenRecord]:
                 "(create one with `tunecache token create --scope ...`)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        token = authenticate(request, creds.credentials)
+        secret = creds.credentials
+        if len(secret) <= 256 and request.app.state.tokens.cached(secret)[0]:
+            token = authenticate(request, secret)  # answered by the token cache: no query
+        else:
+            token = await run_in_threadpool(authenticate, request, secret)
         if not token.allows(scope):
             raise HTTPException(403, f"token {token.name!r} has scopes {list(token.scopes)}; this needs {scope!r}")
         return token
@@ -142,7 +151,7 @@ WorkerToken = Annotated[TokenRecord, Depends(require("worker"))]
 AdminToken = Annotated[TokenRecord, Depends(require("admin"))]
 
 
-def known_query_only(request: Request) -> None:
+async def known_query_only(request: Request) -> None:
     """422 for a query parameter the route does not take: a misspelt filter must not quietly
     answer as if there were none (`?kernal=matmul.hopper` listing every kernel)."""
     route = request.scope.get("route")

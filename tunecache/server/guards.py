@@ -105,6 +105,11 @@ def rate_limited_address(request: Request) -> None:
     request.app.state.rate_limits.hit_address(client_address(request))
 
 
+def large_body(path: str) -> bool:
+    """Routes whose bodies may be large: an import, a winner's compiled kernels."""
+    return path == "/v1/import" or (path.startswith("/v1/configs/") and path.endswith("/binaries"))
+
+
 class BodyDeadline:
     """408 for a request whose body is not all received within `timeout_s` of its start.
 
@@ -122,7 +127,7 @@ class BodyDeadline:
             await self.app(scope, receive, send)
             return
         loop = asyncio.get_running_loop()
-        timeout = self.import_timeout_s if scope["path"] == "/v1/import" else self.timeout_s
+        timeout = self.import_timeout_s if large_body(scope["path"]) else self.timeout_s
         deadline = loop.time() + timeout
         received = timed_out = started = False
 
@@ -167,7 +172,7 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
-        limit = self.import_limit if scope["path"] == "/v1/import" else self.limit
+        limit = self.import_limit if large_body(scope["path"]) else self.limit
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():

@@ -443,3 +443,60 @@ class HealthOut(BaseModel):
 class ErrorOut(BaseModel):
     detail: str = Field(description="what was wrong, in words")
     errors: Optional[list[dict[str, Any]]] = Field(None, description="per-field validation errors")
+
+
+# ---- a winner's compiled kernels, and a host's sync -----------------------------------------
+
+TritonHash = Annotated[
+    str, StringConstraints(pattern=r"^[0-9a-f]{64}$"), Field(description="Triton's cache key: the entry's directory")
+]
+# base64 of at most MAX_BINARY_BYTES (tunecache.binaries), checked there once decoded
+Base64File = Annotated[str, StringConstraints(max_length=6 << 20, pattern=r"^[A-Za-z0-9+/=]*$")]
+
+
+class BinaryJson(Model):
+    """One of Triton's cache entries for a kernel: its metadata (`NAME.json`) and its cubin
+    (`NAME.cubin`), base64."""
+
+    triton_hash: TritonHash
+    files: Annotated[dict[Annotated[str, StringConstraints(max_length=160)], Base64File], Field(max_length=2)]
+
+
+class BinariesIn(Model):
+    """The compiled kernels a launch of the winner's `config` uses, as the tuning host's Triton
+    cached them."""
+
+    config: JsonObject
+    binaries: Annotated[list[BinaryJson], Field(max_length=4)]
+
+
+class BinariesOut(BaseModel):
+    digest: str
+    config: dict[str, Any]
+    binaries: list[BinaryJson]
+
+
+class SyncIn(Model):
+    """A host's device class, its Triton, and the versions of the kernels it runs."""
+
+    arch: Arch
+    sm_count: SmCount
+    triton_version: TritonVersion
+    kernel_versions: Optional[Annotated[dict[Kernel, Version], Field(max_length=256)]] = Field(
+        None, description="kernel -> version; the winners of these only (all kernels when absent)"
+    )
+    binaries: StrictBool = Field(True, description="with the winners' compiled kernels")
+
+
+class BinariesStoredOut(BaseModel):
+    stored: int = Field(description="compiled kernels kept for the winner (its earlier ones replaced)")
+
+
+class SyncOut(BaseModel):
+    generation: int
+    configs: list[ConfigOut]
+    binaries: dict[str, list[BinaryJson]] = Field(description="digest -> the winner's compiled kernels")
+    more_binaries: list[str] = Field(
+        default_factory=list,
+        description="digests whose compiled kernels did not fit this answer: GET /v1/configs/{digest}/binaries each",
+    )

@@ -1,0 +1,85 @@
+"""The lookup answers a service process keeps in memory, so that a hit costs no query.
+
+A fleet asks the same few thousand keys over and over (every job start, every host), and a
+lookup's answer changes rarely. Each process keeps what it answered. A change made through
+another process, or on the database itself, is seen within TUNECACHE_LOOKUP_CACHE_S (10 s):
+
+- a removed or replaced winner moves the fleet's generation, which each process reads at most
+  once a second (one query a second, not one per lookup) and which drops everything it keeps;
+- a miss is kept for TUNECACHE_LOOKUP_CACHE_S (a new winner does not move the generation);
+- a hit is kept up to HIT_LIFE times that while the generation stands, for good measure.
+
+A write through this process drops everything at once (`drops_lookups`). Lifetimes are
+spread (each 80-100 % of its length) so that answers read together are not all read again
+together. A host keeps its own copy of a fleet winner far longer (TUNECACHE_FLEET_TTL_S), so
+the service's seconds change nothing a host sees; 0 turns the cache off.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from fastapi import Request
+
+MAX_ENTRIES = 200_000
+GENERATION_POLL_S = 1.0
+HIT_LIFE = 6
+
+
+class LookupCache:
+    """digest -> (the answer's JSON body or None for a miss, the generation), for a while."""
+
+    def __init__(self, ttl_s: float, max_entries: int = MAX_ENTRIES) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._answers: dict[str, tuple[float, bytes | None, int]] = {}
+        self._generation: int | None = None
+        self._generation_read_at = -float("inf")
+        # moved by clear(): an answer read from the store before a write and kept after it is dropped
+        self.epoch = 0
+
+    def answer(self, digest: str) -> tuple[bytes | None, int] | None:
+        """(body or None for a known miss, generation), or None when this process must ask the store."""
+        hit = self._answers.get(digest)
+        if hit is None or hit[0] <= time.monotonic():
+            return None
+        return hit[1], hit[2]
+
+    def keep(self, digest: str, body: bytes | None, generation: int, epoch: int) -> None:
+        """Keep an answer read from the store since `epoch` (read before asking it)."""
+        if self.ttl_s <= 0 or epoch != self.epoch:
+            return
+        if len(self._answers) >= self.max_entries:
+            self._answers.clear()
+        life = self.ttl_s * (1 if body is None else HIT_LIFE) * random.uniform(0.8, 1.0)
+        self._answers[digest] = (time.monotonic() + life, body, generation)
+
+    def generation_due(self) -> bool:
+        """Time to read the fleet's generation again (at most once a second per process)."""
+        return self.ttl_s > 0 and time.monotonic() - self._generation_read_at >= min(GENERATION_POLL_S, self.ttl_s)
+
+    def note_generation(self, generation: int) -> None:
+        """The generation as just read from the store: when it moved, a winner was removed or
+        replaced somewhere, and every kept answer goes."""
+        if self._generation is not None and generation != self._generation:
+            self.clear()
+        self._generation, self._generation_read_at = generation, time.monotonic()
+
+    def known_generation(self) -> int | None:
+        """The generation as read within the last poll, or None."""
+        if self.generation_due() or self.ttl_s <= 0:
+            return None
+        return self._generation
+
+    def clear(self) -> None:
+        self.epoch += 1
+        self._answers.clear()
+
+
+async def drops_lookups(request: Request):
+    """A dependency of every route that may change a lookup's answer: this process's kept
+    answers are dropped once the route has run (another process sees it as its docstring says)."""
+    try:
+        yield
+    finally:
+        request.app.state.lookups.clear()
