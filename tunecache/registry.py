@@ -11,6 +11,7 @@ from typing import Any
 
 from tunecache_kernels.spaces import BACKENDS, UnknownKernel, may_run_on
 
+from . import settings, triton_key_cache
 from .key import DeviceClass, use_interpreter_without_gpu
 from .shapes import OPS
 
@@ -40,6 +41,8 @@ def _load(op: str, backend: str) -> ModuleType | None:
         use_interpreter_without_gpu()
         try:
             _MODULES[k] = importlib.import_module(f"tunecache_kernels.{op}_{backend}")
+            if not settings.triton_interpret():  # the interpreter compiles nothing
+                triton_key_cache.install()  # Triton is imported now: spare it hashing itself (see there)
         except ModuleNotFoundError as e:
             if e.name != f"tunecache_kernels.{op}_{backend}":
                 raise

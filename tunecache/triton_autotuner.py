@@ -29,6 +29,7 @@ from triton.runtime.autotuner import Autotuner as TritonAutotuner
 from triton.runtime.autotuner import Config
 from triton.runtime.jit import JITFunction
 
+from . import triton_key_cache
 from .key import DeviceClass, TuneKey, canonical_json, device_of, triton_version
 from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders, wall_clock_bench
 
@@ -134,6 +135,8 @@ class Autotuner(TritonAutotuner):
 
     def check_disk_cache(self, tuning_key: tuple, configs: list[Config], bench_fn: Callable[[], None]) -> bool:
         """Triton's hook on a memo miss: fill `self.cache[tuning_key]`; True if nothing was benchmarked."""
+        if not knobs.runtime.interpret:
+            triton_key_cache.install()  # before the first compile lookup (see there)
         key, device = self.tune_key()
         self._call_kwargs = {}  # hold no tensors after the call, as Triton drops `nargs`
         found = self._lookup(key, configs)
