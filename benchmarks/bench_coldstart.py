@@ -34,12 +34,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import RESULTS, device_info, write_results  # noqa: E402
+from common import RESULTS, device_info, serve, write_results  # noqa: E402
 
 PRELUDE = """
 import sys, time, json
@@ -124,8 +122,6 @@ class Fleet:
     """`tunecache serve` over a SQLite file on a free loopback port, with a worker and a read token."""
 
     def __init__(self, tmp: Path) -> None:
-        import socket
-
         from tunecache.store import Store
 
         url = f"sqlite:///{tmp / 'fleet.sqlite'}"
@@ -133,20 +129,7 @@ class Fleet:
         self.worker, _ = store.create_token("bench-worker", ["worker"])
         self.read, _ = store.create_token("bench-read", ["read"])
         store.close()
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(tmp / "fleet.log", "ab")
-        cmd = [sys.executable, "-m", "tunecache.cli", "serve", "--port", str(port), "--db-url", url]
-        self.proc = subprocess.Popen(cmd + ["--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT)
-        for _ in range(600):
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError(f"the fleet service did not start: see {tmp / 'fleet.log'}")
+        self.proc, self.url = serve(url, log=open(tmp / "fleet.log", "ab"))
 
     def stop(self) -> None:
         self.proc.terminate()

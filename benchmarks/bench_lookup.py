@@ -37,16 +37,8 @@ from pathlib import Path
 
 import httpx
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, serve  # noqa: E402
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -267,33 +259,7 @@ def main() -> None:
         store.close()
         misses = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(1000)]
 
-        port = _free_port()
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tunecache.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--db-url",
-                url,
-                "--workers",
-                str(args.server_workers),
-                "--log-level",
-                "warning",
-            ],
-            cwd=ROOT,
-        )
-        service = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(f"{service}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise SystemExit("the service did not start")
+        server, service = serve(url, "--workers", str(args.server_workers))
 
         runs = []
         for c in args.concurrency:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import platform
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,3 +37,31 @@ def write_results(name: str, payload: dict, out_dir: Path | None = None) -> Path
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def serve(db_url: str, *args: str, log=None) -> tuple[subprocess.Popen, str]:
+    """`tunecache serve` over `db_url` on a free loopback port, once it answers /healthz:
+    (the process, its URL). `args`: more options of `tunecache serve`."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "tunecache.cli", "serve", "--port", str(port), "--db-url", db_url]
+    proc = subprocess.Popen(
+        [*cmd, "--log-level", "warning", *args],
+        stdout=log,
+        stderr=None if log is None else subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the service did not start" + ("" if log is None else f": see {log.name}"))

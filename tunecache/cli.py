@@ -160,13 +160,7 @@ def tune(
             )
         except TuneError as e:
             _fail(str(e))
-    kept, won = CACHE.keep(
-        result.record(device),
-        result.trials,
-        run_id=result.run_id,
-        tune_seconds=result.seconds,
-        binaries=result.binaries,
-    )
+    kept, won = CACHE.keep_tuned(result, device)
     if not won:
         console.print(
             f"[dim]the store keeps a faster result: {json.dumps(kept.config)} ({kept.median_ms:.4f} ms)[/dim]"

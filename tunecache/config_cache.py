@@ -29,7 +29,9 @@ from .key import TuneKey
 from .records import ConfigRecord, TrialRecord, utcnow
 
 if TYPE_CHECKING:
+    from .key import DeviceClass
     from .store import Store
+    from .tuner import TuneResult
 
 log = logging.getLogger("tunecache")
 
@@ -261,6 +263,16 @@ class ConfigCache:
                 if binaries and isinstance(sent, dict) and sent.get("accepted"):
                     fleet.publish_binaries(rec.key, rec.config, binaries)
         return kept, won
+
+    def keep_tuned(self, result: "TuneResult", device: "DeviceClass") -> tuple[ConfigRecord, bool]:
+        """`keep` a tuning run's result: its winner, trials, run and compiled kernels."""
+        return self.keep(
+            result.record(device),
+            result.trials,
+            run_id=result.run_id,
+            tune_seconds=result.seconds,
+            binaries=result.binaries,
+        )
 
     def drop(self, key: TuneKey, config: dict, reason: str, *, where: str = "stored") -> None:
         """A config that cannot run here: forget the local row that holds it, tell the fleet."""

@@ -308,13 +308,7 @@ def _decide(
         except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
             log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(e))
             return _reference_entry(mod, problem, device)
-        kept, _ = CACHE.keep(
-            result.record(device),
-            result.trials,
-            run_id=result.run_id,
-            tune_seconds=result.seconds,
-            binaries=result.binaries,
-        )
+        kept, _ = CACHE.keep_tuned(result, device)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
     CACHE.enqueue(key)

@@ -122,6 +122,17 @@ LEASE_PREFIX = "tcl_"
 TOKEN_PREFIX = "tc_"
 
 
+def _readable(rows: Iterable[TunedConfigRow]) -> list[ConfigRecord]:
+    """The rows as records, a corrupt one reported and skipped."""
+    out = []
+    for row in rows:
+        try:
+            out.append(config_record(row))
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
+    return out
+
+
 class Store:
     """One database, local or fleet. Thread-safe; safe for many processes on one SQLite file.
 
@@ -405,13 +416,7 @@ class Store:
                 q = q.offset(offset)
             if limit is not None:
                 q = q.limit(limit)
-            out = []
-            for row in s.execute(q).scalars():
-                try:
-                    out.append(config_record(row))
-                except (ValueError, TypeError, KeyError) as e:
-                    log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
-            return out
+            return _readable(s.execute(q).scalars())
 
     def find_configs(self, prefix: str) -> list[ConfigRecord]:
         """Rows whose digest starts with `prefix` (for `tunecache show`)."""
@@ -499,13 +504,7 @@ class Store:
                     for k, v in kernel_versions.items()
                 ]
                 q = q.where(or_(*pairs) if pairs else false())
-            out = []
-            for row in s.execute(q).scalars():
-                try:
-                    out.append(config_record(row))
-                except (ValueError, TypeError, KeyError) as e:
-                    log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
-            return out
+            return _readable(s.execute(q).scalars())
 
     def counts(self) -> dict[str, int]:
         with self._read() as s:
