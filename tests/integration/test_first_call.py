@@ -36,15 +36,24 @@ def test_a_warm_first_call_imports_no_database_layer(db_url):
 def test_a_store_at_another_revision_is_read_through_the_store(db_url, tmp_path):
     run_py(TUNE_ONCE, {"TUNECACHE_DB_URL": db_url})
     path = db_url[len("sqlite:///") :]
-    with sqlite3.connect(path) as conn:  # as an older tunecache left it: the Store migrates it
-        conn.execute("UPDATE alembic_version SET version_num = '0004'")
-        conn.execute("ALTER TABLE tuned_configs DROP COLUMN default_ms")
-        conn.execute("ALTER TABLE tuned_configs DROP COLUMN vendor_ms")
-        conn.execute("ALTER TABLE submissions DROP COLUMN default_ms")
-        conn.execute("ALTER TABLE submissions DROP COLUMN vendor_ms")
+    _downgrade(db_url, "0004")  # as an older tunecache left it: the Store migrates it
     got = _first_call(db_url)
     assert got["ok"] and got["sqlalchemy"] is True  # the Store opened it, migrated it, and read it
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchone()[0] != "0004"
         assert conn.execute("SELECT count(*) FROM tuned_configs").fetchone()[0] == 1
     assert _first_call(db_url)["sqlalchemy"] is False
+
+
+def _downgrade(db_url: str, revision: str) -> None:
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from tunecache.migrate import alembic_config
+
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+    engine.dispose()
