@@ -114,8 +114,13 @@ def _split_ok(c: dict, p: dict, device) -> bool:
 
 def default_config(p: dict, device) -> dict:
     if device.arch == "cpu":
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+        c = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    else:
+        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+    c = rules.fit(c, {"BLOCK_M": p["Co"], "BLOCK_N": p["gemm_N"], "BLOCK_K": p["gemm_K"]}, device)
+    if prune([c], p, device):
+        return c
+    return dict(c, SPLIT_K=1)  # a reduction too short to split
 
 
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:

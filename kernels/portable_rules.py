@@ -37,6 +37,18 @@ def gpu_ok(c: dict, sizes: dict[str, int], itemsize: int, smem_limit: int = 227 
     return tile // (32 * warps) <= 128
 
 
+def fit(config: dict, sizes: dict[str, int], device) -> dict:
+    """A default config shrunk to a small problem, so that the pruning keeps it: no tile
+    dimension past the largest the rules allow for the problem's (`interpreter_ok` on the CPU,
+    `gpu_ok` on a GPU), and warps to match the smaller tile."""
+    c = dict(config)
+    for b, n in sizes.items():
+        c[b] = min(c[b], max(16, pow2_at_least(n) if device.arch == "cpu" else 2 * pow2_at_least(n)))
+    if device.arch != "cpu" and c["num_warps"] == 8 and c["BLOCK_M"] * c["BLOCK_N"] < 128 * 128:
+        c["num_warps"] = 4
+    return c
+
+
 INTERPRETER_FIXED = {"num_warps": 4, "num_stages": 3, "GROUP_M": 8}
 
 

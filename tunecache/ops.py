@@ -3,6 +3,12 @@
 y = tunecache.ops.conv2d_fprop(x, w, stride=1, padding=1)     # NHWC
 gw = tunecache.ops.conv2d_wgrad(x, grad_out, R, S, stride=1, padding=0)
 c = tunecache.ops.matmul(a, b)
+
+With autograd and torch.compile (torch.library custom ops, `tunecache.custom_ops`), in the
+calls of torch.nn.functional:
+
+y = tunecache.ops.conv2d(x, weight, bias, stride=1, padding=1)   # NCHW (channels_last: no copies)
+y = tunecache.ops.linear(x, weight, bias)
 """
 
 from __future__ import annotations
@@ -75,3 +81,39 @@ def clear_memo() -> None:
     for op in OP_LAUNCHERS.values():
         op.clear()
     quick_read.forget()
+
+
+# ---- with autograd and torch.compile: the calls of torch.nn.functional ----------------------
+
+
+def conv2d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0
+) -> torch.Tensor:
+    """torch.nn.functional.conv2d (NCHW; groups and dilation 1) on the tuned kernels, with
+    autograd. The kernels are NHWC: a channels_last input and weight are read in place, others
+    are copied once per call."""
+    st = problems.pair(stride, "stride", minimum=1)
+    pd = problems.pair(padding, "padding", minimum=0)
+    if x.dim() != 4 or weight.dim() != 4:
+        raise ValueError(
+            f"conv2d takes a 4-D input (N, C, H, W) and weight (Co, Ci, R, S), got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    y = custom_ops.conv2d_nhwc(x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1), list(st), list(pd))
+    y = y.permute(0, 3, 1, 2)
+    return y if bias is None else y + bias.view(1, -1, 1, 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.functional.linear, y = x @ weight.T + bias, on the tuned matmul, with autograd
+    (the weight is read transposed in place)."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear takes x (..., in_features) and weight (out_features, in_features), got {tuple(x.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    y = custom_ops.matmul(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+from . import custom_ops  # noqa: E402 - it calls this module's ops

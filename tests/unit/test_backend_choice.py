@@ -68,3 +68,36 @@ def test_kernel_version_tracks_source_and_space():
     v = registry.kernel_version(mod)
     assert len(v) == 16 and v == registry.kernel_version(mod)
     assert v != registry.kernel_version(registry.backend_module("conv2d_fprop", "portable"))
+
+
+SMALL_AND_ODD = {
+    "matmul": [
+        {"M": 5, "N": 4, "K": 6, "dtype": "float32"},
+        {"M": 1, "N": 4096, "K": 4096, "dtype": "bfloat16"},
+        {"M": 3, "N": 17, "K": 9, "dtype": "float16", "a_layout": "col"},
+    ],
+    "conv2d_fprop": [
+        {"N": 2, "H": 7, "W": 7, "Ci": 3, "Co": 5, "R": 3, "S": 3, "stride": 2, "padding": 1, "dtype": "float32"},
+        {"N": 1, "H": 224, "W": 224, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3, "dtype": "bfloat16"},
+    ],
+    "conv2d_wgrad": [
+        {"N": 2, "H": 7, "W": 7, "Ci": 3, "Co": 5, "R": 3, "S": 3, "stride": 2, "padding": 1, "dtype": "float32"},
+        {"N": 1, "H": 9, "W": 9, "Ci": 1, "Co": 3, "R": 1, "S": 1, "stride": 3, "padding": 0, "dtype": "float16"},
+    ],
+}
+
+
+@pytest.mark.parametrize("arch", ["cpu", "sm_80"])
+@pytest.mark.parametrize("op", sorted(SMALL_AND_ODD))
+def test_an_untuned_call_runs_the_portable_kernel_on_small_and_odd_shapes(op, arch):
+    """The default config (what policy `default` launches before a worker tunes) fits the
+    problem: the backend's own pruning keeps it, rather than sending the call to PyTorch."""
+    from tunecache.compile import canonical_problem
+
+    mod = registry.backend_module(op, "portable")
+    dev = DeviceClass(arch, 0 if arch == "cpu" else 108)
+    for given in SMALL_AND_ODD[op]:
+        p = canonical_problem(op, given)
+        default = mod.default_config(p, dev)
+        assert mod.prune([default], p, dev) == [default], (given, default)
+        assert default in mod.config_space(p, dev), "a default outside the space could not be published"

@@ -1,0 +1,126 @@
+"""Train with it (CPU, on Triton's interpreter): `tunecache.ops.conv2d` / `linear` and the
+custom ops under them give torch's gradients, pass `torch.library.opcheck`, and
+`torch.compile(fullgraph=True)` captures a model built on `tunecache.nn` layers."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tunecache.nn as tnn
+from tunecache import ops
+
+
+@pytest.fixture
+def untuned(db_url, monkeypatch):
+    """Policy `default`: each shape runs the backend's default config at once (no tuning on
+    the interpreter), which is what the ops compute with until a worker has tuned them."""
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
+    yield
+
+
+def _grads(fn, *inputs, grad_out_seed=1):
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_out_seed))
+    return (out, *torch.autograd.grad(out, inputs, g))
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+@pytest.mark.parametrize("padding", [0, 1, 2])
+def test_conv2d_gives_torchs_output_and_gradients(untuned, stride, padding):
+    torch.manual_seed(stride * 10 + padding)
+    x = torch.randn(2, 3, 9, 8, requires_grad=True)  # 3 input channels, odd sizes
+    w = torch.randn(5, 3, 3, 3, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    ours = _grads(lambda x, w, b: ops.conv2d(x, w, b, stride, padding), x, w, b)
+    torchs = _grads(lambda x, w, b: F.conv2d(x, w, b, stride, padding), x, w, b)
+    for name, o, t in zip(("y", "grad_x", "grad_w", "grad_b"), ours, torchs):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_conv2d_reads_channels_last_tensors_in_place(untuned):
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(8, 4, 1, 1).to(memory_format=torch.channels_last)
+    y = ops.conv2d(x, w, stride=2)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.conv2d(x, w, stride=2), rtol=1e-4, atol=1e-4)
+
+
+def test_linear_and_matmul_give_torchs_output_and_gradients(untuned):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7, requires_grad=True)  # a batch of sequences: the leading dims are flattened
+    w = torch.randn(6, 7, requires_grad=True)
+    b = torch.randn(6, requires_grad=True)
+    for o, t in zip(_grads(ops.linear, x, w, b), _grads(F.linear, x, w, b)):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)
+    a, c = torch.randn(9, 4, requires_grad=True), torch.randn(4, 11, requires_grad=True)
+    mm = torch.ops.tunecache.matmul
+    for o, t in zip(_grads(mm, a, c), _grads(torch.mm, a, c)):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)
+
+
+def test_the_custom_ops_pass_opcheck(untuned):
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 7, 3, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    g = torch.randn(2, 4, 4, 4)
+    for op, args in (
+        (torch.ops.tunecache.matmul.default, (torch.randn(5, 6, requires_grad=True), torch.randn(6, 3))),
+        (torch.ops.tunecache.conv2d_nhwc.default, (x, w, [2, 2], [1, 1])),
+        (torch.ops.tunecache.conv2d_wgrad_nhwc.default, (x.detach(), g, 3, 3, [2, 2], [1, 1])),
+    ):
+        torch.library.opcheck(op, args)
+
+
+def test_nn_layers_are_torchs_with_the_same_state_and_convert_leaves_what_they_cannot_take(untuned, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, groups=2),  # grouped: torch keeps it
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    )
+    before = {k: v for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 6, 6)
+    expected = model(x)
+    with caplog.at_level(logging.WARNING, logger="tunecache"):
+        assert tnn.convert(model) is model
+    assert [type(m) for m in model] == [tnn.Conv2d, torch.nn.ReLU, torch.nn.Conv2d, torch.nn.Flatten, tnn.Linear]
+    assert isinstance(model[0], torch.nn.Conv2d) and isinstance(model[4], torch.nn.Linear)
+    assert "convert left 1 convolution(s) to torch: 2: groups=2" in caplog.text
+    after = model.state_dict()
+    assert list(after) == list(before) and all(after[k] is before[k] or after[k].equal(before[k]) for k in before)
+    torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)
+    # a layer built directly takes torch.nn's arguments and loads torch.nn's state dict
+    conv = tnn.Conv2d(3, 8, 3, padding=1)
+    conv.load_state_dict(model[0].state_dict())
+    torch.testing.assert_close(conv(x), model[0](x))
+
+
+def test_a_layer_falls_back_to_torch_with_one_warning_for_what_the_kernels_do_not_take(untuned, caplog):
+    conv = tnn.Conv2d(3, 4, 3).double()
+    x = torch.randn(1, 3, 5, 5, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="tunecache"):
+        torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias))
+        conv(x)
+    assert caplog.text.count("dtype torch.float64") == 1
+
+
+def test_torch_compile_captures_a_model_built_on_them_in_one_graph(untuned):
+    torch.manual_seed(0)
+    model = tnn.convert(
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(36, 5)
+        )
+    )
+    x = torch.randn(2, 3, 6, 6)
+    eager = _grads(lambda x: model(x), x.requires_grad_())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)  # inductor; a graph break raises here
+    got = _grads(lambda x: compiled(x), x)
+    for o, t in zip(got, eager):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,119 @@
+"""The ops as PyTorch sees them: `torch.library` custom ops with fake (meta) kernels and autograd.
+
+`torch.ops.tunecache.matmul` and `torch.ops.tunecache.conv2d_nhwc` call the tuned ops of
+`tunecache.ops`; registered as custom ops, `torch.compile(fullgraph=True)` captures them
+without a graph break (the fake kernels give the output's shape from the inputs' alone),
+autograd differentiates them, and `torch.library.opcheck` checks all of it.
+
+Backward passes are tuned ops too: a matmul's gradients are matmuls of transposed views (the
+GEMM kernels read column-major operands in place), a convolution's weight gradient is the
+wgrad kernel. The gradient of a convolution's input (dgrad) has no tunecache kernel yet: it is
+PyTorch's (`torch.nn.grad.conv2d_input`, cuDNN on a GPU) until it has one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+# ---- matmul ------------------------------------------------------------------------------
+
+
+def _operand(t: Tensor) -> Tensor:
+    """`t` itself when it is row- or column-major (what the GEMM kernels read), else a copy."""
+    rows, cols = t.shape
+    if (t.stride(1) == 1 and t.stride(0) == cols) or (t.stride(0) == 1 and t.stride(1) == rows):
+        return t
+    return t.contiguous()
+
+
+@torch.library.custom_op("tunecache::matmul", mutates_args=())
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of 2-D tensors, tuned (`tunecache.ops.matmul`)."""
+    return ops.matmul(_operand(a), _operand(b))
+
+
+@matmul.register_fake
+def _(a: Tensor, b: Tensor) -> Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "matmul takes 2-D tensors")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _matmul_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _matmul_backward(ctx, grad: Tensor):
+    a, b = ctx.saved_tensors
+    grad_a = matmul(grad, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = matmul(a.t(), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+# ---- conv2d (NHWC) -----------------------------------------------------------------------
+
+
+def _out_size(size, k: int, stride: int, pad: int):
+    return (size + 2 * pad - k) // stride + 1
+
+
+@torch.library.custom_op("tunecache::conv2d_nhwc", mutates_args=())
+def conv2d_nhwc(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+    """y[N, P, Q, Co] = conv2d(x[N, H, W, Ci], w[Co, R, S, Ci]), tuned (`tunecache.ops.conv2d_fprop`)."""
+    return ops.conv2d_fprop(x.contiguous(), w.contiguous(), tuple(stride), tuple(padding))
+
+
+@conv2d_nhwc.register_fake
+def _(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+    torch._check(x.dim() == 4 and w.dim() == 4, lambda: "conv2d_nhwc takes 4-D NHWC tensors")
+    torch._check(x.shape[3] == w.shape[3], lambda: f"x has {x.shape[3]} channels, w {w.shape[3]}")
+    n, h, wd, _ = x.shape
+    co, r, s, _ = w.shape
+    p = _out_size(h, r, stride[0], padding[0])
+    q = _out_size(wd, s, stride[1], padding[1])
+    return x.new_empty((n, p, q, co))
+
+
+@torch.library.custom_op("tunecache::conv2d_wgrad_nhwc", mutates_args=())
+def conv2d_wgrad_nhwc(x: Tensor, grad_out: Tensor, R: int, S: int, stride: list[int], padding: list[int]) -> Tensor:
+    """grad_w[Co, R, S, Ci] of conv2d_nhwc, tuned (`tunecache.ops.conv2d_wgrad`)."""
+    return ops.conv2d_wgrad(x.contiguous(), grad_out.contiguous(), R, S, tuple(stride), tuple(padding))
+
+
+@conv2d_wgrad_nhwc.register_fake
+def _(x: Tensor, grad_out: Tensor, R: int, S: int, stride: list[int], padding: list[int]) -> Tensor:
+    return x.new_empty((grad_out.shape[3], R, S, x.shape[3]))
+
+
+def _dgrad(grad_out: Tensor, w: Tensor, x_shape, stride, padding) -> Tensor:
+    """grad_x[N, H, W, Ci]: PyTorch's until tunecache has a dgrad kernel (see the module's docstring)."""
+    n, h, wd, ci = x_shape
+    gx = torch.nn.grad.conv2d_input(
+        (n, ci, h, wd), w.permute(0, 3, 1, 2), grad_out.permute(0, 3, 1, 2), stride=stride, padding=padding
+    )
+    return gx.permute(0, 2, 3, 1)
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    x, w, stride, padding = inputs
+    ctx.save_for_backward(x, w)
+    ctx.stride, ctx.padding = list(stride), list(padding)
+
+
+def _conv_backward(ctx, grad: Tensor):
+    x, w = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = _dgrad(grad, w, x.shape, ctx.stride, ctx.padding) if ctx.needs_input_grad[0] else None
+    grad_w = (
+        conv2d_wgrad_nhwc(x, grad, w.shape[1], w.shape[2], ctx.stride, ctx.padding) if ctx.needs_input_grad[1] else None
+    )
+    return grad_x, grad_w, None, None
+
+
+conv2d_nhwc.register_autograd(_conv_backward, setup_context=_conv_setup)

@@ -1,0 +1,112 @@
+"""torch.nn layers on tunecache's kernels: `Conv2d`, `Linear`, and `convert(model)`.
+
+They are `torch.nn.Conv2d` and `torch.nn.Linear` (subclasses: the same arguments, parameters,
+state dict, hooks and `isinstance`), whose forward runs `tunecache.ops.conv2d` / `linear`
+(tuned, with autograd and torch.compile). What the kernels do not take runs torch's own
+forward with one warning that says why: groups, dilation, a padding mode other than zeros,
+float64, an unbatched input. Activations are fastest channels_last
+(`model.to(memory_format=torch.channels_last)`): the kernels are NHWC, and other inputs are
+copied once per call.
+
+    model = tunecache.nn.convert(torchvision.models.resnet50()).to("cuda", torch.bfloat16,
+                                 memory_format=torch.channels_last)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import ops
+
+log = logging.getLogger("tunecache")
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_WARNED: set[str] = set()
+
+
+def _warn_once(what: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        log.warning("tunecache: %s; torch's own op runs it", what)
+
+
+class Conv2d(torch.nn.Conv2d):
+    """torch.nn.Conv2d whose forward runs tunecache's conv2d kernels (see the module's docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        why = conv_refusal(self) or _input_refusal(x, 4)
+        if why:
+            _warn_once(f"{type(self).__name__}{tuple(self.weight.shape)}: {why}")
+            return super().forward(x)
+        return ops.conv2d(x, self.weight, self.bias, self.stride, _padding(self))
+
+
+class Linear(torch.nn.Linear):
+    """torch.nn.Linear whose forward runs tunecache's matmul kernels (see the module's docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        why = _input_refusal(x, None)
+        if why:
+            _warn_once(f"{type(self).__name__}({self.in_features}, {self.out_features}): {why}")
+            return super().forward(x)
+        return ops.linear(x, self.weight, self.bias)
+
+
+def conv_refusal(m: torch.nn.Conv2d) -> str | None:
+    """Why this convolution's settings are not for tunecache's kernels, or None."""
+    if m.groups != 1:
+        return f"groups={m.groups} (grouped and depthwise convolutions are not supported)"
+    if tuple(m.dilation) != (1, 1):
+        return f"dilation={tuple(m.dilation)} (only 1)"
+    if m.padding_mode != "zeros":
+        return f"padding_mode={m.padding_mode!r} (only 'zeros')"
+    if _padding(m) is None:
+        return f"padding={m.padding!r} with stride {tuple(m.stride)} and an even filter"
+    return None
+
+
+def _padding(m: torch.nn.Conv2d) -> tuple[int, int] | None:
+    """The padding as two ints ('valid' is 0; 'same' with stride 1 and odd filters is half of them)."""
+    if m.padding == "valid":
+        return (0, 0)
+    if m.padding == "same":
+        r, s = m.kernel_size
+        if tuple(m.stride) != (1, 1) or r % 2 == 0 or s % 2 == 0:
+            return None
+        return (r // 2, s // 2)
+    return tuple(m.padding)
+
+
+def _input_refusal(x: torch.Tensor, ndim: int | None) -> str | None:
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype} (the kernels take float16, bfloat16 and float32)"
+    if ndim is not None and x.dim() != ndim:
+        return f"a {x.dim()}-D input (a batch of NCHW images is 4-D)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"device {x.device}"
+    if x.numel() == 0:
+        return "an empty input"
+    return None
+
+
+def convert(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every torch.nn.Conv2d and torch.nn.Linear of `model` (itself included) one of this
+    module, in place: the same objects, parameters and state dict, only their class changes.
+    Convolutions whose settings the kernels do not take (`conv_refusal`) are left to torch and
+    named in one warning. Returns `model`."""
+    left: list[str] = []
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Conv2d:
+            why = conv_refusal(m)
+            if why:
+                left.append(f"{name or 'the model'}: {why}")
+                continue
+            m.__class__ = Conv2d
+        elif type(m) is torch.nn.Linear:
+            m.__class__ = Linear
+    if left:
+        shown = "; ".join(left[:5]) + (f"; and {len(left) - 5} more" if len(left) > 5 else "")
+        log.warning("tunecache: convert left %d convolution(s) to torch: %s", len(left), shown)
+    return model
