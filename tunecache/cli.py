@@ -309,6 +309,52 @@ def import_(path: Path = typer.Argument(..., help="a JSON file written by `tunec
         err.print(f"  rejected: {msg}")
 
 
+@app.command("manifest")
+def manifest_cmd(
+    from_model: str = typer.Option(
+        ..., "--from-model", help="MODULE:FACTORY (called with no arguments) or torchvision:NAME (its model zoo)"
+    ),
+    batch: int = typer.Option(32, min=1, help="batch size of the training (or inference) step"),
+    input_shape: str = typer.Option("3,224,224", "--input", help="one sample's shape: 3,224,224 (an image), 2048, ..."),
+    dtype: str = typer.Option("bfloat16", help="the model's dtype: float16, bfloat16, float32"),
+    input_dtype: Optional[str] = typer.Option(None, help="the input's dtype if not the model's (int64 for token ids)"),
+    inference: bool = typer.Option(False, help="forward ops only (training adds the gradients' ops)"),
+    name: Optional[str] = typer.Option(None, help="the manifest's name (default: from the model)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the TOML here (default: standard output)"),
+) -> None:
+    """Write a `tunecache pretune` manifest from a model: one forward pass on the meta device
+    (no memory, no compute) records what every nn.Conv2d and nn.Linear asks of tunecache's ops
+    at this batch size, as `tunecache.nn.convert(model)` runs them. Then `tunecache pretune FILE`."""
+    from .model_shapes import ModelError, entries, load_model, to_toml
+
+    try:
+        shape = tuple(int(v) for v in input_shape.replace("x", ",").split(",") if v.strip())
+    except ValueError:
+        _fail(f"--input must be sizes separated by commas (e.g. 3,224,224), got {input_shape!r}")
+    try:
+        model = load_model(from_model)
+        found, left = entries(model, shape, batch, dtype, training=not inference, input_dtype=input_dtype)
+    except ModelError as e:
+        _fail(str(e))
+    if not found:
+        _fail(f"{from_model} has no nn.Conv2d or nn.Linear layer that tunecache runs")
+    title = name or from_model.rpartition(":")[2]
+    step = "inference" if inference else "training"
+    text = to_toml(
+        title, f"{from_model} at batch {batch}, input {shape}, {dtype}, {step} step (tunecache manifest)", found
+    )
+    jobs = sum(len(e.ops) for e in found)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+    err.print(
+        f"{from_model}: {len(found)} distinct problem(s), {jobs} tuning job(s)"
+        + (f" -> {out}" if out else "")
+        + (f"; left to torch: {len(left)} layer(s) ({'; '.join(left[:3])})" if left else "")
+    )
+
+
 @app.command()
 def sync(
     gpu: int = typer.Option(0, help="CUDA device index whose device class to fetch"),

@@ -40,7 +40,7 @@ class Conv2d(torch.nn.Conv2d):
         if why:
             _warn_once(f"{type(self).__name__}{tuple(self.weight.shape)}: {why}")
             return super().forward(x)
-        return ops.conv2d(x, self.weight, self.bias, self.stride, _padding(self))
+        return ops.conv2d(x, self.weight, self.bias, self.stride, padding_pair(self))
 
 
 class Linear(torch.nn.Linear):
@@ -62,12 +62,12 @@ def conv_refusal(m: torch.nn.Conv2d) -> str | None:
         return f"dilation={tuple(m.dilation)} (only 1)"
     if m.padding_mode != "zeros":
         return f"padding_mode={m.padding_mode!r} (only 'zeros')"
-    if _padding(m) is None:
+    if padding_pair(m) is None:
         return f"padding={m.padding!r} with stride {tuple(m.stride)} and an even filter"
     return None
 
 
-def _padding(m: torch.nn.Conv2d) -> tuple[int, int] | None:
+def padding_pair(m: torch.nn.Conv2d) -> tuple[int, int] | None:
     """The padding as two ints ('valid' is 0; 'same' with stride 1 and odd filters is half of them)."""
     if m.padding == "valid":
         return (0, 0)

@@ -1,0 +1,20 @@
+"""Small models for the tests that read shapes from a model (`tunecache manifest --from-model
+support.models:tiny_convnet`, with tests/ on the import path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_convnet() -> torch.nn.Module:
+    """A strided stem, a 3x3 block, a grouped conv (left to torch), a repeated 1x1, a head."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.Conv2d(8, 8, 3, padding=1, groups=2),
+        torch.nn.Conv2d(8, 8, 1),
+        torch.nn.Conv2d(8, 8, 1),  # the same problem again: tuned once
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    )
