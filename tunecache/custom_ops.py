@@ -7,8 +7,11 @@ autograd differentiates them, and `torch.library.opcheck` checks all of it.
 
 Backward passes are tuned ops too: a matmul's gradients are matmuls of transposed views (the
 GEMM kernels read column-major operands in place), a convolution's weight gradient is the
-wgrad kernel. The gradient of a convolution's input (dgrad) has no tunecache kernel yet: it is
-PyTorch's (`torch.nn.grad.conv2d_input`, cuDNN on a GPU) until it has one.
+wgrad kernel, and the gradient of its input (dgrad) is a forward convolution of the output's
+gradient with the flipped, transposed filter wherever that does no wasted work (`dgrad_plan`):
+stride 1, and 1x1 filters at any stride (one output phase, the rest zero). Other strided
+convolutions' dgrad is PyTorch's (`torch.nn.grad.conv2d_input`, cuDNN on a GPU) until
+tunecache has a dgrad kernel that splits them by output phase.
 """
 
 from __future__ import annotations
@@ -91,13 +94,36 @@ def _(x: Tensor, grad_out: Tensor, R: int, S: int, stride: list[int], padding: l
     return x.new_empty((grad_out.shape[3], R, S, x.shape[3]))
 
 
+def dgrad_plan(x_shape, w_shape, stride, padding) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """How dgrad runs as a forward convolution of grad_out with the flipped, transposed filter:
+    (its padding, the stride of the grad_x positions it fills), or None where that would waste
+    work (a strided filter larger than 1x1: its taps split into phases)."""
+    _, r, s, _ = w_shape
+    (sh, sw), (ph, pw) = stride, padding
+    if (sh, sw) == (1, 1) and ph <= r - 1 and pw <= s - 1:
+        return (r - 1 - ph, s - 1 - pw), (1, 1)
+    if (r, s) == (1, 1) and (ph, pw) == (0, 0):
+        return (0, 0), (sh, sw)  # grad_x at every stride-th position, zero between
+    return None
+
+
 def _dgrad(grad_out: Tensor, w: Tensor, x_shape, stride, padding) -> Tensor:
-    """grad_x[N, H, W, Ci]: PyTorch's until tunecache has a dgrad kernel (see the module's docstring)."""
+    """grad_x[N, H, W, Ci] of conv2d_nhwc (see the module's docstring)."""
     n, h, wd, ci = x_shape
-    gx = torch.nn.grad.conv2d_input(
-        (n, ci, h, wd), w.permute(0, 3, 1, 2), grad_out.permute(0, 3, 1, 2), stride=stride, padding=padding
-    )
-    return gx.permute(0, 2, 3, 1)
+    plan = dgrad_plan(x_shape, w.shape, stride, padding)
+    if plan is None:
+        gx = torch.nn.grad.conv2d_input(
+            (n, ci, h, wd), w.permute(0, 3, 1, 2), grad_out.permute(0, 3, 1, 2), stride=stride, padding=padding
+        )
+        return gx.permute(0, 2, 3, 1)
+    pad, (sh, sw) = plan
+    w_t = w.flip(1, 2).permute(3, 1, 2, 0)  # [Ci, R, S, Co], taps reversed
+    filled = conv2d_nhwc(grad_out, w_t, [1, 1], list(pad))
+    if (sh, sw) == (1, 1):
+        return filled
+    gx = grad_out.new_zeros((n, h, wd, ci))
+    gx[:, ::sh, ::sw, :] = filled
+    return gx
 
 
 def _conv_setup(ctx, inputs, output) -> None:

@@ -3,8 +3,9 @@
 `tunecache manifest --from-model torchvision:resnet50 --batch 128` builds the model, runs one
 forward pass on the meta device (no memory, no compute) with hooks on every `nn.Conv2d` and
 `nn.Linear`, and writes each distinct problem as the op calls that `tunecache.nn` makes for
-it: a convolution's fprop (and, for training, its wgrad), a linear layer's GEMM (and, for
-training, the GEMMs of its two gradients, as `tunecache.custom_ops` computes them). The
+it: a convolution's fprop (and, for training, its wgrad, and the forward convolution that
+computes its input's gradient where its input needs one), a linear layer's GEMM (and, for
+training, the GEMMs of its two gradients), as `tunecache.custom_ops` computes them. The
 result is the TOML that `tunecache pretune` reads, so no one writes shapes by hand.
 """
 
@@ -65,6 +66,7 @@ def entries(
     """(one entry per distinct problem, the layers tunecache leaves to torch), from one forward
     pass of `model` on the meta device with an input of (batch, *input_shape), of the model's
     dtype or `input_dtype` (e.g. int64 token ids)."""
+    from .custom_ops import dgrad_plan
     from .nn import conv_refusal, padding_pair
 
     if dtype not in DTYPES:
@@ -83,11 +85,22 @@ def entries(
             if why:
                 left.append(f"{name}: {why}")
                 return
-            n, ci, h, w = args[0].shape
+            x, y = args[0], _out
+            n, ci, h, w = x.shape
             pad, st = padding_pair(m), tuple(m.stride)
-            fields = dict(N=n, H=h, W=w, Ci=ci, Co=m.out_channels, R=m.kernel_size[0], S=m.kernel_size[1])
+            r, s = m.kernel_size
+            fields = dict(N=n, H=h, W=w, Ci=ci, Co=m.out_channels, R=r, S=s)
             fields.update(stride=_one(st), padding=_one(pad), dtype=dtype)
             keep(name, ["conv2d_fprop", "conv2d_wgrad"] if training else ["conv2d_fprop"], fields)
+            plan = dgrad_plan((n, h, w, ci), (m.out_channels, r, s, ci), st, pad)
+            if training and x.requires_grad and plan is not None:  # the model's input needs none
+                dpad = plan[0]
+                _, _, p, q = y.shape
+                keep(
+                    f"{name}_dgrad",
+                    ["conv2d_fprop"],
+                    dict(N=n, H=p, W=q, Ci=m.out_channels, Co=ci, R=r, S=s, stride=1, padding=_one(dpad), dtype=dtype),
+                )
 
         return hook
 
@@ -113,7 +126,7 @@ def entries(
     try:
         model = model.to("meta", DTYPES[dtype])
         x = torch.empty((batch, *input_shape), device="meta", dtype=_input_dtype(input_dtype or dtype))
-        with torch.no_grad():
+        with torch.enable_grad():  # which layers' inputs need a gradient (the model's input needs none)
             model.eval()(x)
     except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors, or a wrong input
         raise ModelError(

@@ -41,6 +41,18 @@ def test_conv2d_gives_torchs_output_and_gradients(untuned, stride, padding):
         torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("stride", [2, 3])
+def test_a_strided_1x1_conv_gives_torchs_gradients(untuned, stride):
+    """Its input's gradient is a forward conv filling every stride-th position (dgrad_plan)."""
+    torch.manual_seed(stride)
+    x = torch.randn(2, 6, 7, 8, requires_grad=True)
+    w = torch.randn(5, 6, 1, 1, requires_grad=True)
+    ours = _grads(lambda x, w: ops.conv2d(x, w, stride=stride), x, w)
+    torchs = _grads(lambda x, w: F.conv2d(x, w, stride=stride), x, w)
+    for o, t in zip(ours, torchs):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)
+
+
 def test_conv2d_reads_channels_last_tensors_in_place(untuned):
     x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
     w = torch.randn(8, 4, 1, 1).to(memory_format=torch.channels_last)

@@ -7,14 +7,15 @@ import torch
 
 
 def tiny_convnet() -> torch.nn.Module:
-    """A strided stem, a 3x3 block, a grouped conv (left to torch), a repeated 1x1, a head."""
+    """For an input of (N, 3, 8, 8): a strided stem, a 3x3 that widens, a grouped conv (left to
+    torch), a 1x1 that narrows, a strided 1x1 (a downsample), a head."""
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
         torch.nn.ReLU(),
-        torch.nn.Conv2d(8, 8, 3, padding=1),
-        torch.nn.Conv2d(8, 8, 3, padding=1, groups=2),
-        torch.nn.Conv2d(8, 8, 1),
-        torch.nn.Conv2d(8, 8, 1),  # the same problem again: tuned once
+        torch.nn.Conv2d(8, 16, 3, padding=1),
+        torch.nn.Conv2d(16, 16, 3, padding=1, groups=2),
+        torch.nn.Conv2d(16, 8, 1),
+        torch.nn.Conv2d(8, 8, 1, stride=2),
         torch.nn.Flatten(),
-        torch.nn.Linear(8 * 4 * 4, 10),
+        torch.nn.Linear(8 * 2 * 2, 10),
     )
