@@ -1046,7 +1046,7 @@ def db_prune(
     console.print(
         f"pruned {counts['trials']} trial(s), {counts['submissions']} submission(s) and "
         f"{counts['jobs']} finished job(s) older than {older_than}; expired {counts['expired_jobs']} "
-        f"queued job(s)"
+        f"queued job(s); removed {counts['binaries']} compiled kernel(s) of replaced or removed winners"
     )
 
 

@@ -1246,8 +1246,8 @@ class Store:
     def prune(self, older_than_s: float, *, job_ttl_s: float | None = None) -> dict[str, int]:
         """Delete trials and submissions older than `older_than_s` (each key's latest accepted
         submission is kept: it says who made the current winner), finished jobs (done, failed,
-        quarantined) last changed before then, and expire queued jobs past their TTL first.
-        Returns {what: how many}. The audit log is kept."""
+        quarantined) last changed before then, and compiled kernels no winner uses (any age), and
+        expire queued jobs past their TTL first. Returns {what: how many}. The audit log is kept."""
         if not older_than_s > 0:
             raise ValueError(f"older_than_s must be > 0, got {older_than_s}")
         cutoff = utcnow() - timedelta(seconds=older_than_s)  # trials and submissions: the service's clock
@@ -1270,7 +1270,18 @@ class Store:
                     TuningJobRow.updated_at < self._now_sql(-older_than_s),
                 )
             ).rowcount
-        return {"trials": trials, "submissions": subs, "jobs": jobs, "expired_jobs": expired}
+            unused = [  # the kernels of a replaced or removed winner (configs compared as Python objects)
+                row_id
+                for row_id, config, winner_config in s.execute(
+                    select(KernelBinaryRow.id, KernelBinaryRow.config, TunedConfigRow.config).outerjoin(
+                        TunedConfigRow, TunedConfigRow.digest == KernelBinaryRow.digest
+                    )
+                )
+                if config != winner_config
+            ]
+            for i in range(0, len(unused), 500):
+                s.execute(KernelBinaryRow.__table__.delete().where(KernelBinaryRow.id.in_(unused[i : i + 500])))
+        return {"trials": trials, "submissions": subs, "jobs": jobs, "expired_jobs": expired, "binaries": len(unused)}
 
     def job_counts(self, arch: str | None = None, sm_count: int | None = None) -> dict[str, int]:
         """Jobs per status (the queue depth), optionally of one device class."""

@@ -147,6 +147,15 @@ def test_only_a_tuning_host_may_publish_a_winners_kernels_and_each_is_checked(cl
         faster = {**key_body(tuned), "config": other, "median_ms": 0.01, "source": "worker"}
         assert w.post("/v1/configs", json=faster).json()["accepted"]
         assert r.get(url).json() == {"digest": digest, "config": other, "binaries": []}
+    # and `db prune` removes what no winner uses any more
+    from tunecache.store import Store
+
+    store = Store(clean_fleet.db_url)
+    try:
+        assert store.prune(365 * 86400.0)["binaries"] == len(tuned["files"])
+        assert store.prune(365 * 86400.0)["binaries"] == 0
+    finally:
+        store.close()
 
 
 def test_a_fresh_host_syncs_the_fleet_and_compiles_nothing(clean_fleet, tuned, tmp_path):
