@@ -343,7 +343,9 @@ def manifest_cmd(
     text = to_toml(
         title, f"{from_model} at batch {batch}, input {shape}, {dtype}, {step} step (tunecache manifest)", found
     )
-    jobs = sum(len(e.ops) for e in found)
+    from .shapes import canonical_problem
+
+    jobs = len({(op, str(sorted(canonical_problem(op, e.fields).items()))) for e in found for op in e.ops})
     if out is None:
         sys.stdout.write(text)
     else:

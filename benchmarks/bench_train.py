@@ -1,0 +1,211 @@
+"""A training step of ResNet-50 on tunecache's ops against the same step on cuDNN / cuBLAS.
+
+Two copies of one ResNet-50 (torchvision's when it is installed, else the same architecture
+defined here: v1.5, the stride in each stage's first 3x3), bf16, channels_last, batch
+`--batch`, synthetic data: one stays torch's, the other is `tunecache.nn.convert`ed. Its
+shapes are pre-tuned first (`tunecache manifest --from-model` of this very model, then
+`tunecache pretune`, resumable: a second run tunes nothing). Then, in the same run:
+
+- step time (forward + backward + SGD step), `--steps` timed steps per round after warm-up,
+  the two models in turn over `--rounds` rounds (CUDA events, median per round);
+- the loss of `--loss-steps` steps of each from the same seed and data, plotted to a PNG.
+
+    python benchmarks/bench_train.py [--batch 128] [--steps 20] [--rounds 3] [--loss-steps 50]
+        [--max-candidates 48] [--no-pretune]
+
+JSON (with `summary`: step_ratio = torch step / tunecache step, the loss curves' largest
+relative gap) and the PNG go to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import RESULTS, device_info, write_results  # noqa: E402
+
+
+class Bottleneck(torch.nn.Module):
+    """torchvision's ResNet-50 block (v1.5)."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.conv1, self.bn1 = torch.nn.Conv2d(cin, width, 1, bias=False), torch.nn.BatchNorm2d(width)
+        self.conv2 = torch.nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = torch.nn.Conv2d(width, cout, 1, bias=False), torch.nn.BatchNorm2d(cout)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = torch.nn.Sequential(
+                torch.nn.Conv2d(cin, cout, 1, stride=stride, bias=False), torch.nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+def resnet50(num_classes: int = 1000) -> torch.nn.Module:
+    """torchvision.models.resnet50() if torchvision is installed, else the same network."""
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(num_classes=num_classes)
+    except ImportError:
+        pass
+    layers: list[torch.nn.Module] = [
+        torch.nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False),
+        torch.nn.BatchNorm2d(64),
+        torch.nn.ReLU(inplace=True),
+        torch.nn.MaxPool2d(3, stride=2, padding=1),
+    ]
+    cin = 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(cin, num_classes)]
+    return torch.nn.Sequential(*layers)
+
+
+def build(seed: int, convert: bool) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = resnet50()
+    if convert:
+        import tunecache.nn
+
+        tunecache.nn.convert(model)
+    return model.to("cuda", torch.bfloat16, memory_format=torch.channels_last).train()
+
+
+def batches(n: int, batch: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
+        yield x.contiguous(memory_format=torch.channels_last), y
+
+
+def step(model, opt, x, y) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def pretune(args) -> float:
+    """`tunecache manifest --from-model` of this script's model, then `tunecache pretune`."""
+    manifest = Path(tempfile.mkdtemp()) / "resnet50.toml"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    if args.max_candidates is not None:
+        env["TUNECACHE_MAX_CANDIDATES"] = str(args.max_candidates)
+    t0 = time.perf_counter()
+    cli = [sys.executable, "-m", "tunecache.cli"]
+    subprocess.run(
+        [*cli, "manifest", "--from-model", "bench_train:resnet50", "--batch", str(args.batch), "-o", str(manifest)],
+        env=env,
+        check=True,
+    )
+    subprocess.run([*cli, "pretune", str(manifest)], env=env, check=True)
+    return time.perf_counter() - t0
+
+
+def time_steps(model, opt, data, n: int) -> float:
+    """Median milliseconds of `n` steps (CUDA events)."""
+    times = []
+    for x, y in data[:n]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(model, opt, x, y)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--loss-steps", type=int, default=50)
+    ap.add_argument("--max-candidates", type=int, default=None, help="TUNECACHE_MAX_CANDIDATES for the pre-tuning")
+    ap.add_argument("--no-pretune", action="store_true", help="the store is tuned already (or tune on first use)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    tune_s = None if args.no_pretune else pretune(args)
+    data = list(batches(max(args.steps, args.warmup), args.batch, seed=1))
+    models = {"torch": build(0, convert=False), "tunecache": build(0, convert=True)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in models.items()}
+    for k, m in models.items():  # warm-up: first calls, cuDNN's algorithm search
+        for x, y in data[: args.warmup]:
+            step(m, opts[k], x, y)
+    torch.cuda.synchronize()
+    rounds = {k: [] for k in models}
+    for _ in range(args.rounds):
+        for k, m in models.items():
+            rounds[k].append(time_steps(m, opts[k], data, args.steps))
+    ms = {k: statistics.median(v) for k, v in rounds.items()}
+
+    # the loss of the same steps from the same seed and data
+    losses = {}
+    for k in models:
+        model = build(0, convert=k == "tunecache")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        losses[k] = [step(model, opt, x, y).item() for x, y in batches(args.loss_steps, args.batch, seed=2)]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(losses["tunecache"], losses["torch"]))
+
+    name = args.out.stem if args.out else f"train-resnet50-b{args.batch}"
+    out_dir = args.out.parent if args.out else RESULTS
+    png = out_dir / f"{name}-loss.png"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, v in losses.items():
+        ax.plot(range(1, len(v) + 1), v, label=k)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(f"ResNet-50, batch {args.batch}, bf16, same seed and data")
+    ax.legend()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+
+    summary = {
+        "step_ratio": ms["torch"] / ms["tunecache"],
+        "step_ms": ms,
+        "loss_max_rel_gap": gap,
+        "batch": args.batch,
+        "pretune_s": tune_s,
+        "device": device_info().get("device"),
+    }
+    print(
+        f"ResNet-50 training step, batch {args.batch}: torch {ms['torch']:.1f} ms, tunecache "
+        f"{ms['tunecache']:.1f} ms ({summary['step_ratio']:.3f}x); loss curves within {gap:.3%}; plot {png}"
+    )
+    path = write_results(name, {"summary": summary, "rounds_ms": rounds, "losses": losses}, out_dir)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
