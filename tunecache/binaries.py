@@ -105,13 +105,17 @@ def _capability(arch: str) -> int | None:
 
 
 @contextmanager
-def capture() -> Iterator[dict[str, dict[str, str]]]:
+def capture(fn: Any = None) -> Iterator[dict[str, dict[str, str]]]:
     """While inside, every kernel Triton compiles or loads from its cache is recorded:
-    {triton_hash: {file name: path}}. Kernels already loaded in this process are forgotten
-    first (their launches would skip Triton's cache): call this in the trial runner only."""
+    {triton_hash: {file name: path}}. Kernels already loaded are forgotten first (their
+    launches would skip Triton's cache): those of the JIT function `fn` only, or with no `fn`
+    every one of the process (the trial runner's, which is its own)."""
     from triton import knobs
 
-    _forget_loaded_kernels()
+    if fn is None:
+        _forget_loaded_kernels()
+    else:
+        fn.device_caches.clear()
     seen: dict[str, dict[str, str]] = {}
     before = knobs.compilation.listener
 

@@ -170,6 +170,25 @@ class Autotuner(TritonAutotuner):
         self.cache[tuning_key] = winner
         self.pre_hook({**self.nargs, **meta, **winner.all_kwargs()}, reset_only=True)
 
+    def _winner_binaries(self, tuning_key: tuple) -> list:
+        """The winner's compiled kernel as Triton cached it (tunecache.binaries), for a fleet
+        to hand to hosts that never tuned; none without a fleet, on the interpreter, or when
+        the call's arguments are gone. Compiles nothing: the kernel is in Triton's cache, and
+        only this kernel's in-memory copies are dropped (its next launch reads the cache)."""
+        from . import binaries
+        from .config_cache import CACHE
+
+        winner, jit = self.cache.get(tuning_key), self.fn
+        if knobs.runtime.interpret or CACHE.fleet() is None or winner is None or not hasattr(jit, "warmup"):
+            return []
+        try:
+            with binaries.capture(jit) as seen:
+                jit.warmup(**{**self.nargs, **winner.all_kwargs()}, grid=(1,))
+            return binaries.read(seen)
+        except Exception as e:  # noqa: BLE001 - the result is kept without its binary
+            log.info("tunecache: could not find the compiled kernel of %s: %s", self.kernel_name, e)
+            return []
+
     def tune_key(self) -> tuple[TuneKey, DeviceClass]:
         """The store's key for the current call (`run` has set `self.nargs`)."""
         args = {k: v for k, v in {**self.nargs, **self._call_kwargs}.items() if k in self.arg_names}
@@ -267,7 +286,9 @@ class Autotuner(TritonAutotuner):
         )
         from .config_cache import CACHE
 
-        kept, won = CACHE.keep(rec, trials, tune_seconds=getattr(self, "bench_time", None))
+        kept, won = CACHE.keep(
+            rec, trials, tune_seconds=getattr(self, "bench_time", None), binaries=self._winner_binaries(tuning_key)
+        )
         if not won:
             # the store keeps a winner within its margin of ours (another process tuned the
             # same key): run that one, so that every process of the host agrees

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from support import KERNELS
 from support.fleet import host_env, run_host, start_fleet
 
 CALL = """
@@ -50,6 +51,37 @@ def test_a_host_that_never_tuned_launches_the_fleets_kernels_without_compiling(t
         assert run_host(CALL, tuner)["err"] < 2e-2
         assert run_host(CALL, fresh)["err"] < 2e-2
         installed, compiled = _entries(tmp_path / "fresh")
+        assert installed and not compiled, (installed, compiled)
+    finally:
+        fleet.stop()
+
+
+DROP_IN = """
+import json, torch
+import autotune_kernels as k
+a = torch.randn(96, 64, device="cuda", dtype=torch.float16)
+b = torch.randn(64, 80, device="cuda", dtype=torch.float16)
+out = k.matmul(a, b)
+print(json.dumps({"err": ((out.float() - a.float() @ b.float()).norm() / (a.float() @ b.float()).norm()).item()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_a_host_that_never_tuned_runs_the_fleets_tunecache_autotune_kernel_without_compiling(tmp_path):
+    fleet = start_fleet(f"sqlite:///{tmp_path / 'fleet.sqlite'}", tmp_path)
+    try:
+        envs = []
+        for name, scope in (("tuner", "worker"), ("fresh", "read")):
+            env = host_env(
+                tmp_path, name, fleet.url, fleet.tokens[scope], TRITON_CACHE_DIR=str(tmp_path / f"{name}-triton")
+            )
+            env.pop("TRITON_INTERPRET")
+            env["PYTHONPATH"] = f"{KERNELS}:{env.get('PYTHONPATH', '')}"
+            envs.append(env)
+        for env in envs:
+            assert run_host(DROP_IN, env)["err"] < 1e-2
+        installed, compiled = _entries(tmp_path / "fresh-triton")
         assert installed and not compiled, (installed, compiled)
     finally:
         fleet.stop()
