@@ -236,3 +236,19 @@ print(json.dumps({{"config": rec and rec.config}}))
 
 def _meta(files: dict) -> str:
     return next(n for n in files if n.endswith(".json"))
+
+
+def test_a_token_syncs_a_few_times_a_minute_from_one_address(clean_fleet):
+    """A sync answers up to 64 MiB: it is for a job's start, not a loop (429 with Retry-After)."""
+    from tunecache.store import Store
+
+    store = Store(clean_fleet.db_url)
+    secret, _ = store.create_token(f"sync-limit-{os.getpid()}", ["read"])
+    store.close()
+    body = {"arch": "sm_90", "sm_count": 132, "triton_version": "3.9.0"}
+    with httpx.Client(base_url=clean_fleet.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30) as c:
+        codes = [c.post("/v1/sync", json=body).status_code for _ in range(7)]
+        assert codes == [200] * 6 + [429], codes
+        refused = c.post("/v1/sync", json=body)
+        assert int(refused.headers["Retry-After"]) >= 1 and "sync" in refused.json()["detail"]
+        assert c.get("/v1/generation").status_code == 200, "other reads go on"

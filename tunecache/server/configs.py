@@ -458,9 +458,13 @@ def get_binaries(digest: DigestPath, _: ReadToken, store: StoreDep) -> BinariesO
     summary="Every winner of a device class (and its compiled kernels)",
     description="What `tunecache sync` copies to a host in one request: the winners of one device "
     "class and Triton version, of the given kernel versions, with their compiled kernels (up to "
-    "64 MiB of them; `more_binaries` names the digests whose kernels did not fit).",
+    "64 MiB of them; `more_binaries` names the digests whose kernels did not fit). At most 6 "
+    "a minute per token and client address (429 with Retry-After).",
 )
-def sync(body: SyncIn, _: ReadToken, store: StoreDep) -> SyncOut:
+def sync(body: SyncIn, token: ReadToken, request: Request, store: StoreDep) -> SyncOut:
+    from .guards import client_address
+
+    request.app.state.rate_limits.hit_sync(token, client_address(request))
     generation = store.generation()
     recs = store.device_configs(body.arch, body.sm_count, body.triton_version, body.kernel_versions)
     binaries: dict[str, list[BinaryJson]] = {}

@@ -43,6 +43,9 @@ class Rate:
         return f"{self.amount} requests per {self.window_s} s"
 
 
+SYNC_RATE = Rate(6, 60)
+
+
 class RateLimits:
     """The service's request rates, per (token, client address) and per address without a token."""
 
@@ -53,6 +56,8 @@ class RateLimits:
         self._limiter = strategies.MovingWindowRateLimiter(storage.storage_from_string(storage_uri))
         self._token_item = per_token and RateLimitItemPerSecond(per_token.amount, per_token.window_s, "tc-token")
         self._address_item = per_address and RateLimitItemPerSecond(per_address.amount, per_address.window_s, "tc-addr")
+        # a sync answers up to 64 MiB: a job start's worth per host, not a stream
+        self._sync_item = per_token and RateLimitItemPerSecond(SYNC_RATE.amount, SYNC_RATE.window_s, "tc-sync")
 
     @classmethod
     def from_settings(cls) -> "RateLimits":
@@ -68,6 +73,16 @@ class RateLimits:
                 (str(token.id), address),
                 f"token {token.name!r} may send {self.per_token} from one address "
                 f"(TUNECACHE_RATE_LIMIT, TUNECACHE_RATE_BURST)",
+            )
+
+    def hit_sync(self, token: TokenRecord, address: str) -> None:
+        """Count one `POST /v1/sync` of this token from this address (SYNC_RATE; off with the
+        per-token limit); 429 when over."""
+        if self._sync_item is not None and not self._limiter.hit(self._sync_item, str(token.id), address):
+            raise self._too_many(
+                self._sync_item,
+                (str(token.id), address),
+                f"a token may sync {SYNC_RATE} from one address (a sync is for a job's start)",
             )
 
     def hit_address(self, address: str) -> None:
