@@ -252,3 +252,17 @@ def test_a_token_syncs_a_few_times_a_minute_from_one_address(clean_fleet):
         refused = c.post("/v1/sync", json=body)
         assert int(refused.headers["Retry-After"]) >= 1 and "sync" in refused.json()["detail"]
         assert c.get("/v1/generation").status_code == 200, "other reads go on"
+
+
+def test_purging_a_token_removes_the_kernels_it_uploaded(clean_fleet, tuned):
+    digest = publish_winner(clean_fleet, tuned)
+    with api(clean_fleet, "worker") as w, api(clean_fleet, "admin") as admin:
+        assert w.put(f"/v1/configs/{digest}/binaries", json=binaries_body(tuned)).status_code == 200
+        report = admin.post("/v1/admin/purge", json={"token_name": "test-worker"}).json()
+        assert [r["digest"] for r in report["removed"]] == [digest]
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(clean_fleet.db_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM kernel_binaries")).scalar() == 0
+    engine.dispose()
