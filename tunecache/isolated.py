@@ -61,7 +61,10 @@ class Worker:
     def __init__(self, role: str, env: dict[str, str] | None = None) -> None:
         self.role = role
         self.env = dict(os.environ if env is None else env)
+        # one request at a time: a warm-up started on a thread and the next request may meet
+        self._lock = threading.RLock()
         self.proc: subprocess.Popen | None = None
+        self._greeted = False
         self._buf = b""
         self._err = None
         self.started = 0  # how many processes this worker has started (replacements included)
@@ -70,26 +73,51 @@ class Worker:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def _start(self) -> None:
-        self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tunecache.isolated_main", self.role],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            env=self.env,
-            close_fds=True,
-        )
-        self._buf = b""
-        self.started += 1
-        self._request({"cmd": "hello", "sys_path": list(sys.path)}, _START_TIMEOUT_S)
+    def spawn(self) -> None:
+        """Start the child unless it runs, without waiting for it. Call it from a thread that
+        lives as long as the child should: the child dies with the thread that started it
+        (PR_SET_PDEATHSIG follows the thread)."""
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                return
+            self._err = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tunecache.isolated_main", self.role],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._err,
+                env=self.env,
+                close_fds=True,
+            )
+            self._buf = b""
+            self.started += 1
+            self._greeted = False
 
     def call(self, msg: dict, timeout: float | None) -> dict:
         """Send one request and return its answer; WorkerFailed if the child dies or runs past
         `timeout` seconds (it is then killed; the next call starts a fresh one)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        return self._request(msg, timeout)
+        with self._lock:
+            self.spawn()
+            if not self._greeted:
+                self._request({"cmd": "hello", "sys_path": list(sys.path)}, _START_TIMEOUT_S)
+                self._greeted = True
+            return self._request(msg, timeout)
+
+    def warm(self, msg: dict | None = None) -> threading.Thread:
+        """Start the child here and send it `msg` (default a `warm` request: its imports) on
+        a thread, so that its start-up overlaps the caller's own work; a failure is left for
+        the next call to meet (and report)."""
+        self.spawn()
+
+        def run() -> None:
+            try:
+                self.call(msg or {"cmd": "warm"}, _START_TIMEOUT_S)
+            except WorkerFailed:
+                pass
+
+        t = threading.Thread(target=run, name=f"tunecache-warm-{self.role}", daemon=True)
+        t.start()
+        return t
 
     def _request(self, msg: dict, timeout: float | None) -> dict:
         assert self.proc is not None and self.proc.stdin is not None

@@ -47,6 +47,19 @@ def hello(msg: dict) -> dict:
     return {"pid": os.getpid()}
 
 
+def warm(msg: dict) -> dict:
+    """Do the imports (and the CUDA initialisation) a first real request would wait for."""
+    if msg.get("torch_device"):
+        import torch
+
+        if msg["torch_device"].startswith("cuda"):
+            torch.cuda.set_device(torch.device(msg["torch_device"]))
+            torch.cuda.init()
+    if "TRITON_INTERPRET" not in os.environ:
+        import triton  # noqa: F401 - most of what a first compile or launch imports
+    return {"warm": True}
+
+
 def compile_spec(msg: dict) -> dict:
     from dataclasses import asdict
 
@@ -170,6 +183,7 @@ def binaries(msg: dict) -> dict:
 
 HANDLERS: dict[str, Callable[[dict], dict]] = {
     "hello": hello,
+    "warm": warm,
     "compile": compile_spec,
     "asm": compile_asm,
     "setup": setup,

@@ -8,6 +8,7 @@ trial and can never win.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ def tune(
     if progress:
         progress("start", 0, len(candidates), None)
     runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
+    runner.prewarm()  # the runner makes its inputs while the candidates compile
 
     # quick round: each candidate is checked and timed as soon as its binary is ready, while
     # the others still compile
@@ -220,8 +222,28 @@ class Trials:
             "digest": key.digest,
         }
         self._ready_pid: int | None = None
+        self._warming: threading.Thread | None = None
+
+    def prewarm(self) -> None:
+        """Set the problem up in the runner on a thread (its start, torch, CUDA, the inputs and
+        the reference), so that it overlaps the compiles; the first trial waits for it, and a
+        set-up that failed there is tried again (and reported) by the first trial."""
+
+        def run() -> None:
+            try:
+                self._ensure_setup()
+            except TuneError:
+                pass
+
+        self.worker.spawn()  # here, not on the thread: the runner must outlive it
+        self._warming = threading.Thread(target=run, name="tunecache-trials-setup", daemon=True)
+        self._warming.start()
 
     def _ensure_setup(self) -> None:
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()
+            self._warming = None
         from .isolated import WorkerFailed
 
         if self._ready_pid is not None and self._ready_pid == self.worker.pid:

@@ -11,6 +11,7 @@ host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -20,7 +21,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import last_line, short
 from .job_queue import ClaimedJob, JobQueue, default_queue
@@ -154,20 +155,27 @@ class Worker:
             len(self.versions),
             " until the queue is empty" if self.burst else "",
         )
+        if self.device.arch != "cpu":  # its trial runner imports torch and starts CUDA while the worker claims
+            from .isolated import runner_for
+
+            runner_for(self.torch_device).warm({"cmd": "warm", "torch_device": self.torch_device})
         while not self._stop.is_set() and (max_jobs is None or len(self.outcomes) < max_jobs):
-            job = self.queue.claim(self.owner, self.device, self.lease_s, self.versions, self.triton_version)
-            if job is None:
-                if self.burst and self.queue.active(self.device) == 0:
-                    break
-                self._stop.wait(self.poll_s * random.uniform(0.75, 1.25))
-                continue
+            job = None
             try:
+                with signals_deferred():  # a signal during a claim must not lose the claimed job
+                    job = self.queue.claim(self.owner, self.device, self.lease_s, self.versions, self.triton_version)
+                if job is None:
+                    if self.burst and self.queue.active(self.device) == 0:
+                        break
+                    self._stop.wait(self.poll_s * random.uniform(0.75, 1.25))
+                    continue
                 self.outcomes.append(self.process(job))
             except KeyboardInterrupt:
                 # Ctrl-C or SIGTERM: hand the job back now rather than when its lease runs out
                 # (a second signal, e.g. Ctrl-C followed by pretune's SIGTERM, must not cut it short)
                 _ignore_signals()
-                self.queue.release(job)
+                if job is not None:
+                    self.queue.release(job)
                 raise
         return self.outcomes
 
@@ -258,14 +266,38 @@ def _ignore_signals() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM behaves like Ctrl-C: the current job is released, not left to its lease."""
+_DEFERRING: list[bool] = []
+_PENDING: list[int] = []
 
-    def on_term(signum, frame):
+
+def install_signal_handlers() -> None:
+    """SIGTERM behaves like Ctrl-C: the current job is released, not left to its lease. Both
+    wait while a claim is in flight (`signals_deferred`)."""
+
+    def on_signal(signum, frame):
+        if _DEFERRING:
+            _PENDING.append(signum)
+            return
         raise KeyboardInterrupt(f"signal {signum}")
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM (with `install_signal_handlers`) until the block is done, then
+    raise KeyboardInterrupt: a job claimed in the block is then known, and released."""
+    _DEFERRING.append(True)
+    try:
+        yield
+    finally:
+        _DEFERRING.pop()
+        if _PENDING and not _DEFERRING:
+            signum = _PENDING.pop()
+            _PENDING.clear()
+            raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_worker(
