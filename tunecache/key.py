@@ -100,6 +100,14 @@ def use_interpreter_without_gpu() -> None:
 
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
+            if "triton" in sys.modules:  # too late for Triton's own @jit helpers (tl.cdiv, ...)
+                import logging
+
+                logging.getLogger("tunecache").warning(
+                    "tunecache: Triton was imported before tunecache chose its CPU interpreter (no GPU "
+                    "here), so its kernels cannot run in this process and the ops run PyTorch's; set "
+                    "TRITON_INTERPRET=1 before anything imports Triton, or import tunecache.ops first"
+                )
 
 
 def local_device(gpu: int | None = None) -> DeviceClass:

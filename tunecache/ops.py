@@ -17,7 +17,12 @@ import torch
 
 from tunecache_kernels import problems
 
+from .key import use_interpreter_without_gpu
 from .launcher import Op
+
+# now, not at the first call: torch itself may import Triton before that (the custom ops'
+# dispatch does), and Triton must know by then whether it interprets
+use_interpreter_without_gpu()
 
 _matmul = Op("matmul", problems.matmul_problem)
 _fprop = Op("conv2d_fprop", problems.conv2d_fprop_problem)

@@ -136,3 +136,47 @@ def test_torch_compile_captures_a_model_built_on_them_in_one_graph(untuned):
     got = _grads(lambda x: compiled(x), x)
     for o, t in zip(got, eager):
         torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)
+
+
+TRAIN_SCRIPT = """
+import torch
+import tunecache.nn
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 1, stride=2),
+                            torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 5))
+tunecache.nn.convert(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+for step in range(2):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+print("trained")
+"""
+
+
+def _plain_script(tmp_path, code: str):
+    """A user's script: a file with no __main__ guard, run fresh with default settings on a
+    CPU-only machine (no TRITON_INTERPRET, the default store in its own cache dir)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TUNECACHE_", "TRITON_INTERPRET"))}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_plain_training_script_runs_the_kernels_on_a_cpu_only_machine(tmp_path):
+    """torch may import Triton inside the custom ops' dispatch, before the first launch: the
+    interpreter must be chosen when tunecache.ops is imported, or every launch falls back."""
+    proc = _plain_script(tmp_path, TRAIN_SCRIPT)
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
+    assert "falls back" not in proc.stderr and "raised" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_script_that_imports_triton_first_is_told_why_the_ops_run_torchs(tmp_path):
+    proc = _plain_script(tmp_path, "import triton\n" + TRAIN_SCRIPT)
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
+    assert "Triton was imported before tunecache chose its CPU interpreter" in proc.stderr, proc.stderr[-3000:]
