@@ -343,9 +343,10 @@ def manifest_cmd(
     text = to_toml(
         title, f"{from_model} at batch {batch}, input {shape}, {dtype}, {step} step (tunecache manifest)", found
     )
+    from .pretune import shape_identity
     from .shapes import canonical_problem
 
-    jobs = len({(op, str(sorted(canonical_problem(op, e.fields).items()))) for e in found for op in e.ops})
+    jobs = len({shape_identity(op, canonical_problem(op, e.fields)) for e in found for op in e.ops})
     if out is None:
         sys.stdout.write(text)
     else:

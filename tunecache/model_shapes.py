@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from tunecache_kernels.problems import DTYPES
 
 
 class ModelError(ValueError):

@@ -18,11 +18,12 @@ import logging
 
 import torch
 
+from tunecache_kernels import problems
+
 from . import ops
 
 log = logging.getLogger("tunecache")
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _WARNED: set[str] = set()
 
 
@@ -80,7 +81,7 @@ def padding_pair(m: torch.nn.Conv2d) -> tuple[int, int] | None:
 
 
 def _input_refusal(x: torch.Tensor, ndim: int | None) -> str | None:
-    if x.dtype not in DTYPES:
+    if x.dtype not in problems.GEMM_DTYPES:
         return f"dtype {x.dtype} (the kernels take float16, bfloat16 and float32)"
     if ndim is not None and x.dim() != ndim:
         return f"a {x.dim()}-D input (a batch of NCHW images is 4-D)"

@@ -90,6 +90,11 @@ def _toml_load(path: Path) -> dict:
         raise ManifestError(f"cannot read manifest {path}: {e}") from None
 
 
+def shape_identity(op: str, problem: dict) -> str:
+    """Two shapes of a manifest with this identity are one tuning job."""
+    return f"{op}:{sorted(problem.items())}"
+
+
 def load_manifest(name_or_path: str | os.PathLike) -> Manifest:
     """Parse a manifest and compute each shape's canonical problem (the op's own checks)."""
     from .shapes import canonical_problem
@@ -119,7 +124,7 @@ def load_manifest(name_or_path: str | os.PathLike) -> Manifest:
                 problem = canonical_problem(op, given)
             except (ValueError, TypeError) as e:
                 raise ManifestError(f"{path}: shape {name} ({op}): {e}") from None
-            ident = f"{op}:{sorted(problem.items())}"
+            ident = shape_identity(op, problem)
             if ident not in seen:  # e.g. a downsample conv that repeats a main-path shape
                 seen.add(ident)
                 m.shapes.append(Shape(op, given, problem, name))

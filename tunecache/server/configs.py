@@ -158,7 +158,7 @@ async def _answer(request: Request, digest: str, metrics: Metrics, missing: Call
     lookups: LookupCache = request.app.state.lookups
     store = request.app.state.store
     if lookups.generation_due():
-        await run_in_threadpool(lambda: lookups.note_generation(store.generation()))
+        await run_in_threadpool(lookups.generation, store.generation)
     cached = lookups.answer(digest)
     if cached is None:
         cached = await run_in_threadpool(_read, store, lookups, digest)
@@ -171,12 +171,8 @@ async def _answer(request: Request, digest: str, metrics: Metrics, missing: Call
 
 
 def _read(store: Store, lookups: LookupCache, digest: str) -> tuple[bytes | None, int]:
-    epoch = lookups.epoch
-    generation = lookups.known_generation()
-    if generation is None:
-        generation = store.generation()
-        lookups.note_generation(generation)
-        epoch = lookups.epoch
+    generation = lookups.generation(store.generation)
+    epoch = lookups.epoch  # after the generation: a move it noted dropped what was kept before
     rec = store.get_config(digest) if len(digest) == 64 else None
     body = None if rec is None else out(rec).model_dump_json().encode()
     lookups.keep(digest, body, generation, epoch)
@@ -208,8 +204,7 @@ async def generation(_: ReadToken, request: Request) -> GenerationOut:
     lookups: LookupCache = request.app.state.lookups
     known = lookups.known_generation()
     if known is None:
-        known = await run_in_threadpool(request.app.state.store.generation)
-        lookups.note_generation(known)
+        known = await run_in_threadpool(lookups.generation, request.app.state.store.generation)
     return GenerationOut(generation=known)
 
 
@@ -411,7 +406,6 @@ SYNC_BINARY_BYTES = 64 << 20
     "admin tokens: a binary is code that runs on the hosts' GPUs. Each is checked against the "
     "key (its hash, its target GPU and Triton version); they replace the key's earlier ones and "
     "are served while `config` is the key's winner.",
-    dependencies=[Depends(drops_lookups)],
 )
 def put_binaries(digest: DigestPath, body: BinariesIn, token: WorkerToken, store: StoreDep) -> BinariesStoredOut:
     from ..binaries import Binary, refusal

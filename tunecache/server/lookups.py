@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 
 from fastapi import Request
 
@@ -70,6 +71,14 @@ class LookupCache:
         if self.generation_due() or self.ttl_s <= 0:
             return None
         return self._generation
+
+    def generation(self, read: Callable[[], int]) -> int:
+        """The generation as read within the last poll, else `read()` (the store's), noted."""
+        known = self.known_generation()
+        if known is None:
+            known = read()
+            self.note_generation(known)
+        return known
 
     def clear(self) -> None:
         self.epoch += 1
