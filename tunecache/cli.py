@@ -424,12 +424,7 @@ def sync(
             new += 1
     installed = 0
     if binaries:
-        fetched = dict(body.get("binaries") or {})
-        for digest in body.get("more_binaries") or []:
-            got = client.binaries(digest) if digest in recs else None
-            if got is not None and got[0] == recs[digest].config:
-                fetched[digest] = [b.to_json() for b in got[1]]
-        for digest, found in fetched.items():
+        for digest, found in (body.get("binaries") or {}).items():
             if digest not in recs:
                 continue
             try:
@@ -437,18 +432,10 @@ def sync(
             except ValueError as e:
                 err.print(f"  skipped the compiled kernels of {digest[:12]}: {e}")
                 continue
-            installed += CACHE.install_binaries(None, recs[digest], kernels)
-    vouched = set()
-    for rec in recs.values():  # a fleet winner is its backend's verdict on this class (selfcheck.vouch)
-        if rec.key.kernel in vouched or rec.key.kernel.startswith("triton:"):
-            continue
-        try:
-            from . import registry, selfcheck
-
-            selfcheck.vouch(registry.module_for_kernel(rec.key.kernel), dev, rec)
-            vouched.add(rec.key.kernel)
-        except (KeyError, ValueError):
-            continue
+            installed += CACHE.install_binaries(client, recs[digest], kernels)
+        for digest in body.get("more_binaries") or []:  # those the answer had no room for, one by one
+            if digest in recs:
+                installed += CACHE.install_binaries(client, recs[digest])
     if not given and dev.arch != "cpu":
         # Triton builds its C launcher on a host's first launch (a second or more, once per
         # host and Triton): here, so that the job's first call need not

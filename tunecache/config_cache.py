@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import settings
 from .errors import short
+from .job_queue import made_winner
 from .key import TuneKey
 from .records import ConfigRecord, TrialRecord, utcnow
 
@@ -260,7 +261,7 @@ class ConfigCache:
             fleet = self.fleet()
             if fleet is not None:
                 sent = fleet.publish(rec, trials, tune_seconds=tune_seconds)
-                if binaries and isinstance(sent, dict) and sent.get("accepted"):
+                if binaries and made_winner(sent):
                     fleet.publish_binaries(rec.key, rec.config, binaries)
         return kept, won
 

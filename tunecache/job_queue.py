@@ -85,6 +85,12 @@ class JobQueue(Protocol):
     def drop(self, digest: str) -> None: ...
 
 
+def made_winner(sent: Any) -> bool:
+    """Whether a publish's answer (`JobQueue.publish`, `FleetClient.publish`) says the result
+    is now the winner: a store queue's True, or the service's {"accepted": true}."""
+    return sent is True or (isinstance(sent, dict) and bool(sent.get("accepted")))
+
+
 class StoreQueue:
     """A store's queue. Results are kept by the tuner in this same store (publish is a no-op)."""
 

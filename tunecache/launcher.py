@@ -88,7 +88,7 @@ class Op:
                 on_gpu = device_tensor.device.type == "cuda"
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
-                looked_up = None if forced else _fleet_vouches(every[0], problem, device)
+                looked_up = None if forced else _look_up_first(every[0], problem, device)
                 mods = every if forced else selfcheck.trusted(every, device, where)
                 if mods and mods[0] is not every[0]:
                     looked_up = None  # another backend's key
@@ -267,13 +267,12 @@ def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[.
     return progress
 
 
-def _fleet_vouches(mod: ModuleType, problem: dict, device: DeviceClass) -> "list[ConfigRecord | None] | None":
-    """A fleet winner for this very call is the backend's verdict on this device class (see
-    `selfcheck.vouch`): a host that never tuned runs the fleet's kernel without a first-contact
-    check of its own (which would compile and run other kernels in another process first).
-    Returns [what the lookup found] for `_decide`, None when no fleet is configured."""
-    if CACHE.fleet() is None:
-        return None
+def _look_up_first(mod: ModuleType, problem: dict, device: DeviceClass) -> "list[ConfigRecord | None]":
+    """The preferred backend's lookup, before its self-check: a fleet winner for this very call
+    (fetched now, or copied earlier, `tunecache sync` included) is the backend's verdict on this
+    device class (`selfcheck.vouch`), so a host that never tuned runs the fleet's kernel without
+    a first-contact check of its own (which would compile and run other kernels in another
+    process first). Returns [what the lookup found] for `_decide`."""
     rec = CACHE.get(make_key(mod, problem, device), launchable(mod, problem, device))
     if rec is not None:
         selfcheck.vouch(mod, device, rec)
@@ -289,7 +288,7 @@ def _decide(
     torch_device: str,
     looked_up: "list[ConfigRecord | None] | None" = None,
 ) -> Entry:
-    """`looked_up`: [the preferred backend's lookup], when `_fleet_vouches` made it already."""
+    """`looked_up`: [the preferred backend's lookup], when `_look_up_first` made it already."""
     mod, fallbacks = mods[0], tuple(mods[1:])
     key = make_key(mod, problem, device)
     check = launchable(mod, problem, device)

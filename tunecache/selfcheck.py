@@ -127,9 +127,8 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
     """The stored verdict of this backend on this device class, running the check first if
     there is none (or `force`)."""
     from .config_cache import CACHE
-    from .registry import kernel_version
 
-    k = (mod.KERNEL, kernel_version(mod), triton_version(), device.arch, device.sm_count)
+    k = _key(mod, device)
     with _LOCK:
         if not force and k in _VERDICTS:
             return _VERDICTS[k]
@@ -139,16 +138,29 @@ def verdict(mod: ModuleType, device: DeviceClass, *, force: bool = False, torch_
         else:
             log.info("tunecache: first contact of %s with %s: running its self-check", mod.KERNEL, device)
             v = run_check(mod, device, torch_device)
-            store = CACHE.store()
-            if store is not None and not v.inconclusive:
-                CACHE.store_call(
-                    "keep a self-check",
-                    lambda: store.put_selfcheck(
-                        *k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=device.name
-                    ),
-                )
+            if not v.inconclusive:
+                _keep(k, v)
         _VERDICTS[k] = v
         return v
+
+
+def _key(mod: ModuleType, device: DeviceClass) -> tuple:
+    """What a verdict is of: the backend at its kernel version and Triton, on a device class."""
+    from .registry import kernel_version
+
+    return (mod.KERNEL, kernel_version(mod), triton_version(), device.arch, device.sm_count)
+
+
+def _keep(k: tuple, v: Verdict) -> None:
+    """Keep a verdict in the store (a store that cannot write keeps it in this process only)."""
+    from .config_cache import CACHE
+
+    store = CACHE.store()
+    if store is not None:
+        CACHE.store_call(
+            "keep a self-check",
+            lambda: store.put_selfcheck(*k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=v.device.name),
+        )
 
 
 def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:
@@ -158,9 +170,8 @@ def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:
     verdict, unless one is already kept (a failed one stays failed); `tunecache selftest
     --force` runs the check itself. Returns whether the fleet's word was taken."""
     from .config_cache import CACHE
-    from .registry import kernel_version
 
-    k = (mod.KERNEL, kernel_version(mod), triton_version(), device.arch, device.sm_count)
+    k = _key(mod, device)
     if (
         rec.source != "fleet"
         or (rec.key.kernel, rec.key.kernel_version, rec.key.triton_version, rec.key.arch, rec.key.sm_count) != k
@@ -174,12 +185,7 @@ def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:
             f"{rec.device_name or device} by {rec.tuned_by or 'a tuning host'}"
         )
         v = Verdict(mod.KERNEL, device, k[1], True, detail)
-        store = CACHE.store()
-        if store is not None:
-            CACHE.store_call(
-                "keep a self-check",
-                lambda: store.put_selfcheck(*k, ok=True, detail=detail, seconds=0.0, device_name=device.name),
-            )
+        _keep(k, v)
         _VERDICTS[k] = v
         return True
 

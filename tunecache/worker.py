@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .errors import last_line, short
-from .job_queue import ClaimedJob, JobQueue, default_queue
+from .job_queue import ClaimedJob, JobQueue, default_queue, made_winner
 from .key import DeviceClass, interpreter_device, interpreting
 from .shapes import OPS
 from .store import MAX_LEASE_S, STORE_ERRORS, ConfigRecord, Store, TrialRecord, default_store
@@ -230,7 +230,7 @@ class Worker:
             if sent is None:
                 # the service is unreachable: the lease runs out and the job is tuned again
                 return Outcome(job.id, key.kernel, "unpublished", seconds, "service unreachable")
-            if won(sent):  # hosts that copy the winner need not compile it
+            if made_winner(sent):  # hosts that copy the winner need not compile it
                 self.queue.publish_binaries(rec, result.binaries)
             self.queue.complete(job, tune_seconds=seconds)
         log.info(
@@ -253,11 +253,6 @@ class Worker:
         log.warning("tunecache: job %d (%s) failed: %s", job.id, job.key.kernel, last_line(error, 300))
         self.queue.fail(job, error)
         return Outcome(job.id, job.key.kernel, "failed", detail=error)
-
-
-def won(sent: Any) -> bool:
-    """Whether a publish's answer says the result is now the winner (a store queue's True too)."""
-    return sent is True or (isinstance(sent, dict) and bool(sent.get("accepted")))
 
 
 def _ignore_signals() -> None:
