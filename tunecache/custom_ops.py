@@ -19,17 +19,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tunecache_kernels import problems
+
 from . import ops
 
 # ---- matmul ------------------------------------------------------------------------------
 
 
 def _operand(t: Tensor) -> Tensor:
-    """`t` itself when it is row- or column-major (what the GEMM kernels read), else a copy."""
-    rows, cols = t.shape
-    if (t.stride(1) == 1 and t.stride(0) == cols) or (t.stride(0) == 1 and t.stride(1) == rows):
-        return t
-    return t.contiguous()
+    """`t` itself when the GEMM kernels read it in place (`problems.matrix_layout`), else a copy."""
+    try:
+        problems.matrix_layout(t, "operand")
+    except ValueError:
+        return t.contiguous()
+    return t
 
 
 @torch.library.custom_op("tunecache::matmul", mutates_args=())

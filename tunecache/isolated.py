@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 # environment variables that change what a worker computes: a worker started under other
 # values is replaced rather than reused
@@ -103,16 +104,20 @@ class Worker:
                 self._greeted = True
             return self._request(msg, timeout)
 
-    def warm(self, msg: dict | None = None) -> threading.Thread:
-        """Start the child here and send it `msg` (default a `warm` request: its imports) on
-        a thread, so that its start-up overlaps the caller's own work; a failure is left for
-        the next call to meet (and report)."""
+    def warm_up(self, torch_device: str | None = None) -> None:
+        """The imports (and CUDA's start on `torch_device`) a first real request would wait for."""
+        self.call({"cmd": "warm", "torch_device": torch_device}, _START_TIMEOUT_S)
+
+    def in_background(self, work: Callable[[], object]) -> threading.Thread:
+        """Start the child here and run `work` (its requests) on a thread, so that the child's
+        start-up overlaps the caller's own work. A failure there is left for the next call to
+        meet (and report)."""
         self.spawn()
 
         def run() -> None:
             try:
-                self.call(msg or {"cmd": "warm"}, _START_TIMEOUT_S)
-            except WorkerFailed:
+                work()
+            except Exception:  # noqa: BLE001 - met again, and reported, by the next call
                 pass
 
         t = threading.Thread(target=run, name=f"tunecache-warm-{self.role}", daemon=True)

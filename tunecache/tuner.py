@@ -228,16 +228,7 @@ class Trials:
         """Set the problem up in the runner on a thread (its start, torch, CUDA, the inputs and
         the reference), so that it overlaps the compiles; the first trial waits for it, and a
         set-up that failed there is tried again (and reported) by the first trial."""
-
-        def run() -> None:
-            try:
-                self._ensure_setup()
-            except TuneError:
-                pass
-
-        self.worker.spawn()  # here, not on the thread: the runner must outlive it
-        self._warming = threading.Thread(target=run, name="tunecache-trials-setup", daemon=True)
-        self._warming.start()
+        self._warming = self.worker.in_background(self._ensure_setup)
 
     def _ensure_setup(self) -> None:
         warming = self._warming

@@ -158,7 +158,8 @@ class Worker:
         if self.device.arch != "cpu":  # its trial runner imports torch and starts CUDA while the worker claims
             from .isolated import runner_for
 
-            runner_for(self.torch_device).warm({"cmd": "warm", "torch_device": self.torch_device})
+            runner = runner_for(self.torch_device)
+            runner.in_background(lambda: runner.warm_up(self.torch_device))
         while not self._stop.is_set() and (max_jobs is None or len(self.outcomes) < max_jobs):
             job = None
             try:
