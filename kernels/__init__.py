@@ -38,7 +38,9 @@ class KernelSpec:
     signature: dict[str, str]
     constexprs: dict[Any, Any]
     num_warps: int = 4
-    num_stages: int = 3
+    # launch options as the launch passes them (they are part of Triton's cache key); the
+    # Gluon kernels take their pipeline depth as a constexpr, so no launch passes num_stages
+    num_stages: int | None = None
     num_ctas: int = 1
     options: dict[str, Any] = field(default_factory=dict)
     name: str = ""

@@ -118,7 +118,9 @@ def _load_partition(
                 use += 1
 
 
-@gluon.jit
+@gluon.jit(
+    do_not_specialize=["M", "Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m"]
+)
 def conv2d_fprop_kernel(
     x_desc,
     w_desc,
@@ -366,7 +368,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             signature=sig,
             constexprs=ce,
             num_warps=config["num_warps"],
-            num_stages=1,
             name="conv2d_fprop_kernel",
         )
     ]

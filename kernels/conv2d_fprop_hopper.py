@@ -462,7 +462,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             signature=sig,
             constexprs=ce,
             num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
             name="conv2d_fprop_kernel",
         )
     ]

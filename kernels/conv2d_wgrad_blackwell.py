@@ -167,7 +167,23 @@ def _epilogue_partition(
         acc_use += 1
 
 
-@gluon.jit
+@gluon.jit(
+    do_not_specialize=[
+        "Co",
+        "Ci",
+        "RS",
+        "S",
+        "PQ",
+        "Q",
+        "stride_h",
+        "stride_w",
+        "pad_h",
+        "pad_w",
+        "total_k",
+        "k_per_split",
+        "num_splits",
+    ]
+)
 def conv2d_wgrad_kernel(
     g_desc,
     x_desc,
@@ -451,7 +467,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             signature=sig,
             constexprs=ce,
             num_warps=config["num_warps"],
-            num_stages=1,
             name="conv2d_wgrad_kernel",
         )
     ]

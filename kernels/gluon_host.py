@@ -188,11 +188,12 @@ def im2col_desc(
 
 
 def desc_sig(dtype: Any, block_shape: Sequence[int], layout=None) -> str:
-    """Signature string of a tiled descriptor argument, as the JIT would specialize it."""
+    """Signature string of a tiled descriptor argument, as the JIT specializes it (its text is
+    part of Triton's cache key: a compile under another spelling is never reused by a launch)."""
     block_shape = list(block_shape)
     if layout is None:
         layout = shared_layout(block_shape, dtype)
-    return f"tensordesc<{SIG_DTYPE[dtype_name(dtype)]}[{','.join(map(str, block_shape))}],{layout!r}>"
+    return f"tensordesc<{SIG_DTYPE[dtype_name(dtype)]}{block_shape},{layout!r}>"
 
 
 def im2col_desc_sig(dtype: Any, block_shape: Sequence[int], layout=None, input_rank: int = 4) -> str:
@@ -200,10 +201,7 @@ def im2col_desc_sig(dtype: Any, block_shape: Sequence[int], layout=None, input_r
     block_shape = list(block_shape)
     if layout is None:
         layout = shared_layout(block_shape, dtype)
-    return (
-        f"tensordesc_im2col<{SIG_DTYPE[dtype_name(dtype)]}[{','.join(map(str, block_shape))}],"
-        f"input_rank={input_rank},{layout!r}>"
-    )
+    return f"tensordesc_im2col<{SIG_DTYPE[dtype_name(dtype)]}{block_shape},input_rank={input_rank},{layout!r}>"
 
 
 def ptr_sig(dtype: Any) -> str:
@@ -263,7 +261,7 @@ def split_k_workspace(splits: int, rows: int, cols: int, device) -> torch.Tensor
     return torch.empty((splits, rows, cols), device=device, dtype=torch.float32)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["numel", "splits"])  # one binary for every split count and size
 def split_k_reduce_kernel(ws_ptr, out_ptr, numel, splits, BLOCK: gl.constexpr, num_warps: gl.constexpr):
     """out[i] = sum_s ws[s, i] in split order (deterministic), cast to out's dtype."""
     layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
@@ -313,14 +311,13 @@ def split_k_reduce_spec(out_dtype: Any) -> KernelSpec:
         signature={
             "ws_ptr": "*fp32",
             "out_ptr": ptr_sig(out_dtype),
-            "numel": "i64",
+            "numel": "i32",
             "splits": "i32",
             "BLOCK": "constexpr",
             "num_warps": "constexpr",
         },
         constexprs={"BLOCK": SPLIT_K_REDUCE_BLOCK, "num_warps": SPLIT_K_REDUCE_WARPS},
         num_warps=SPLIT_K_REDUCE_WARPS,
-        num_stages=1,
         name="split_k_reduce",
     )
 

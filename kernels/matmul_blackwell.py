@@ -98,7 +98,7 @@ def _load_partition(
             use += 1
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M", "N", "K", "group_m"])
 def matmul_kernel(
     a_desc,
     b_desc,
@@ -329,7 +329,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             signature=sig,
             constexprs=ce,
             num_warps=config["num_warps"],
-            num_stages=1,
             name="matmul_kernel",
         )
     ]

@@ -362,7 +362,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             signature=sig,
             constexprs=ce,
             num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
             name="matmul_kernel",
         )
     ]

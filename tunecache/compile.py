@@ -213,22 +213,64 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (max(regs) if regs else None), (max(stack) if stack else None)
 
 
-def compile_spec(spec: Any, arch: str):
-    """`triton.compile` one KernelSpec for an explicit target; returns the CompiledKernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+_INT_TYPES = ("i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64")
+
+
+def jit_attrs(spec: Any) -> dict:
+    """The attributes a launch's JIT gives the kernel's arguments (JITFunction._pack_args):
+    none for a constexpr, 16-byte divisibility for a pointer (the backends' buffers are
+    allocations, aligned), nothing for a tensor descriptor or an unspecialized int. They are
+    part of Triton's cache key: a compile without them is compiled again at the first launch.
+    An int the JIT specializes by value cannot be known here, so backends mark their shape
+    arguments do_not_specialize (ValueError otherwise)."""
+    from triton.backends.compiler import BaseBackend
+
+    attrs = {}
+    for i, param in enumerate(spec.fn.params):
+        ty = spec.signature[param.name]
+        if ty == "constexpr":
+            attrs[(i,)] = BaseBackend.parse_attr("")
+        elif ty.startswith("*") and not param.do_not_specialize:
+            attrs[(i,)] = BaseBackend.parse_attr("" if param.do_not_specialize_on_alignment else "D")
+        elif ty in _INT_TYPES and not param.do_not_specialize:
+            raise ValueError(
+                f"{spec.name or spec.fn.__name__}: int argument {param.name!r} is specialized by value at launch; "
+                "mark it do_not_specialize so one compile serves every value"
+            )
+    return attrs
+
+
+def spec_source(spec: Any, arch: str) -> tuple[Any, dict]:
+    """(source, options) of one KernelSpec exactly as a launch's JIT would compile it: same
+    signature text, attributes and options, so the launch finds the binary in Triton's cache."""
     from triton.compiler import ASTSource
 
-    cc = ARCHES[arch_of(arch)][0]
     is_gluon = getattr(spec.fn, "is_gluon", lambda: False)()
     if is_gluon:
         from triton.experimental.gluon import GluonASTSource as source_cls
     else:
         source_cls = ASTSource
-    src = source_cls(spec.fn, spec.signature, spec.constexprs)
-    options = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, num_ctas=spec.num_ctas)
+    options = dict(num_warps=spec.num_warps, num_ctas=spec.num_ctas)
+    if spec.num_stages is not None:
+        options["num_stages"] = spec.num_stages
     options.update(spec.options)
-    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+    return source_cls(spec.fn, spec.signature, spec.constexprs, jit_attrs(spec)), options
+
+
+def target_of(arch: str):
+    """Triton's GPUTarget for an explicit target name."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", ARCHES[arch_of(arch)][0], 32)
+
+
+def compile_spec(spec: Any, arch: str):
+    """`triton.compile` one KernelSpec for an explicit target (as a launch would, see
+    spec_source); returns the CompiledKernel."""
+    import triton
+
+    src, options = spec_source(spec, arch)
+    return triton.compile(src, target=target_of(arch), options=options)
 
 
 def report_spec(spec: Any, arch: str) -> KernelReport:

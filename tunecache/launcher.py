@@ -89,7 +89,10 @@ class Op:
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
                 looked_up = None if forced else _look_up_first(every[0], problem, device)
-                mods = every if forced else selfcheck.trusted(every, device, where)
+                if forced or _tune_checks_first(every[0], device, looked_up):
+                    mods = every  # its tune checks each candidate: the verdict follows from it (_decide)
+                else:
+                    mods = selfcheck.trusted(every, device, where)
                 if mods and mods[0] is not every[0]:
                     looked_up = None  # another backend's key
                 entry = (
@@ -279,6 +282,19 @@ def _look_up_first(mod: ModuleType, problem: dict, device: DeviceClass) -> "list
     return [rec]
 
 
+def _tune_checks_first(mod: ModuleType, device: DeviceClass, looked_up: "list[ConfigRecord | None]") -> bool:
+    """Whether this miss tunes a backend that has no verdict yet on this device class: the
+    tune runs every candidate in the isolated runner and checks it against PyTorch before any
+    runs here, so its first-contact check would only repeat that work before it (seconds of
+    compiles and launches in the runner); `selfcheck.checked_by_tuning` keeps the verdict."""
+    return (
+        looked_up == [None]
+        and settings.miss_policy() == "tune"
+        and selfcheck.applies(device)
+        and selfcheck.unknown(mod, device)
+    )
+
+
 def _decide(
     op: Op,
     raw: tuple,
@@ -302,11 +318,26 @@ def _decide(
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest"
         )
     if policy == "tune":
+        failure = None
         try:
             result = tune(mod, problem, device, torch_device=torch_device, progress=_announce(mod, problem, device))
         except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
-            log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(e))
+            result, failure = None, e
+        default_ran = result is not None and result.default_ms is not None
+        if not default_ran and selfcheck.applies(device) and selfcheck.unknown(mod, device):
+            # never checked here, and its default config did not run right in this tune: the
+            # backend's own check decides whether the next backend takes this shape
+            rest = selfcheck.trusted(mods, device, torch_device)
+            if rest[:1] != [mod]:
+                return (
+                    _decide(op, raw, rest, problem, device, torch_device)
+                    if rest
+                    else _reference_entry(mod, problem, device)
+                )
+        if result is None:
+            log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(failure))
             return _reference_entry(mod, problem, device)
+        selfcheck.checked_by_tuning(mod, device, result, problem)
         kept, _ = CACHE.keep_tuned(result, device)
         return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it

@@ -26,6 +26,7 @@ from .key import DeviceClass, torch_device_for, triton_version
 
 if TYPE_CHECKING:
     from .records import ConfigRecord
+    from .tuner import TuneResult
 
 log = logging.getLogger("tunecache")
 
@@ -169,25 +170,65 @@ def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:
     against PyTorch (and only tuning hosts make fleet winners). Kept like this host's own
     verdict, unless one is already kept (a failed one stays failed); `tunecache selftest
     --force` runs the check itself. Returns whether the fleet's word was taken."""
+    if rec.source != "fleet" or (
+        rec.key.kernel,
+        rec.key.kernel_version,
+        rec.key.triton_version,
+        rec.key.arch,
+        rec.key.sm_count,
+    ) != _key(mod, device):
+        return False
+    return _take(
+        mod,
+        device,
+        f"vouched for by the fleet: its winner {rec.digest[:12]} ran and was checked on "
+        f"{rec.device_name or device} by {rec.tuned_by or 'a tuning host'}",
+    )
+
+
+def unknown(mod: ModuleType, device: DeviceClass) -> bool:
+    """No verdict yet for this backend on this device class (none run, kept or vouched for)."""
     from .config_cache import CACHE
 
     k = _key(mod, device)
-    if (
-        rec.source != "fleet"
-        or (rec.key.kernel, rec.key.kernel_version, rec.key.triton_version, rec.key.arch, rec.key.sm_count) != k
-    ):
+    with _LOCK:
+        return k not in _VERDICTS and CACHE.read_selfcheck(*k) is None
+
+
+def checked_by_tuning(mod: ModuleType, device: DeviceClass, result: "TuneResult", problem: dict) -> bool:
+    """Take this host's own tuning run as the backend's verdict when its default config (what
+    the first-contact check runs) was among the candidates that ran right: every candidate ran
+    in the isolated runner and was checked against PyTorch before it was timed. Kept unless a
+    verdict is already kept; nothing is taken from a tune whose default failed (the check
+    itself runs then: launcher._decide)."""
+    if result.default_ms is None:
         return False
+    return _take(
+        mod,
+        device,
+        f"checked by this host's tuning of {_brief(problem)}: its default config and "
+        f"{result.candidates - 1} other candidates ran in the isolated runner, each checked against PyTorch",
+    )
+
+
+def _take(mod: ModuleType, device: DeviceClass, detail: str) -> bool:
+    """Keep a passing verdict on others' or other runs' word, unless one is already kept."""
+    from .config_cache import CACHE
+
+    k = _key(mod, device)
     with _LOCK:
         if k in _VERDICTS or CACHE.read_selfcheck(*k) is not None:
             return False
-        detail = (
-            f"vouched for by the fleet: its winner {rec.digest[:12]} ran and was checked on "
-            f"{rec.device_name or device} by {rec.tuned_by or 'a tuning host'}"
-        )
         v = Verdict(mod.KERNEL, device, k[1], True, detail)
         _keep(k, v)
         _VERDICTS[k] = v
         return True
+
+
+def applies(device: DeviceClass) -> bool:
+    """Whether backends are checked on this device class (TUNECACHE_SELFCHECK)."""
+    mode = settings.selfcheck_mode()
+    return not (mode == "never" or (mode == "gpu" and device.arch == "cpu"))
 
 
 def trusted(mods: list[ModuleType], device: DeviceClass, torch_device: str | None = None) -> list[ModuleType]:
@@ -195,8 +236,7 @@ def trusted(mods: list[ModuleType], device: DeviceClass, torch_device: str | Non
     first one that passes is where the checking stops (the rest are its fallbacks)."""
     from .config_cache import CACHE
 
-    mode = settings.selfcheck_mode()
-    if mode == "never" or (mode == "gpu" and device.arch == "cpu"):
+    if not applies(device):
         return mods
     for i, mod in enumerate(mods):
         v = verdict(mod, device, torch_device=torch_device)

@@ -49,6 +49,8 @@ class TuneResult:
     vendor_ms: float | None = None  # the vendor's op (torch's reference: cuBLAS / cuDNN on a GPU), same run
     # the winner's compiled kernels as this host's Triton cached them (tunecache.binaries)
     binaries: list[Binary] = field(default_factory=list)
+    # where the seconds went: stage -> seconds since the start (the benchmarks print it)
+    timeline: dict[str, float] = field(default_factory=dict)
 
     def record(self, device: DeviceClass) -> ConfigRecord:
         """The winner as the store and the fleet keep it."""
@@ -64,6 +66,21 @@ class TuneResult:
             default_ms=self.default_ms,
             vendor_ms=self.vendor_ms,
         )
+
+
+class Timeline(dict):
+    """Where a tuning run's seconds went: each stage's first time since the start, and
+    summed durations (compile_cpu_s: the compiles' own seconds, over every worker)."""
+
+    def __init__(self, t0: float) -> None:
+        super().__init__()
+        self.t0 = t0
+
+    def mark(self, stage: str) -> None:
+        self.setdefault(stage, round(time.perf_counter() - self.t0, 3))
+
+    def add(self, name: str, seconds: float) -> None:
+        self[name] = round(self.get(name, 0.0) + seconds, 3)
 
 
 def make_key(mod: ModuleType, problem: dict, device: DeviceClass) -> TuneKey:
@@ -111,20 +128,35 @@ def tune(
     trials: list[TrialRecord] = []
     if progress:
         progress("start", 0, len(candidates), None)
-    runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
+    timeline = Timeline(t0)
+    mark = timeline.mark
+    runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")], mark)
     runner.prewarm()  # the runner makes its inputs while the candidates compile
 
     # quick round: each candidate is checked and timed as soon as its binary is ready, while
     # the others still compile
     quick: dict[int, float] = {}
-    for n, i in enumerate(_compiled(mod, problem, device, candidates, trials, progress)):
+    for n, i in enumerate(_compiled(mod, problem, device, candidates, trials, progress, timeline)):
         if progress:
             progress("time", n, len(candidates), min(quick.values()) if quick else None)
         res = runner.run(candidates[i], QUICK_TIMING if on_gpu else {"cpu_reps": 1})
+        mark("first_timed")
         if res["status"] != "ok":
             trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
             continue
         quick[i] = res["median_ms"]
+    mark("quick_round")
+    # the leaders' variants in run-time arguments only (GROUP_M, SPLIT_K): the same binaries,
+    # so they cost a timing each and no compile; the capped list holds each kernel once
+    if quick and configs is None:
+        for sibling in _siblings(mod, problem, device, space, [candidates[i] for i in leaders(quick)], candidates):
+            candidates.append(sibling)
+            res = runner.run(sibling, QUICK_TIMING if on_gpu else {"cpu_reps": 1})
+            if res["status"] != "ok":
+                trials.append(TrialRecord(sibling, res["status"], error=res.get("error")))
+                continue
+            quick[len(candidates) - 1] = res["median_ms"]
+        mark("siblings")
     if progress:
         progress("time", len(candidates), len(candidates), min(quick.values()) if quick else None)
     if not quick:
@@ -142,6 +174,7 @@ def tune(
             trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
             continue
         trials.append(TrialRecord(candidates[i], "ok", median_ms=res["median_ms"]))
+    mark("settled")
     ok = [t for t in trials if t.status == "ok"]
     if not ok:
         raise TuneError(f"{mod.KERNEL}: every config that passed the first round failed the second for {problem}")
@@ -150,6 +183,10 @@ def tune(
     flops = mod.flops(problem)
     tflops = flops / (best.median_ms * 1e-3) / 1e12 if best.median_ms > 0 else None
     default_ms = next((t.median_ms for t in ok if t.config == default), None)
+    vendor_ms = runner.vendor_ms({} if on_gpu else {"cpu_reps": 3})
+    mark("vendor")
+    winner_binaries = runner.binaries(best.config) if on_gpu else []
+    mark("binaries")
     result = TuneResult(
         key,
         best.config,
@@ -160,8 +197,9 @@ def tune(
         seconds=time.perf_counter() - t0,
         source=source,
         default_ms=default_ms,
-        vendor_ms=runner.vendor_ms({} if on_gpu else {"cpu_reps": 3}),
-        binaries=runner.binaries(best.config) if on_gpu else [],
+        vendor_ms=vendor_ms,
+        binaries=winner_binaries,
+        timeline=dict(timeline),
     )
     log.info(
         "tunecache: tuned %s %s in %d candidates: %s (%.4f ms)",
@@ -170,8 +208,44 @@ def tune(
         len(candidates),
         best.config,
         best.median_ms,
+        extra={"timeline": result.timeline},
     )
     return result
+
+
+# at most this many run-time variants of the quick round's leaders are timed after it
+MAX_SIBLINGS = 12
+
+
+def _siblings(
+    mod: ModuleType, problem: dict, device: DeviceClass, space: list[dict], leading: list[dict], tried: list[dict]
+) -> list[dict]:
+    """Configs of the pruned space not yet tried that launch exactly the kernels of one of the
+    `leading` configs (the same compile specs: they differ only in run-time arguments), the
+    leaders' in order, at most MAX_SIBLINGS. None for backends that compile at launch."""
+    if device.arch == "cpu" or not hasattr(mod, "compile_specs"):
+        return []
+    from .compile import arch_of, spec_key
+
+    arch = arch_of(device)
+
+    def kernels(c: dict) -> tuple | None:
+        try:
+            return tuple(spec_key(s, arch) for s in mod.compile_specs(problem, c, device))
+        except Exception:  # noqa: BLE001 - a config whose specs cannot be made has no siblings
+            return None
+
+    def near(a: dict, b: dict) -> bool:  # run-time arguments are a key or two of a config
+        return a.keys() == b.keys() and sum(a[k] != b[k] for k in a) <= 2
+
+    pruned = [c for c in mod.prune(space, problem, device) if c not in tried]
+    out: list[dict] = []
+    for lead in leading:
+        mine = kernels(lead)
+        for c in pruned:
+            if len(out) < MAX_SIBLINGS and c not in out and near(c, lead) and kernels(c) == mine is not None:
+                out.append(c)
+    return out
 
 
 def _compiled(
@@ -181,6 +255,7 @@ def _compiled(
     candidates: list[dict],
     trials: list[TrialRecord],
     progress: Callable[[str, int, int, float | None], None] | None = None,
+    timeline: "Timeline | None" = None,
 ) -> Iterator[int]:
     """Indices of the candidates whose binaries are ready, as they become ready: Gluon
     candidates are compiled in parallel for the device's target (one that fails is a failed
@@ -191,9 +266,14 @@ def _compiled(
         return
     from .compile import compile_configs_as_ready
 
+    timeline = timeline if timeline is not None else Timeline(time.perf_counter())
     for done, (i, report) in enumerate(compile_configs_as_ready(mod, problem, candidates, device), 1):
+        timeline.mark("first_compiled")
+        if done == len(candidates):
+            timeline.mark("compiled")
         if progress:
             progress("compile", done, len(candidates), None)
+        timeline.add("compile_cpu_s", report.seconds)
         if report.ok:
             yield i
         else:
@@ -209,7 +289,15 @@ class Trials:
     runner is replaced and the problem set up again for the next one.
     """
 
-    def __init__(self, mod: ModuleType, problem: dict, key: TuneKey, torch_device: str, tolerance: float) -> None:
+    def __init__(
+        self,
+        mod: ModuleType,
+        problem: dict,
+        key: TuneKey,
+        torch_device: str,
+        tolerance: float,
+        mark: Callable[[str], None] = lambda stage: None,
+    ) -> None:
         from .isolated import runner_for
 
         self.worker = runner_for(torch_device)
@@ -223,6 +311,7 @@ class Trials:
         }
         self._ready_pid: int | None = None
         self._warming: threading.Thread | None = None
+        self._mark = mark
 
     def prewarm(self) -> None:
         """Set the problem up in the runner on a thread (its start, torch, CUDA, the inputs and
@@ -247,6 +336,7 @@ class Trials:
                 f"in the isolated trial runner: {e.reason}"
             ) from None
         self._ready_pid = self.worker.pid
+        self._mark("inputs_ready")
 
     def run(self, config: dict, timing: dict, *, check: bool = True, time_it: bool = True) -> dict:
         """{"status": "ok", "median_ms": ...} or {"status": "failed" | "wrong", "error": ...}."""

@@ -88,11 +88,27 @@ def test_a_backend_that_hangs_its_self_check_is_skipped_with_one_warning(crashy_
 
 def test_a_backend_that_passes_its_self_check_is_used(crashy_first, monkeypatch):
     monkeypatch.setenv("TUNECACHE_SELFCHECK", "always")
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")  # nothing tuned: the check runs its grid
     a, b = torch.randn(24, 16), torch.randn(16, 20)
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
     assert {e.kernel for e in ops.OP_LAUNCHERS["matmul"].memo.values()} == {"matmul.crashy"}
     v = selfcheck.verdict(crashy, interpreter_device())
     assert v.ok and v.cases == 2
+
+
+def test_a_first_tune_is_the_backends_check(crashy_first, monkeypatch):
+    """A miss that tunes checks every candidate, the default config among them, against
+    PyTorch in the isolated runner: that stands for the first-contact check (kept as the
+    verdict), which would only have run the same default config before it."""
+    monkeypatch.setenv("TUNECACHE_SELFCHECK", "always")
+    ran = []
+    monkeypatch.setattr(selfcheck, "run_check", lambda *a, **k: ran.append(a))
+    a, b = torch.randn(24, 16), torch.randn(16, 20)
+    torch.testing.assert_close(ops.matmul(a, b), a @ b)
+    assert {e.kernel for e in ops.OP_LAUNCHERS["matmul"].memo.values()} == {"matmul.crashy"}
+    assert ran == [], "no separate check ran"
+    v = selfcheck.verdict(crashy, interpreter_device())
+    assert v.ok and "checked by this host's tuning" in v.detail
 
 
 def test_when_no_backend_passes_pytorch_answers(crashy_first, monkeypatch):

@@ -1,0 +1,102 @@
+"""What the tuner compiles ahead (in its compile workers, for an explicit target) is what a
+launch runs: the same Triton cache key, so a candidate's first launch loads the binary instead
+of compiling it again in the trial runner, one at a time. Checked on the CPU for every Gluon
+backend: each launch goes through the JIT's own argument binder and `_pack_args` up to the
+point of compiling, and its source and options must hash as the backend's compile_specs do."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from triton.compiler.compiler import ASTSource, make_backend
+from triton.experimental.gluon import GluonASTSource
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from tunecache.compile import arch_of, device_for, spec_source, target_of
+from tunecache_kernels import (
+    conv2d_fprop_blackwell,
+    conv2d_fprop_hopper,
+    conv2d_wgrad_blackwell,
+    conv2d_wgrad_hopper,
+    matmul_blackwell,
+    matmul_hopper,
+    problems,
+)
+from tunecache_kernels import gluon_host as gh
+from tunecache_kernels import gluon_launch as direct
+
+HOPPER = (matmul_hopper, conv2d_fprop_hopper, conv2d_wgrad_hopper)
+BLACKWELL = (matmul_blackwell, conv2d_fprop_blackwell, conv2d_wgrad_blackwell)
+
+
+def _problems(op: str):
+    if op == "matmul":
+        yield problems.matmul_problem(torch.empty(256, 512), torch.empty(512, 384)) | {"dtype": "bfloat16"}
+        yield problems.matmul_problem(torch.empty(77, 64), torch.empty(96, 64).t()) | {"dtype": "float16"}
+        return
+    for N, H, W, Ci, Co, R, S, st, pd in [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0)]:
+        x = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
+        if op == "conv2d_fprop":
+            yield problems.conv2d_fprop_problem(x, torch.empty(Co, R, S, Ci, dtype=torch.bfloat16), st, pd)
+        else:
+            P, Q = problems.out_size(H, R, st, pd), problems.out_size(W, S, st, pd)
+            yield problems.conv2d_wgrad_problem(x, torch.empty(N, P, Q, Co, dtype=torch.bfloat16), R, S, st, pd)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Each JIT launch's (function, args, kwargs), stopped before it compiles; the device
+    queries a launch makes answered as an H100 would (this host has no GPU)."""
+    seen: list = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen.append((self, args, kwargs))
+        return None
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    monkeypatch.setattr(direct, "direct_launch_enabled", lambda: False)
+    monkeypatch.setattr(gh, "num_sms", lambda device=None: 132)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(
+        conv2d_wgrad_hopper, "_streamk_flags", lambda dev, stream, n: torch.zeros(max(n, 1), dtype=torch.int32)
+    )
+    return seen
+
+
+def _launch_keys(seen: list, arch: str) -> list[tuple[str, str, str]]:
+    backend = make_backend(target_of(arch))
+    keys = []
+    for fn, args, kwargs in seen:
+        kwargs = dict(kwargs, debug=False)
+        bound, specialization, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, opts)
+        src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, signature, constexprs, attrs)
+        keys.append((fn.__name__, src.hash(), options.hash()))
+    return keys
+
+
+def _spec_keys(specs, arch: str) -> list[tuple[str, str, str]]:
+    backend = make_backend(target_of(arch))
+    keys = []
+    for spec in specs:
+        src, options = spec_source(spec, arch)
+        keys.append((spec.fn.__name__, src.hash(), backend.parse_options(dict(options, **src.parse_options())).hash()))
+    return keys
+
+
+@pytest.mark.parametrize("mod", HOPPER + BLACKWELL, ids=lambda m: m.KERNEL)
+def test_a_launch_finds_what_the_tuner_compiled(mod, launches):
+    device = device_for("sm_90a" if mod in HOPPER else "sm_100a")
+    arch = arch_of(device)
+    checked = 0
+    for p in _problems(mod.OP):
+        candidates = mod.prune(mod.config_space(p, device), p, device)
+        # a spread of the candidates, every kind of launch among them (split-K and stream-K too)
+        for config in candidates[:: max(1, len(candidates) // 8)] + candidates[-3:]:
+            launches.clear()
+            mod.launch(config, *mod.inputs(p, "cpu"))
+            assert _launch_keys(launches, arch) == _spec_keys(mod.compile_specs(p, config, device), arch), config
+            checked += 1
+    assert checked >= 8
