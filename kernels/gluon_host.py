@@ -36,10 +36,9 @@ GL_DTYPE = {"float16": gl.float16, "bfloat16": gl.bfloat16, "float32": gl.float3
 
 
 def dtype_name(dtype: Any) -> str:
-    """torch.bfloat16 or "bfloat16" -> "bfloat16"."""
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    return str(dtype)
+    """torch.bfloat16 or "bfloat16" -> "bfloat16" (a name is taken as it is: compile workers
+    never import torch)."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def gl_dtype(dtype: Any):

@@ -13,8 +13,22 @@ import torch
 
 from . import geometry
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+def __getattr__(name: str) -> Any:
+    """DTYPES (name -> torch dtype) and GEMM_DTYPES, made when first read: importing a kernel
+    module must not import torch (compile workers compile without it, see tunecache.isolated_main)."""
+    if name == "DTYPES":
+        return {n: torch_dtype(n) for n in geometry.DTYPES}
+    if name == "GEMM_DTYPES":
+        return tuple(torch_dtype(n) for n in geometry.DTYPES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bfloat16' -> torch.bfloat16 (one of geometry.DTYPES)."""
+    if name not in geometry.DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -40,11 +54,12 @@ def pair(value: Any, name: str, *, minimum: int) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def _check_tensor(t: Any, name: str, ndim: int, dtypes=GEMM_DTYPES) -> None:
+def _check_tensor(t: Any, name: str, ndim: int, dtypes: tuple | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    dtypes = dtypes or tuple(torch_dtype(n) for n in geometry.DTYPES)
     if t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {[dtype_name(d) for d in dtypes]}")
     if t.device.type not in ("cuda", "cpu", "meta"):  # meta: keys computed from shapes alone
@@ -103,7 +118,7 @@ def matmul_problem(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def matmul_inputs(p: dict, device: str) -> tuple:
-    dt = DTYPES[p["dtype"]]
+    dt = torch_dtype(p["dtype"])
     a = torch.randn(p["M"], p["K"], device=device, dtype=dt)
     b = torch.randn(p["K"], p["N"], device=device, dtype=dt)
     if p["a_layout"] == "col":
@@ -149,7 +164,7 @@ def conv2d_fprop_problem(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
 
 
 def conv2d_fprop_inputs(p: dict, device: str) -> tuple:
-    dt = DTYPES[p["dtype"]]
+    dt = torch_dtype(p["dtype"])
     x = torch.randn(p["N"], p["H"], p["W"], p["Ci"], device=device, dtype=dt)
     w = torch.randn(p["Co"], p["R"], p["S"], p["Ci"], device=device, dtype=dt)
     return (x, w, (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
@@ -198,7 +213,7 @@ def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
 
 
 def conv2d_wgrad_inputs(p: dict, device: str) -> tuple:
-    dt = DTYPES[p["dtype"]]
+    dt = torch_dtype(p["dtype"])
     x = torch.randn(p["N"], p["H"], p["W"], p["Ci"], device=device, dtype=dt)
     g = torch.randn(p["N"], p["P"], p["Q"], p["Co"], device=device, dtype=dt)
     return (x, g, p["R"], p["S"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))

@@ -338,7 +338,7 @@ def compile_in_fresh_processes(
     triton.language and never restores it (triton/runtime/interpreter.py)."""
     from .isolated import WorkerFailed, compile_pool
 
-    pool = compile_pool(max(1, min(default_workers(), len(jobs))))
+    pool = compile_pool(default_workers())
     msgs = [
         {"cmd": "asm", "task": [mod.__name__, p, c, i, arch_of(arch), [device.arch, device.sm_count]]}
         for mod, p, c, i in jobs
@@ -349,6 +349,15 @@ def compile_in_fresh_processes(
             raise RuntimeError(f"compiling failed: {answer.reason}")
         out.append(answer)
     return out
+
+
+def prebuild_launch_utils() -> None:
+    """Have a compile worker build (or find in Triton's cache) the C module every launch goes
+    through, which Triton otherwise builds at a process's first launch on a host with an empty
+    cache (a second of gcc, in the trial runner while the candidates wait). Fire and forget."""
+    from .isolated import compile_pool
+
+    compile_pool(default_workers()).submit({"cmd": "launch_utils"}, settings.compile_timeout_s())
 
 
 def default_workers() -> int:
@@ -372,7 +381,7 @@ def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> Iterator[tuple[in
 
     from .isolated import WorkerFailed, compile_pool
 
-    pool = compile_pool(max(1, min(workers, len(tasks))), env)
+    pool = compile_pool(max(1, workers), env)  # a worker starts at its first task
     futures = {
         pool.submit({"cmd": "compile", "task": list(t)}, settings.compile_timeout_s()): i for i, t in enumerate(tasks)
     }

@@ -26,6 +26,37 @@ def _die_with_parent() -> None:
         pass
 
 
+def _defer(name: str) -> None:
+    """Import `name` only when something first reads one of its attributes. A compile worker
+    imports the kernel modules (whose host code uses torch) but compiles with Triton alone;
+    torch's import is most of a worker's start (seconds, when a pool of them starts at once).
+    `import torch` statements find this stand-in (it carries the real spec, so the import
+    system takes it as loaded); the first attribute read imports torch and the stand-in
+    takes on its namespace."""
+    import importlib.util
+    import types
+
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return
+
+    class Deferred(types.ModuleType):
+        def __getattr__(self, attr: str) -> Any:
+            if sys.modules.get(name) is self:
+                del sys.modules[name]
+            import importlib
+
+            real = importlib.import_module(name)
+            self.__dict__.update(real.__dict__)
+            return getattr(real, attr)
+
+    stand_in = Deferred(name)
+    stand_in.__spec__ = spec
+    sys.modules[name] = stand_in
+
+
 def _short(e: BaseException) -> str:
     from tunecache.errors import short
 
@@ -66,6 +97,17 @@ def compile_spec(msg: dict) -> dict:
     from tunecache.compile import _worker_compile
 
     return asdict(_worker_compile(*msg["task"]))
+
+
+def launch_utils(msg: dict) -> dict:
+    """Build Triton's launch module into its cache (needs the CUDA driver library, not a GPU)."""
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+
+        CudaUtils()
+    except Exception as e:  # noqa: BLE001 - no CUDA here: the first launch builds it, as before
+        return {"built": False, "error": _short(e)}
+    return {"built": True}
 
 
 def compile_asm(msg: dict) -> dict:
@@ -186,6 +228,7 @@ HANDLERS: dict[str, Callable[[dict], dict]] = {
     "warm": warm,
     "compile": compile_spec,
     "asm": compile_asm,
+    "launch_utils": launch_utils,
     "setup": setup,
     "trial": trial,
     "reference": reference,
@@ -200,6 +243,7 @@ def main() -> None:
     sys.stdout = sys.stderr
     if len(sys.argv) > 1 and sys.argv[1] == "compile":
         os.environ.pop("TRITON_INTERPRET", None)
+        _defer("torch")
     for line in sys.stdin.buffer:
         msg = json.loads(line)
         handler = HANDLERS.get(msg.get("cmd"))

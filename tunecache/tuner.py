@@ -132,6 +132,10 @@ def tune(
     mark = timeline.mark
     runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")], mark)
     runner.prewarm()  # the runner makes its inputs while the candidates compile
+    if on_gpu and hasattr(mod, "compile_specs"):
+        from .compile import prebuild_launch_utils
+
+        prebuild_launch_utils()
 
     # quick round: each candidate is checked and timed as soon as its binary is ready, while
     # the others still compile
