@@ -7,14 +7,16 @@ autograd differentiates them, and `torch.library.opcheck` checks all of it.
 
 Backward passes are tuned ops too: a matmul's gradients are matmuls of transposed views (the
 GEMM kernels read column-major operands in place), a convolution's weight gradient is the
-wgrad kernel, and the gradient of its input (dgrad) is a forward convolution of the output's
-gradient with the flipped, transposed filter wherever that does no wasted work (`dgrad_plan`):
-stride 1, and 1x1 filters at any stride (one output phase, the rest zero). Other strided
-convolutions' dgrad is PyTorch's (`torch.nn.grad.conv2d_input`, cuDNN on a GPU) until
-tunecache has a dgrad kernel that splits them by output phase.
+wgrad kernel, and the gradient of its input (dgrad) is split by output phase (`dgrad_phases`):
+at stride sh x sw, the grad_x positions of one phase (rows a::sh, columns b::sw) are reached
+only by the filter taps r0::sh, s0::sw, and are a stride-1 forward convolution of the output's
+gradient with those taps flipped and transposed, tuned like any other convolution; no
+multiply-add is spent on the zeros a dilated gradient would hold.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -97,36 +99,79 @@ def _(x: Tensor, grad_out: Tensor, R: int, S: int, stride: list[int], padding: l
     return x.new_empty((grad_out.shape[3], R, S, x.shape[3]))
 
 
-def dgrad_plan(x_shape, w_shape, stride, padding) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """How dgrad runs as a forward convolution of grad_out with the flipped, transposed filter:
-    (its padding, the stride of the grad_x positions it fills), or None where that would waste
-    work (a strided filter larger than 1x1: its taps split into phases)."""
+@dataclass(frozen=True)
+class DgradPhase:
+    """One output phase of a convolution's input gradient: the grad_x positions rows a::sh,
+    columns b::sw, reached only by the filter taps r0::sh, s0::sw. They are a stride-1 forward
+    convolution of grad_out (padded by `pad` = (top, bottom, left, right); negative crops) with
+    those taps flipped and transposed: every multiply-add is one the gradient needs."""
+
+    a: int
+    b: int
+    r0: int
+    s0: int
+    taps: tuple[int, int]  # (rows, columns) of the phase's filter; 0 when no tap reaches it
+    pad: tuple[int, int, int, int]
+    out: tuple[int, int]  # (rows, columns) of grad_x in the phase
+
+    def conv(self, p: int, q: int) -> tuple[tuple[int, int], tuple[int, int], bool]:
+        """((H, W) of the forward convolution's input, its (symmetric) padding, whether
+        grad_out is padded or cropped first) for a grad_out of P x Q."""
+        top, bottom, left, right = self.pad
+        if top == bottom >= 0 and left == right >= 0:
+            return (p, q), (top, left), False
+        return (p + top + bottom, q + left + right), (0, 0), True
+
+
+def dgrad_phases(x_shape, w_shape, stride, padding) -> list[DgradPhase]:
+    """The sh x sw output phases of conv2d_nhwc's input gradient (x NHWC, w [Co, R, S, Ci])."""
+    _, h, w, _ = x_shape
     _, r, s, _ = w_shape
     (sh, sw), (ph, pw) = stride, padding
-    if (sh, sw) == (1, 1) and ph <= r - 1 and pw <= s - 1:
-        return (r - 1 - ph, s - 1 - pw), (1, 1)
-    if (r, s) == (1, 1) and (ph, pw) == (0, 0):
-        return (0, 0), (sh, sw)  # grad_x at every stride-th position, zero between
-    return None
+    p, q = problems.out_size(h, r, sh, ph), problems.out_size(w, s, sw, pw)
+
+    def axis(a: int, size: int, taps: int, st: int, pd: int, out_size: int) -> tuple[int, int, int, int, int]:
+        first = (a + pd) % st
+        n_taps = len(range(first, taps, st))
+        rows = len(range(a, size, st))
+        top = n_taps - 1 - (a + pd - first) // st
+        return first, n_taps, top, rows + n_taps - 1 - out_size - top, rows
+
+    phases = []
+    for a in range(sh):
+        r0, kr, top, bottom, rows = axis(a, h, r, sh, ph, p)
+        for b in range(sw):
+            s0, ks, left, right, cols = axis(b, w, s, sw, pw, q)
+            if rows and cols:
+                phases.append(DgradPhase(a, b, r0, s0, (kr, ks), (top, bottom, left, right), (rows, cols)))
+    return phases
 
 
 def _dgrad(grad_out: Tensor, w: Tensor, x_shape, stride, padding) -> Tensor:
-    """grad_x[N, H, W, Ci] of conv2d_nhwc (see the module's docstring)."""
+    """grad_x[N, H, W, Ci] of conv2d_nhwc: one tuned forward convolution per output phase."""
     n, h, wd, ci = x_shape
-    plan = dgrad_plan(x_shape, w.shape, stride, padding)
-    if plan is None:
-        gx = torch.nn.grad.conv2d_input(
-            (n, ci, h, wd), w.permute(0, 3, 1, 2), grad_out.permute(0, 3, 1, 2), stride=stride, padding=padding
-        )
-        return gx.permute(0, 2, 3, 1)
-    pad, (sh, sw) = plan
-    w_t = w.flip(1, 2).permute(3, 1, 2, 0)  # [Ci, R, S, Co], taps reversed
-    filled = conv2d_nhwc(grad_out, w_t, [1, 1], list(pad))
-    if (sh, sw) == (1, 1):
-        return filled
-    gx = grad_out.new_zeros((n, h, wd, ci))
-    gx[:, ::sh, ::sw, :] = filled
+    sh, sw = stride
+    phases = dgrad_phases(x_shape, w.shape, stride, padding)
+    if len(phases) == 1 and (sh, sw) == (1, 1):
+        return _phase(grad_out, w, phases[0], stride)
+    gaps = any(0 in ph.taps for ph in phases)
+    gx = grad_out.new_zeros((n, h, wd, ci)) if gaps else grad_out.new_empty((n, h, wd, ci))
+    for ph in phases:
+        if 0 not in ph.taps:
+            gx[:, ph.a :: sh, ph.b :: sw, :] = _phase(grad_out, w, ph, stride)
     return gx
+
+
+def _phase(grad_out: Tensor, w: Tensor, ph: DgradPhase, stride) -> Tensor:
+    sh, sw = stride
+    taps = w[:, ph.r0 :: sh, ph.s0 :: sw, :]  # [Co, kr, ks, Ci]
+    w_t = taps.flip(1, 2).permute(3, 1, 2, 0).contiguous()  # [Ci, kr, ks, Co], taps reversed
+    _, padding, explicit = ph.conv(grad_out.shape[1], grad_out.shape[2])
+    g = grad_out
+    if explicit:
+        top, bottom, left, right = ph.pad
+        g = torch.nn.functional.pad(grad_out, (0, 0, left, right, top, bottom))
+    return conv2d_nhwc(g, w_t, [1, 1], list(padding))
 
 
 def _conv_setup(ctx, inputs, output) -> None:

@@ -66,7 +66,7 @@ def entries(
     """(one entry per distinct problem, the layers tunecache leaves to torch), from one forward
     pass of `model` on the meta device with an input of (batch, *input_shape), of the model's
     dtype or `input_dtype` (e.g. int64 token ids)."""
-    from .custom_ops import dgrad_plan
+    from .custom_ops import dgrad_phases
     from .nn import conv_refusal, padding_pair
 
     if dtype not in DTYPES:
@@ -92,15 +92,15 @@ def entries(
             fields = dict(N=n, H=h, W=w, Ci=ci, Co=m.out_channels, R=r, S=s)
             fields.update(stride=_one(st), padding=_one(pad), dtype=dtype)
             keep(name, ["conv2d_fprop", "conv2d_wgrad"] if training else ["conv2d_fprop"], fields)
-            plan = dgrad_plan((n, h, w, ci), (m.out_channels, r, s, ci), st, pad)
-            if training and x.requires_grad and plan is not None:  # the model's input needs none
-                dpad = plan[0]
+            if training and x.requires_grad:  # the model's input needs no gradient
                 _, _, p, q = y.shape
-                keep(
-                    f"{name}_dgrad",
-                    ["conv2d_fprop"],
-                    dict(N=n, H=p, W=q, Ci=m.out_channels, Co=ci, R=r, S=s, stride=1, padding=_one(dpad), dtype=dtype),
-                )
+                for ph in dgrad_phases((n, h, w, ci), (m.out_channels, r, s, ci), st, pad):
+                    if 0 in ph.taps:
+                        continue
+                    (hh, ww), dpad, _ = ph.conv(p, q)
+                    fields = dict(N=n, H=hh, W=ww, Ci=m.out_channels, Co=ci, R=ph.taps[0], S=ph.taps[1])
+                    fields.update(stride=1, padding=_one(dpad), dtype=dtype)
+                    keep(f"{name}_dgrad" + (f"_phase{ph.a}{ph.b}" if st != (1, 1) else ""), ["conv2d_fprop"], fields)
 
         return hook
 

@@ -41,16 +41,25 @@ def test_conv2d_gives_torchs_output_and_gradients(untuned, stride, padding):
         torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("stride", [2, 3])
-def test_a_strided_1x1_conv_gives_torchs_gradients(untuned, stride):
-    """Its input's gradient is a forward conv filling every stride-th position (dgrad_plan)."""
-    torch.manual_seed(stride)
-    x = torch.randn(2, 6, 7, 8, requires_grad=True)
-    w = torch.randn(5, 6, 1, 1, requires_grad=True)
-    ours = _grads(lambda x, w: ops.conv2d(x, w, stride=stride), x, w)
-    torchs = _grads(lambda x, w: F.conv2d(x, w, stride=stride), x, w)
-    for o, t in zip(ours, torchs):
-        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize(
+    "kernel,stride,padding", [(1, 2, 0), (1, 3, 0), (3, 2, 1), (7, 2, 3), (2, 3, 0)], ids=lambda v: str(v)
+)
+def test_a_strided_convs_input_gradient_is_tunecaches_own(untuned, monkeypatch, kernel, stride, padding):
+    """Its input's gradient is one tuned forward convolution per output phase (dgrad_phases),
+    PyTorch's dgrad never called: ResNet's stem (7x7/2), its strided 3x3s and 1x1s, and a
+    filter smaller than its stride (phases no tap reaches are zeros)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.nn.grad.conv2d_input was called")
+
+    monkeypatch.setattr(torch.nn.grad, "conv2d_input", refuse)
+    torch.manual_seed(kernel * 10 + stride)
+    x = torch.randn(2, 5, 11, 10, requires_grad=True)
+    w = torch.randn(4, 5, kernel, kernel, requires_grad=True)
+    ours = _grads(lambda x, w: ops.conv2d(x, w, stride=stride, padding=padding), x, w)
+    torchs = _grads(lambda x, w: F.conv2d(x, w, stride=stride, padding=padding), x, w)
+    for name, o, t in zip(("y", "grad_x", "grad_w"), ours, torchs):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_conv2d_reads_channels_last_tensors_in_place(untuned):
