@@ -90,7 +90,7 @@ def entries(
             pad, st = padding_pair(m), tuple(m.stride)
             r, s = m.kernel_size
             fields = dict(N=n, H=h, W=w, Ci=ci, Co=m.out_channels, R=r, S=s)
-            fields.update(stride=_one(st), padding=_one(pad), dtype=dtype)
+            fields.update(_geometry(st, pad), dtype=dtype)
             keep(name, ["conv2d_fprop", "conv2d_wgrad"] if training else ["conv2d_fprop"], fields)
             if training and x.requires_grad:  # the model's input needs no gradient
                 _, _, p, q = y.shape
@@ -99,7 +99,7 @@ def entries(
                         continue
                     (hh, ww), dpad, _ = ph.conv(p, q)
                     fields = dict(N=n, H=hh, W=ww, Ci=m.out_channels, Co=ci, R=ph.taps[0], S=ph.taps[1])
-                    fields.update(stride=1, padding=_one(dpad), dtype=dtype)
+                    fields.update(_geometry((1, 1), dpad), dtype=dtype)
                     keep(f"{name}_dgrad" + (f"_phase{ph.a}{ph.b}" if st != (1, 1) else ""), ["conv2d_fprop"], fields)
 
         return hook
@@ -146,8 +146,13 @@ def _input_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def _one(pair: tuple[int, int]) -> int | list[int]:
-    return pair[0] if pair[0] == pair[1] else list(pair)
+def _geometry(stride: tuple[int, int], padding: tuple[int, int]) -> dict:
+    """A manifest's stride and padding fields: one number where both sides agree, else the
+    per-axis keys the shapes take (stride_h / stride_w, pad_h / pad_w)."""
+    out: dict = {}
+    for (h, w), one, pair in ((stride, "stride", ("stride_h", "stride_w")), (padding, "padding", ("pad_h", "pad_w"))):
+        out.update({one: h} if h == w else dict(zip(pair, (h, w))))
+    return out
 
 
 def to_toml(name: str, description: str, found: list[Entry]) -> str:

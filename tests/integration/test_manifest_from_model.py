@@ -56,6 +56,31 @@ def test_the_manifest_of_a_model_holds_exactly_the_keys_its_training_step_looks_
     assert queued == planned
 
 
+def test_per_axis_strides_and_paddings_and_phased_input_gradients_are_in_the_manifest(db_url, tmp_path, monkeypatch):
+    path = tmp_path / "asym.toml"
+    proc = manifest_cli(
+        "--from-model", "support.models:asymmetric_convnet", "--batch", "2", "--input", "4,9,8", "--dtype",
+        "float32", "-o", str(path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = path.read_text()
+    assert "pad_w = 1" in text and "stride_h = 2" in text
+
+    from tunecache.key import local_device
+    from tunecache.pretune import load_manifest, plan
+
+    planned = {p.key.digest for p in plan(load_manifest(path), local_device())}
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
+    import tunecache.nn as tnn
+    from support.models import asymmetric_convnet
+    from tunecache.store import default_store
+
+    model = tnn.convert(asymmetric_convnet())
+    x = torch.randn(2, 4, 9, 8)
+    model(x).square().mean().backward()
+    assert {j.key.digest for j in default_store().list_jobs()} == planned
+
+
 def test_a_model_that_cannot_be_built_or_run_is_a_clear_error(tmp_path):
     bad = manifest_cli("--from-model", "support.models")
     assert bad.returncode == 2 and "MODULE:FACTORY" in bad.stderr

@@ -19,3 +19,14 @@ def tiny_convnet() -> torch.nn.Module:
         torch.nn.Flatten(),
         torch.nn.Linear(8 * 2 * 2, 10),
     )
+
+
+def asymmetric_convnet() -> torch.nn.Module:
+    """For an input of (N, 4, 9, 8): Inception's 1xk / kx1 pair (per-axis padding) and a
+    conv strided on one axis (its input gradient splits into output phases)."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(4, 6, (1, 3), padding=(0, 1)),
+        torch.nn.Conv2d(6, 6, (3, 1), stride=(2, 1), padding=(1, 0)),
+        torch.nn.Conv2d(6, 5, 3, stride=2, padding=1),
+        torch.nn.Flatten(),
+    )
