@@ -167,23 +167,25 @@ def _epilogue_partition(
         acc_use += 1
 
 
-@gluon.jit(
-    do_not_specialize=[
-        "Co",
-        "Ci",
-        "RS",
-        "S",
-        "PQ",
-        "Q",
-        "stride_h",
-        "stride_w",
-        "pad_h",
-        "pad_w",
-        "total_k",
-        "k_per_split",
-        "num_splits",
-    ]
+# the kernel's shape arguments: unspecialized i32, so one compile per config serves every shape
+_SHAPE_ARGS = (
+    "Co",
+    "Ci",
+    "RS",
+    "S",
+    "PQ",
+    "Q",
+    "stride_h",
+    "stride_w",
+    "pad_h",
+    "pad_w",
+    "total_k",
+    "k_per_split",
+    "num_splits",
 )
+
+
+@gluon.jit(do_not_specialize=list(_SHAPE_ARGS))
 def conv2d_wgrad_kernel(
     g_desc,
     x_desc,
@@ -440,26 +442,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
         "out_ptr": "*fp32" if active > 1 else gh.ptr_sig(dt),
     }
-    sig.update(
-        {
-            k: "i32"
-            for k in (
-                "Co",
-                "Ci",
-                "RS",
-                "S",
-                "PQ",
-                "Q",
-                "stride_h",
-                "stride_w",
-                "pad_h",
-                "pad_w",
-                "total_k",
-                "k_per_split",
-                "num_splits",
-            )
-        }
-    )
+    sig.update({k: "i32" for k in _SHAPE_ARGS})
     sig.update({k: "constexpr" for k in ce})
     specs = [
         KernelSpec(
