@@ -55,9 +55,10 @@ def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
     """The configs most worth timing first, from configs that fit: per tile shape the deepest
     ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
-    GROUP_M 8, two warpgroups exactly on tiles of 128x128 and up; for wgrad stream-K, the modeled split
-    and the splits around the one that fills the GPU. The tuner times these before the rest of the space,
-    so a capped tuning run (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
+    GROUP_M 8, one warpgroup below a tile of 128x128 elements, two above, either at it; for
+    wgrad stream-K, the modeled split and the splits around the one that fills the GPU. The
+    tuner times these before the rest of the space, so a capped tuning run
+    (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
     best: dict[tuple, dict] = {}
     if op == "conv2d_wgrad":
         for c in configs:
@@ -80,7 +81,10 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
             continue
         if c.get("GROUP_M", 8) != 8:
             continue
-        if (c["num_warps"] == 8) != (c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128):
+        area = c["BLOCK_M"] * c["BLOCK_N"]
+        # one warpgroup below a 128x128 tile, two above it, either exactly at it (its fp32
+        # accumulator fills a warpgroup's registers: which wins depends on the problem)
+        if area != 128 * 128 and (c["num_warps"] == 8) != (area > 128 * 128):
             continue
         k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
         if k not in best or c["num_stages"] > best[k]["num_stages"]:

@@ -264,6 +264,20 @@ def _ignore_signals() -> None:
 
 _DEFERRING: list[bool] = []
 _PENDING: list[int] = []
+_RAISED: list[float] = []  # when a signal was last raised as KeyboardInterrupt
+_SECOND_SIGNAL_S = 5.0
+
+
+def _interrupt(signum: int) -> None:
+    """Raise KeyboardInterrupt, but not again within a few seconds: Ctrl-C at a terminal
+    reaches pretune and its workers together, and pretune then sends SIGTERM; a second
+    KeyboardInterrupt raised inside the first one's handling would cut short the release of
+    the job. (A signal after that, should the first have been lost, interrupts again.)"""
+    now = time.monotonic()
+    if _RAISED and now - _RAISED[-1] < _SECOND_SIGNAL_S:
+        return
+    _RAISED.append(now)
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def install_signal_handlers() -> None:
@@ -274,7 +288,7 @@ def install_signal_handlers() -> None:
         if _DEFERRING:
             _PENDING.append(signum)
             return
-        raise KeyboardInterrupt(f"signal {signum}")
+        _interrupt(signum)
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
@@ -293,7 +307,7 @@ def signals_deferred() -> Iterator[None]:
         if _PENDING and not _DEFERRING:
             signum = _PENDING.pop()
             _PENDING.clear()
-            raise KeyboardInterrupt(f"signal {signum}")
+            _interrupt(signum)
 
 
 def run_worker(

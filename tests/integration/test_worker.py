@@ -136,8 +136,12 @@ def test_without_a_fleet_the_worker_serves_the_local_queue(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stopped_worker_releases_its_job_at_once(clean_fleet, tmp_path, sig):
+@pytest.mark.parametrize(
+    "sigs",
+    [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGTERM]],
+    ids=["SIGTERM", "SIGINT", "Ctrl-C-then-pretunes-SIGTERM"],
+)
+def test_a_stopped_worker_releases_its_job_at_once(clean_fleet, tmp_path, sigs):
     fleet = clean_fleet
     key = _matmul_key(64, 64, 64)
     api = httpx.Client(base_url=fleet.url, headers={"Authorization": f"Bearer {fleet.tokens['admin']}"}, timeout=10)
@@ -146,7 +150,8 @@ def test_a_stopped_worker_releases_its_job_at_once(clean_fleet, tmp_path, sig):
     p = start_worker(env, tmp_path / "w.log", "--lease-s", "600", "--poll-s", "0.2")
     try:
         wait_for(lambda: _holding(api, p.pid), 60, 0.05, "the worker to lease the job")
-        p.send_signal(sig)
+        for sig in sigs:  # back to back: a second signal must not cut the release short
+            p.send_signal(sig)
         assert p.wait(30) == 0, (tmp_path / "w.log").read_text()[-3000:]
     finally:
         if p.poll() is None:
