@@ -168,7 +168,21 @@ def local_gpus() -> list[int]:
     return [] if interpreting() else list(range(torch.cuda.device_count()))
 
 
-def _spawn_worker(gpu: int, lease_s: float, poll_s: float, log_dir: Path | None) -> subprocess.Popen:
+def worker_env(workers: int) -> dict[str, str]:
+    """The environment of one of `workers` workers on this host: each compiles with its share
+    of the CPU cores (TUNECACHE_COMPILE_WORKERS, unless set), so that workers tuning side by
+    side do not each start a compile process per core and slow one another down."""
+    from .compile import default_workers
+
+    env = dict(os.environ)
+    if workers > 1 and not env.get("TUNECACHE_COMPILE_WORKERS", "").strip():
+        env["TUNECACHE_COMPILE_WORKERS"] = str(max(1, default_workers() // workers))
+    return env
+
+
+def _spawn_worker(
+    gpu: int, lease_s: float, poll_s: float, log_dir: Path | None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -187,7 +201,7 @@ def _spawn_worker(gpu: int, lease_s: float, poll_s: float, log_dir: Path | None)
     out: Any = subprocess.DEVNULL
     if log_dir is not None:
         out = open(log_dir / f"worker-gpu{gpu}.log", "ab")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
 def _die_with_parent() -> None:
@@ -233,7 +247,8 @@ def pretune(
         if queue.enqueue(p.key, priority=priority) is None:
             raise RuntimeError(f"cannot enqueue into {queue.where}: the service is unreachable")
     digests = [p.key.digest for p in todo]
-    workers = {g: _spawn_worker(g, lease_s, poll_s, log_dir) for g in (gpus or [0])}
+    env = worker_env(len(gpus or [0]))
+    workers = {g: _spawn_worker(g, lease_s, poll_s, log_dir, env) for g in (gpus or [0])}
     restarts = {g: 0 for g in workers}
     try:
         while True:
@@ -251,7 +266,7 @@ def pretune(
                             f"with {len(digests) - finished} job(s) left; see its log"
                         )
                     restarts[g] += 1
-                    workers[g] = _spawn_worker(g, lease_s, poll_s, log_dir)
+                    workers[g] = _spawn_worker(g, lease_s, poll_s, log_dir, env)
             time.sleep(poll_s)
     except KeyboardInterrupt:
         report.interrupted = True

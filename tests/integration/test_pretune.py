@@ -139,3 +139,17 @@ def test_pretune_through_the_fleet(clean_fleet, tmp_path):
     rerun = _pretune(host_env(tmp_path, "otherhost", fleet.url, fleet.tokens["worker"]))
     out, errs = rerun.communicate(timeout=120)
     assert rerun.returncode == 0 and "9 already tuned, 0 tuned now" in out, out + errs[-2000:]
+
+
+def test_workers_side_by_side_split_the_cores_for_compiling(monkeypatch):
+    """pretune on N GPUs runs N workers on one host: each starts compile processes for its
+    share of the cores, not one per core each (a user's TUNECACHE_COMPILE_WORKERS stands)."""
+    from tunecache.pretune import worker_env
+
+    monkeypatch.delenv("TUNECACHE_COMPILE_WORKERS", raising=False)
+    monkeypatch.setattr("tunecache.compile.default_workers", lambda: 16)
+    assert worker_env(2)["TUNECACHE_COMPILE_WORKERS"] == "8"
+    assert worker_env(32)["TUNECACHE_COMPILE_WORKERS"] == "1"
+    assert "TUNECACHE_COMPILE_WORKERS" not in worker_env(1)
+    monkeypatch.setenv("TUNECACHE_COMPILE_WORKERS", "3")
+    assert worker_env(2)["TUNECACHE_COMPILE_WORKERS"] == "3"
