@@ -22,6 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
 
 from . import KernelSpec
+from .problems import dtype_name
 
 # Every TMA descriptor's base address and outer strides must be multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
@@ -33,12 +34,6 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 # names used in kernel signatures (`triton.compile`) and in Gluon code
 SIG_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 GL_DTYPE = {"float16": gl.float16, "bfloat16": gl.bfloat16, "float32": gl.float32}
-
-
-def dtype_name(dtype: Any) -> str:
-    """torch.bfloat16 or "bfloat16" -> "bfloat16" (a name is taken as it is: compile workers
-    never import torch)."""
-    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def gl_dtype(dtype: Any):

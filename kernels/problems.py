@@ -14,24 +14,28 @@ import torch
 from . import geometry
 
 
+def _dtypes() -> dict[str, torch.dtype]:
+    """geometry.DTYPES by name -> torch dtype, made when asked: importing a kernel module must
+    not import torch (compile workers compile without it, see tunecache.isolated_main)."""
+    return {n: getattr(torch, n) for n in geometry.DTYPES}
+
+
 def __getattr__(name: str) -> Any:
-    """DTYPES (name -> torch dtype) and GEMM_DTYPES, made when first read: importing a kernel
-    module must not import torch (compile workers compile without it, see tunecache.isolated_main)."""
+    """DTYPES (name -> torch dtype) and GEMM_DTYPES (the ops' dtypes), made when first read."""
     if name == "DTYPES":
-        return {n: torch_dtype(n) for n in geometry.DTYPES}
+        return _dtypes()
     if name == "GEMM_DTYPES":
-        return tuple(torch_dtype(n) for n in geometry.DTYPES)
+        return tuple(_dtypes().values())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """'bfloat16' -> torch.bfloat16 (one of geometry.DTYPES)."""
-    if name not in geometry.DTYPES:
-        raise KeyError(name)
-    return getattr(torch, name)
+    """'bfloat16' -> torch.bfloat16 (one of geometry.DTYPES; KeyError otherwise)."""
+    return _dtypes()[name]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: Any) -> str:
+    """torch.bfloat16 or "bfloat16" -> "bfloat16" (a name is taken as it is)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -54,12 +58,12 @@ def pair(value: Any, name: str, *, minimum: int) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def _check_tensor(t: Any, name: str, ndim: int, dtypes: tuple | None = None) -> None:
+def _check_tensor(t: Any, name: str, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    dtypes = dtypes or tuple(torch_dtype(n) for n in geometry.DTYPES)
+    dtypes = tuple(_dtypes().values())
     if t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {[dtype_name(d) for d in dtypes]}")
     if t.device.type not in ("cuda", "cpu", "meta"):  # meta: keys computed from shapes alone

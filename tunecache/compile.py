@@ -351,12 +351,20 @@ def compile_in_fresh_processes(
     return out
 
 
+_LAUNCH_UTILS_ASKED: set[str | None] = set()  # Triton cache dirs a worker was asked to build it in
+
+
 def prebuild_launch_utils() -> None:
     """Have a compile worker build (or find in Triton's cache) the C module every launch goes
     through, which Triton otherwise builds at a process's first launch on a host with an empty
-    cache (a second of gcc, in the trial runner while the candidates wait). Fire and forget."""
+    cache (a second of gcc, in the trial runner while the candidates wait). Once per Triton
+    cache in a process: it lives there. Fire and forget."""
     from .isolated import compile_pool
 
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if cache in _LAUNCH_UTILS_ASKED:
+        return
+    _LAUNCH_UTILS_ASKED.add(cache)
     compile_pool(default_workers()).submit({"cmd": "launch_utils"}, settings.compile_timeout_s())
 
 

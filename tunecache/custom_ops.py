@@ -112,7 +112,6 @@ class DgradPhase:
     s0: int
     taps: tuple[int, int]  # (rows, columns) of the phase's filter; 0 when no tap reaches it
     pad: tuple[int, int, int, int]
-    out: tuple[int, int]  # (rows, columns) of grad_x in the phase
 
     def conv(self, p: int, q: int) -> tuple[tuple[int, int], tuple[int, int], bool]:
         """((H, W) of the forward convolution's input, its (symmetric) padding, whether
@@ -143,7 +142,7 @@ def dgrad_phases(x_shape, w_shape, stride, padding) -> list[DgradPhase]:
         for b in range(sw):
             s0, ks, left, right, cols = axis(b, w, s, sw, pw, q)
             if rows and cols:
-                phases.append(DgradPhase(a, b, r0, s0, (kr, ks), (top, bottom, left, right), (rows, cols)))
+                phases.append(DgradPhase(a, b, r0, s0, (kr, ks), (top, bottom, left, right)))
     return phases
 
 

@@ -188,11 +188,16 @@ def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:
 
 def unknown(mod: ModuleType, device: DeviceClass) -> bool:
     """No verdict yet for this backend on this device class (none run, kept or vouched for)."""
+
+    with _LOCK:
+        return not _known(_key(mod, device))
+
+
+def _known(k: tuple) -> bool:
+    """A verdict is at hand for key k, in this process or the store (hold _LOCK)."""
     from .config_cache import CACHE
 
-    k = _key(mod, device)
-    with _LOCK:
-        return k not in _VERDICTS and CACHE.read_selfcheck(*k) is None
+    return k in _VERDICTS or CACHE.read_selfcheck(*k) is not None
 
 
 def checked_by_tuning(mod: ModuleType, device: DeviceClass, result: "TuneResult", problem: dict) -> bool:
@@ -213,11 +218,10 @@ def checked_by_tuning(mod: ModuleType, device: DeviceClass, result: "TuneResult"
 
 def _take(mod: ModuleType, device: DeviceClass, detail: str) -> bool:
     """Keep a passing verdict on others' or other runs' word, unless one is already kept."""
-    from .config_cache import CACHE
 
     k = _key(mod, device)
     with _LOCK:
-        if k in _VERDICTS or CACHE.read_selfcheck(*k) is not None:
+        if _known(k):
             return False
         v = Verdict(mod.KERNEL, device, k[1], True, detail)
         _keep(k, v)

@@ -140,26 +140,27 @@ def tune(
     # quick round: each candidate is checked and timed as soon as its binary is ready, while
     # the others still compile
     quick: dict[int, float] = {}
+
+    def time_quickly(i: int) -> None:
+        """Check and time candidate i in the quick round: its time, or a failed trial."""
+        res = runner.run(candidates[i], QUICK_TIMING if on_gpu else {"cpu_reps": 1})
+        if res["status"] != "ok":
+            trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
+        else:
+            quick[i] = res["median_ms"]
+
     for n, i in enumerate(_compiled(mod, problem, device, candidates, trials, progress, timeline)):
         if progress:
             progress("time", n, len(candidates), min(quick.values()) if quick else None)
-        res = runner.run(candidates[i], QUICK_TIMING if on_gpu else {"cpu_reps": 1})
+        time_quickly(i)
         mark("first_timed")
-        if res["status"] != "ok":
-            trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
-            continue
-        quick[i] = res["median_ms"]
     mark("quick_round")
     # the leaders' variants in run-time arguments only (GROUP_M, SPLIT_K): the same binaries,
     # so they cost a timing each and no compile; the capped list holds each kernel once
     if quick and configs is None:
         for sibling in _siblings(mod, problem, device, space, [candidates[i] for i in leaders(quick)], candidates):
             candidates.append(sibling)
-            res = runner.run(sibling, QUICK_TIMING if on_gpu else {"cpu_reps": 1})
-            if res["status"] != "ok":
-                trials.append(TrialRecord(sibling, res["status"], error=res.get("error")))
-                continue
-            quick[len(candidates) - 1] = res["median_ms"]
+            time_quickly(len(candidates) - 1)
         mark("siblings")
     if progress:
         progress("time", len(candidates), len(candidates), min(quick.values()) if quick else None)
