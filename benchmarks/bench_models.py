@@ -122,8 +122,10 @@ GEMM_M = (1, 16, 128, 4096)
 
 
 def _conv(model, name, h, ci, co, k, st, pd, batch, source, ops=CONV_OPS) -> Layer:
-    r, s = _pair(k)
-    (ph, pw) = _pair(pd)
+    from tunecache_kernels.problems import pair
+
+    r, s = pair(k, "kernel", minimum=1)
+    (ph, pw) = pair(pd, "padding", minimum=0)
     pads = dict(padding=ph) if ph == pw else dict(pad_h=ph, pad_w=pw)
     shape = dict(N=batch, H=h, W=h, Ci=ci, Co=co, R=r, S=s, stride=st, **pads)
     return Layer(model, name, "conv", shape, ops=ops, source=source)
@@ -166,16 +168,14 @@ class Row:
         self.ratio = self.vendor_ms / self.tuned_ms  # > 1: tunecache is faster
 
 
-def _pair(v):
-    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
-
-
 def cases(layer: Layer):
     """(op, tunecache's call, the vendor's call) for each op of the layer, inputs made."""
     import torch
     import torch.nn.functional as F
+    from bench_kernels import torch_fn
 
     from tunecache import custom_ops, ops
+    from tunecache.shapes import canonical_problem
 
     dt = getattr(torch, layer.dtype)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -183,26 +183,23 @@ def cases(layer: Layer):
         sh = layer.shape
         a = torch.randn(sh["M"], sh["K"], device="cuda", dtype=dt, generator=g)
         b = torch.randn(sh["K"], sh["N"], device="cuda", dtype=dt, generator=g)
-        yield "matmul", lambda: ops.matmul(a, b), lambda: a @ b
+        yield "matmul", lambda: ops.matmul(a, b), torch_fn("matmul", (a, b))
         return
-    sh = layer.shape
-    st = _pair(sh["stride"])
-    pd = (sh["pad_h"], sh["pad_w"]) if "pad_h" in sh else _pair(sh["padding"])
-    x = torch.randn(sh["N"], sh["H"], sh["W"], sh["Ci"], device="cuda", dtype=dt, generator=g)
-    w = torch.randn(sh["Co"], sh["R"], sh["S"], sh["Ci"], device="cuda", dtype=dt, generator=g) * 0.05
+    p = canonical_problem("conv2d_fprop", {**layer.shape, "dtype": layer.dtype})
+    st, pd, R, S = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]), p["R"], p["S"]
+    x = torch.randn(p["N"], p["H"], p["W"], p["Ci"], device="cuda", dtype=dt, generator=g)
+    w = torch.randn(p["Co"], R, S, p["Ci"], device="cuda", dtype=dt, generator=g) * 0.05
     xn, wn = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)  # channels_last views: cuDNN's NHWC
     y = F.conv2d(xn, wn, stride=st, padding=pd)
     gy = torch.randn(y.shape, device="cuda", dtype=dt, generator=g).to(memory_format=torch.channels_last)
     gy_nhwc = gy.permute(0, 2, 3, 1)
     if "conv2d_fprop" in layer.ops:
-        yield "conv2d_fprop", lambda: ops.conv2d_fprop(x, w, st, pd), lambda: F.conv2d(xn, wn, stride=st, padding=pd)
+        yield "conv2d_fprop", lambda: ops.conv2d_fprop(x, w, st, pd), torch_fn("conv2d_fprop", (x, w, st, pd))
     if "conv2d_wgrad" in layer.ops:
         yield (
             "conv2d_wgrad",
-            lambda: ops.conv2d_wgrad(x, gy_nhwc, sh["R"], sh["S"], st, pd),
-            lambda: torch.ops.aten.convolution_backward(
-                gy, xn, wn, None, list(st), list(pd), [1, 1], False, [0, 0], 1, [False, True, False]
-            ),
+            lambda: ops.conv2d_wgrad(x, gy_nhwc, R, S, st, pd),
+            torch_fn("conv2d_wgrad", (x, gy_nhwc, R, S, st, pd)),
         )
     if "conv2d_dgrad" in layer.ops:
         yield (
