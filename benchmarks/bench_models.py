@@ -285,7 +285,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     info = device_info()
     rows: list[dict] = []
-    for lay in layers:
+    name = args.out.stem if args.out else f"models-{(info.get('device') or 'gpu').replace(' ', '_')}"
+    folder = args.out.parent if args.out else RESULTS
+
+    def save(done: int) -> Path:
+        """Written after every layer: a run cut short keeps what it measured."""
+        summary = summarize(rows, info.get("device"))
+        if done < len(layers):
+            summary["partial"] = f"{done} of {len(layers)} layers"
+        summary["command"] = "python benchmarks/bench_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        return write_results(name, {"summary": summary, "rows": rows, "device": info}, folder)
+
+    path = save(0)
+    for done, lay in enumerate(layers, 1):
         if want_ops and lay.op != "matmul":
             lay = Layer(
                 lay.model,
@@ -304,14 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         torch.cuda.empty_cache()
-    summary = summarize(rows, info.get("device"))
-    for op, s in summary.items():
+        path = save(done)
+    for op, s in summarize(rows, info.get("device")).items():
         if isinstance(s, dict) and "geomean" in s:
             print(f"{op:13s} geomean {s['geomean']:.3f}x the vendor, min {s['min']:.3f}x, {s['layers']} layers")
-    name = args.out.stem if args.out else f"models-{(info.get('device') or 'gpu').replace(' ', '_')}"
-    path = write_results(
-        name, {"summary": summary, "rows": rows, "device": info}, args.out.parent if args.out else RESULTS
-    )
     print(f"wrote {path}")
     return 0
 

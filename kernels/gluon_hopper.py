@@ -52,13 +52,20 @@ def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
     return smem_bytes <= SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
 
 
+def _warps_fit(c: dict) -> bool:
+    """One warpgroup below a tile of 128x128 elements, two above it, either exactly at it (its
+    fp32 accumulator fills a warpgroup's registers: which wins depends on the problem)."""
+    area = c["BLOCK_M"] * c["BLOCK_N"]
+    return area == 128 * 128 or (c["num_warps"] == 8) == (area > 128 * 128)
+
+
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
     """The configs most worth timing first, from configs that fit: per tile shape the deepest
     ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
-    GROUP_M 8, one warpgroup below a tile of 128x128 elements, two above, either at it; for
-    wgrad stream-K, the modeled split and the splits around the one that fills the GPU. The
-    tuner times these before the rest of the space, so a capped tuning run
-    (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
+    GROUP_M 8, the warps of `_warps_fit`; for wgrad stream-K, the modeled split and the splits
+    around the one that fills the GPU, after every tile's unsplit and modeled variants (so that a
+    cap cuts splits, not tiles). The tuner times these before the rest of the space, so a capped
+    tuning run (TUNECACHE_MAX_CANDIDATES) still sees the likely winners."""
     best: dict[tuple, dict] = {}
     if op == "conv2d_wgrad":
         for c in configs:
@@ -71,20 +78,15 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
         for c in best.values():
             tiles = -(-p["Co"] // c["BLOCK_M"]) * p["R"] * p["S"] * -(-p["Ci"] // c["BLOCK_N"])
             fill = max(1, pow2_at_least(-(-max(1, sm_count) // tiles)))
-            if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and (c["num_warps"] == 8) == (
-                c["BLOCK_M"] * c["BLOCK_N"] >= 128 * 128
-            ):
+            if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and _warps_fit(c):
                 out.append(c)
-        return out
+        return sorted(out, key=lambda c: c["SPLIT_K"] not in (-1, 0))
     for c in configs:
         if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
             continue
         if c.get("GROUP_M", 8) != 8:
             continue
-        area = c["BLOCK_M"] * c["BLOCK_N"]
-        # one warpgroup below a 128x128 tile, two above it, either exactly at it (its fp32
-        # accumulator fills a warpgroup's registers: which wins depends on the problem)
-        if area != 128 * 128 and (c["num_warps"] == 8) != (area > 128 * 128):
+        if not _warps_fit(c):
             continue
         k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
         if k not in best or c["num_stages"] > best[k]["num_stages"]:

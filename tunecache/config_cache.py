@@ -132,6 +132,16 @@ class ConfigCache:
             "read a self-check", lambda url: quick_read.selfcheck(url, *k), lambda s: s.get_selfcheck(*k), None
         )
 
+    def surely_missing(self, digest: str) -> bool:
+        """Whether this host's store has no winner for `digest`, known without opening the
+        Store: a plain SQLite store without the row, or without a file yet. (Postgres and
+        the like: not known, False.)"""
+        from . import quick_read
+
+        url = settings.db_url()
+        found = quick_read.config(url, digest)
+        return quick_read.no_file(url) if found is quick_read.UNKNOWN else found is None
+
     def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
         """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
         rec = self.read_config(key.digest)

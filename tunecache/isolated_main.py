@@ -122,21 +122,39 @@ def compile_asm(msg: dict) -> dict:
 def setup(msg: dict) -> dict:
     """Make the problem's inputs (seeded) and the reference output."""
     import importlib
+    import time
+
+    seconds = {}
+    t = time.perf_counter()
+
+    def took(stage: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        seconds[stage] = round(now - t, 3)
+        t = now
 
     import torch
 
+    took("import_torch")
     _STATE.clear()
     mod = importlib.import_module(msg["module"])
+    took("import_backend")
     dev = msg["torch_device"]
     if dev.startswith("cuda:"):
         torch.cuda.set_device(torch.device(dev))
+        torch.cuda.init()
+        took("cuda_init")
     torch.manual_seed(0)
     args = mod.inputs(msg["problem"], dev)
+    took("inputs")
     ref = mod.reference(*args)
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+    took("reference")
     _STATE.update(
         mod=mod, args=args, ref=ref, on_gpu=dev.startswith("cuda"), tol=msg["tolerance"], digest=msg["digest"]
     )
-    return {"ready": msg["digest"]}
+    return {"ready": msg["digest"], "seconds": seconds}
 
 
 def _cuda_broken() -> bool:
@@ -244,6 +262,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "compile":
         os.environ.pop("TRITON_INTERPRET", None)
         _defer("torch")
+        # compiles yield to the trial runner, whose start (importing torch) every tune waits for
+        try:
+            os.nice(10)
+        except OSError:
+            pass
     for line in sys.stdin.buffer:
         msg = json.loads(line)
         handler = HANDLERS.get(msg.get("cmd"))

@@ -88,6 +88,8 @@ class Op:
                 on_gpu = device_tensor.device.type == "cuda"
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
+                if on_gpu and not forced:
+                    _runner_ahead(every[0], problem, device, where)
                 looked_up = None if forced else _look_up_first(every[0], problem, device)
                 if forced or _tune_checks_first(every[0], device, looked_up):
                     mods = every  # its tune checks each candidate: the verdict follows from it (_decide)
@@ -268,6 +270,20 @@ def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[.
         )
 
     return progress
+
+
+def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> None:
+    """A call this process will likely tune (policy `tune`, and the local store surely has no
+    winner): start the trial runner now, so that its imports (torch alone takes seconds) run
+    while the fleet is asked and the store opened, not after. If the fleet answers after all,
+    the runner waits, idle and without a CUDA context, for this process's next miss."""
+    if settings.miss_policy() != "tune" or not CACHE.surely_missing(make_key(mod, problem, device).digest):
+        return
+    from .isolated import runner_for
+
+    runner = runner_for(torch_device)
+    if runner.proc is None:
+        runner.in_background(runner.warm_up)
 
 
 def _look_up_first(mod: ModuleType, problem: dict, device: DeviceClass) -> "list[ConfigRecord | None]":

@@ -80,6 +80,12 @@ def _path(url: str) -> str | None:
     return path if path and path != ":memory:" else None
 
 
+def no_file(url: str) -> bool:
+    """Whether `url` names a SQLite store whose file does not exist yet (it holds nothing)."""
+    path = _path(url)
+    return path is not None and not os.path.exists(path)
+
+
 def _connection(url: str) -> sqlite3.Connection | None:
     with _LOCK:
         if url in _CONNECTIONS:

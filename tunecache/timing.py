@@ -13,10 +13,12 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 # How candidates are timed when a tuning run chooses (the ops' tuner and the drop-in alike):
 # each in a quick round (short warm-up and repetition, enough to rank), then the leaders (within
-# LEADER_FACTOR of the quick best, at most MAX_LEADERS) again with do_bench's own defaults.
-QUICK_WARMUP_MS, QUICK_REP_MS = 5, 20
+# LEADER_FACTOR of the quick best, at most MAX_LEADERS) again with a longer warm-up and repetition (SETTLE_*).
+QUICK_WARMUP_MS, QUICK_REP_MS = 2, 10
+SETTLE_WARMUP_MS, SETTLE_REP_MS = 10, 50
 LEADER_FACTOR = 1.10
 MAX_LEADERS = 8
+MAX_SETTLED = 2 * MAX_LEADERS
 
 
 def leaders(quick_ms: Mapping[Hashable, float]) -> list:
@@ -26,6 +28,28 @@ def leaders(quick_ms: Mapping[Hashable, float]) -> list:
         return []
     best = min(finite.values())
     return sorted((c for c, ms in finite.items() if ms <= LEADER_FACTOR * best), key=finite.get)[:MAX_LEADERS]
+
+
+def settle(
+    quick_ms: Mapping[Hashable, float], time_fn: Callable[[Hashable], float | None], also: Sequence[Hashable] = ()
+) -> dict:
+    """Time the quick round's leaders (and `also`) again with `time_fn` (None: it failed);
+    then every candidate whose quick time lies within LEADER_FACTOR of the settled best, until
+    none is left or MAX_SETTLED were timed: a quick time can be low by luck (a cool GPU's boost
+    clock at the start of a round) and keep the real leaders out. Returns candidate -> time."""
+    done: dict = {}
+    todo = [*leaders(quick_ms), *also]
+    while todo:
+        for c in todo:
+            if c not in done:
+                done[c] = time_fn(c)
+        times = [ms for ms in done.values() if ms is not None and math.isfinite(ms)]
+        if not times or len(done) >= MAX_SETTLED:
+            break
+        best = min(times)
+        near = [c for c, ms in quick_ms.items() if c not in done and ms <= LEADER_FACTOR * best]
+        todo = sorted(near, key=quick_ms.get)[: MAX_SETTLED - len(done)]
+    return done
 
 
 def time_ms(

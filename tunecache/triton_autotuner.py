@@ -31,7 +31,7 @@ from triton.runtime.jit import JITFunction
 
 from . import triton_key_cache
 from .key import DeviceClass, TuneKey, canonical_json, device_of, triton_version
-from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders, wall_clock_bench
+from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders, settle, wall_clock_bench
 
 log = logging.getLogger("tunecache.autotune")
 
@@ -157,16 +157,20 @@ class Autotuner(TritonAutotuner):
         return False
 
     def _settle(self, tuning_key: tuple) -> None:
-        """Time the quick round's leaders (`timing.leaders`) as Triton would (its do_bench
+        """Time the quick round's leaders (`timing.settle`) as Triton would (its do_bench
         defaults); the fastest of those wins."""
         args, meta = self._settle_with
-        settle = leaders({c: _median(t) for c, t in self.configs_timings.items()})
-        if not settle:
+        quick = {c: _median(t) for c, t in self.configs_timings.items()}
+        if not leaders(quick):
             return
         self._quick = None
-        for c in settle:
+
+        def time_fn(c: Any) -> float:
             self.configs_timings[c] = TritonAutotuner._bench(self, *args, config=c, **meta)
-        winner = min(settle, key=lambda c: _median(self.configs_timings[c]))
+            return _median(self.configs_timings[c])
+
+        settled = settle(quick, time_fn)
+        winner = min(settled, key=settled.get)
         self.cache[tuning_key] = winner
         self.pre_hook({**self.nargs, **meta, **winner.all_kwargs()}, reset_only=True)
 

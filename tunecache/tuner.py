@@ -20,14 +20,16 @@ from .binaries import Binary
 from .key import DeviceClass, TuneKey, triton_version
 from .records import ConfigRecord, TrialRecord, whoami
 from .registry import kernel_version
-from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders
+from .timing import QUICK_REP_MS, QUICK_WARMUP_MS, SETTLE_REP_MS, SETTLE_WARMUP_MS, leaders, settle
 
 log = logging.getLogger("tunecache.tuner")
 
 # ‖out - ref‖ / ‖ref‖ allowed per dtype (float32 dots may run as tf32 on a GPU)
 TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 2e-2}
-# the quick round's timing (do_bench milliseconds); leaders are timed again with do_bench's own
+# the quick round's timing (do_bench milliseconds); its leaders, the default and the vendor's op
+# are timed with the settling round's
 QUICK_TIMING = {"warmup_ms": QUICK_WARMUP_MS, "rep_ms": QUICK_REP_MS}
+SETTLE_TIMING = {"warmup_ms": SETTLE_WARMUP_MS, "rep_ms": SETTLE_REP_MS}
 
 
 class TuneError(RuntimeError):
@@ -169,29 +171,31 @@ def tune(
         raise TuneError(f"{mod.KERNEL}: no config of {len(candidates)} ran correctly for {problem}: {errors}")
 
     # settling round: the leaders (and the default, whose time the record keeps) timed properly
-    settle = set(leaders(quick)) | {i for i in quick if candidates[i] == default}
+    settled: dict[int, TrialRecord] = {}
+
+    def time_settled(i: int) -> float | None:
+        res = runner.run(candidates[i], SETTLE_TIMING if on_gpu else {"cpu_reps": 3}, check=False)
+        # it passed the quick round: a crash now is still a failed trial
+        settled[i] = TrialRecord(candidates[i], res["status"], median_ms=res.get("median_ms"), error=res.get("error"))
+        return res.get("median_ms") if res["status"] == "ok" else None
+
+    settle(quick, time_settled, [i for i in quick if candidates[i] == default])
     for i, quick_ms in sorted(quick.items()):
-        if i not in settle:
-            trials.append(TrialRecord(candidates[i], "ok", median_ms=quick_ms))
-            continue
-        res = runner.run(candidates[i], {} if on_gpu else {"cpu_reps": 3}, check=False)
-        if res["status"] != "ok":  # it passed the quick round: a crash now is still a failed trial
-            trials.append(TrialRecord(candidates[i], res["status"], error=res.get("error")))
-            continue
-        trials.append(TrialRecord(candidates[i], "ok", median_ms=res["median_ms"]))
+        trials.append(settled.get(i) or TrialRecord(candidates[i], "ok", median_ms=quick_ms))
     mark("settled")
     ok = [t for t in trials if t.status == "ok"]
     if not ok:
         raise TuneError(f"{mod.KERNEL}: every config that passed the first round failed the second for {problem}")
-    settled = [t for t in ok if any(t.config == candidates[i] for i in settle)] or ok
-    best = min(settled, key=lambda t: t.median_ms)
+    settled_ok = [t for t in settled.values() if t.status == "ok"] or ok
+    best = min(settled_ok, key=lambda t: t.median_ms)
     flops = mod.flops(problem)
     tflops = flops / (best.median_ms * 1e-3) / 1e12 if best.median_ms > 0 else None
     default_ms = next((t.median_ms for t in ok if t.config == default), None)
-    vendor_ms = runner.vendor_ms({} if on_gpu else {"cpu_reps": 3})
+    vendor_ms = runner.vendor_ms(SETTLE_TIMING if on_gpu else {"cpu_reps": 3})
     mark("vendor")
     winner_binaries = runner.binaries(best.config) if on_gpu else []
     mark("binaries")
+    timeline.update({f"runner_{stage}_s": s for stage, s in runner.setup_seconds.items()})
     result = TuneResult(
         key,
         best.config,
@@ -315,6 +319,7 @@ class Trials:
             "digest": key.digest,
         }
         self._ready_pid: int | None = None
+        self.setup_seconds: dict[str, float] = {}  # the runner's start, stage by stage
         self._warming: threading.Thread | None = None
         self._mark = mark
 
@@ -334,7 +339,7 @@ class Trials:
         if self._ready_pid is not None and self._ready_pid == self.worker.pid:
             return
         try:
-            self.worker.call(self.setup, settings.candidate_timeout_s() * 5)
+            answer = self.worker.call(self.setup, settings.candidate_timeout_s() * 5)
         except WorkerFailed as e:
             raise TuneError(
                 f"{self.setup['module']}: could not make the inputs of {self.setup['problem']} "
@@ -342,6 +347,7 @@ class Trials:
             ) from None
         self._ready_pid = self.worker.pid
         self._mark("inputs_ready")
+        self.setup_seconds = answer.get("seconds") or {}
 
     def run(self, config: dict, timing: dict, *, check: bool = True, time_it: bool = True) -> dict:
         """{"status": "ok", "median_ms": ...} or {"status": "failed" | "wrong", "error": ...}."""

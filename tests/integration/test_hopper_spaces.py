@@ -95,6 +95,21 @@ def test_prune_keeps_the_seed_hopper_config():
     assert mm.prune([c], p, H100) == [c]
 
 
+def test_a_capped_tune_sees_every_tile_of_the_quick_subset():
+    """The default cap (48 candidates) cuts a subset that is too long in its split variants, not
+    in its tiles: ResNet-50's 3x3 wgrad at 28x28 was won by a 128x128 one-warpgroup tile that
+    the narrow tiles' splits had pushed past the cap (H100: 0.924x the exhaustive best)."""
+    from tunecache import settings
+
+    x = _meta(128, 28, 28, 128)
+    p = problems.conv2d_wgrad_problem(x, _meta(128, 28, 28, 128), 3, 3, 1, 1)
+    capped = wgrad.prune(wgrad.config_space(p, H100), p, H100)[: settings.max_candidates()]
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for c in capped}
+    assert (128, 128, 64, 4) in tiles and (128, 128, 64, 8) in tiles
+    unsplit = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for c in capped if c["SPLIT_K"] == 0}
+    assert unsplit >= {t for t in tiles if t[2] == 64}
+
+
 @pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
 def test_supports_only_sm90_half_precision(mod, p):
     assert mod.supports(p, H100)

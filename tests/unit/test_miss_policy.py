@@ -66,3 +66,25 @@ def test_default_prefers_the_nearest_tuned_neighbour(db_url, monkeypatch):
     assert nearest_neighbour(mod, query, dev, store) == tuned_near.config
     other_dtype = problems.matmul_problem(torch.randn(60, 64).half(), torch.randn(64, 60).half())
     assert nearest_neighbour(mod, other_dtype, dev, store) is None
+
+
+def test_a_sure_miss_is_known_before_the_store_opens(db_url):
+    """A GPU call that will tune starts its trial runner before the fleet is asked and the store
+    opened (`launcher._runner_ahead`), on a miss known from the SQLite file alone: no file yet,
+    or no row. A stored winner is no sure miss, and neither is a store that cannot be read here."""
+    from tunecache import quick_read, registry
+    from tunecache.config_cache import CACHE
+    from tunecache.key import interpreter_device
+    from tunecache.tuner import make_key
+
+    a, b = torch.randn(40, 24), torch.randn(24, 36)
+    problem = ops.OP_LAUNCHERS["matmul"].problem_fn(a, b)
+    mod = registry.backends_for("matmul", interpreter_device(), problem)[0]
+    digest = make_key(mod, problem, interpreter_device()).digest
+    quick_read.forget()
+    assert CACHE.surely_missing(digest)  # no file yet
+    ops.matmul(a, b)  # tunes and keeps the winner
+    quick_read.forget()
+    assert not CACHE.surely_missing(digest)
+    assert CACHE.surely_missing("0" * 64)  # a key the store has no row for
+    quick_read.forget()

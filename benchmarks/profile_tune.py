@@ -1,0 +1,163 @@
+"""Where a cold tune's seconds go, worker by worker (issue 14, item 1).
+
+Runs one first call of `tunecache.ops` in a fresh process (empty store, empty Triton cache,
+torch and tunecache imported) and traces every request to the isolated processes: when each
+compile worker and the trial runner started, when their first answer came (the start-up:
+Python, imports, CUDA), how many requests each served and how long they were busy. Prints the
+tuner's timeline beside it and writes JSON to benchmarks/results/profile-tune-<device>.json.
+
+    python benchmarks/profile_tune.py [--op matmul] [--shape M=4096,N=4096,K=4096,dtype=bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import device_info, write_results  # noqa: E402
+
+CHILD = r"""
+import json, logging, sys, time, torch
+from tunecache import isolated
+events = []
+t0 = [None]
+def now():
+    return time.perf_counter() - (t0[0] or 0.0)
+spawn, request = isolated.Worker.spawn, isolated.Worker._request
+def traced_spawn(self):
+    before = self.proc
+    spawn(self)
+    if self.proc is not before:
+        events.append({"role": self.role, "pid": self.proc.pid, "what": "spawn", "at": now()})
+def traced_request(self, msg, timeout):
+    start = now()
+    try:
+        return request(self, msg, timeout)
+    finally:
+        events.append({"role": self.role, "pid": self.pid, "what": msg.get("cmd"), "start": start, "end": now()})
+isolated.Worker.spawn, isolated.Worker._request = traced_spawn, traced_request
+from tunecache.config_cache import CACHE
+def traced(name, fn):
+    def call(*a, **k):
+        start = now()
+        try:
+            return fn(*a, **k)
+        finally:
+            events.append({"role": "caller", "pid": 0, "what": name, "start": start, "end": now()})
+    return call
+for name in ("get", "keep_tuned"):
+    setattr(CACHE, name, traced(name, getattr(CACHE, name)))
+timelines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        if hasattr(record, "timeline"):
+            timelines.append(record.timeline)
+logging.getLogger("tunecache.tuner").addHandler(Keep())
+logging.getLogger("tunecache.tuner").setLevel(logging.INFO)
+from tunecache.shapes import canonical_problem
+import tunecache.ops as ops
+from tunecache import registry
+from tunecache.key import device_of
+op, shape = sys.argv[1], json.loads(sys.argv[2])
+import tunecache.tuner as tuner
+for name, given in (("QUICK_TIMING", sys.argv[3]), ("SETTLE_TIMING", sys.argv[4])):
+    if given:
+        warmup, rep = (float(x) for x in given.split(","))
+        setattr(tuner, name, {"warmup_ms": warmup, "rep_ms": rep})
+p = canonical_problem(op, shape)
+mod = registry.backends_for(op, device_of(torch.empty(1, device="cuda")), p)[0]
+args = mod.inputs(p, "cuda")
+torch.cuda.synchronize()
+t0[0] = time.perf_counter()
+getattr(ops, op)(*args)
+torch.cuda.synchronize()
+events.append({"role": "caller", "pid": 0, "what": "first_call_done", "start": now(), "end": now()})
+t1 = time.perf_counter()
+getattr(ops, op)(*args)
+torch.cuda.synchronize()
+events.append({"role": "caller", "pid": 0, "what": "second_call", "start": 0, "end": time.perf_counter() - t1})
+print(json.dumps({"seconds": now(), "timeline": timelines[-1] if timelines else None, "events": events}))
+"""
+
+
+def parse_shape(text: str) -> dict:
+    out: dict = {}
+    for part in filter(None, text.split(",")):
+        k, _, v = part.partition("=")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
+def summarize(events: list[dict]) -> dict:
+    """Per process: started, first answer (its start-up done), requests, busy seconds."""
+    procs: dict = {}
+    for e in events:
+        p = procs.setdefault(e["pid"], {"role": e["role"], "requests": 0, "busy_s": 0.0})
+        if e["what"] == "spawn":
+            p["spawned"] = round(e["at"], 3)
+        else:
+            p.setdefault("first_answer", round(e["end"], 3))
+            p["requests"] += 1
+            p["busy_s"] += e["end"] - e["start"]
+            p[f"{e['what']}_end"] = round(e["end"], 3)
+    for p in procs.values():
+        p["busy_s"] = round(p["busy_s"], 3)
+    return procs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--op", default="matmul")
+    ap.add_argument("--shape", default="M=4096,N=4096,K=4096,dtype=bfloat16")
+    ap.add_argument("--quick", default="", help="WARMUP_MS,REP_MS of the quick round (default: the tuner's)")
+    ap.add_argument("--settle", default="", help="WARMUP_MS,REP_MS of the settling round (default: the tuner's)")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            **os.environ,
+            "TRITON_CACHE_DIR": f"{tmp}/triton",
+            "TUNECACHE_DB_URL": f"sqlite:///{tmp}/store.sqlite",
+        }
+        for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY", "TUNECACHE_MAX_CANDIDATES"):
+            env.pop(k, None)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, args.op, json.dumps(parse_shape(args.shape)), args.quick, args.settle],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"the tune failed:\n{proc.stderr[-4000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = summarize(res["events"])
+    timing = f"quick={args.quick or 'default'} settle={args.settle or 'default'}"
+    print(f"{args.op} {args.shape} {timing}: {res['seconds']:.2f} s")
+    print("timeline:", json.dumps(res["timeline"]))
+    for pid, p in sorted(procs.items(), key=lambda kv: kv[1].get("spawned", 0)):
+        print(pid, json.dumps(p))
+    compile_procs = [p for p in procs.values() if p["role"] == "compile"]
+    summary = {
+        "device": device_info().get("device"),
+        "seconds": res["seconds"],
+        "compile_workers": len(compile_procs),
+        "compile_busy_s": round(sum(p["busy_s"] for p in compile_procs), 3),
+        "runner_first_answer": next((p.get("first_answer") for p in procs.values() if p["role"] != "compile"), None),
+        "command": "python benchmarks/profile_tune.py " + " ".join(sys.argv[1:]),
+    }
+    print("summary:", json.dumps(summary))
+    payload = {"summary": summary, "timeline": res["timeline"], "processes": procs}
+    write_results(f"profile-tune-{args.op}{args.tag}", payload)
+
+
+if __name__ == "__main__":
+    main()
