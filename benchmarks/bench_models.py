@@ -6,8 +6,8 @@ convolutions of Stable Diffusion's VAE (3-channel input and output included); an
 M = 1, 16, 128, 4096, in fp16 and bf16. Convolutions are bf16 NHWC. Each layer is called
 through `tunecache.ops` at default settings (what a user gets: the first call tunes it), then
 timed against the vendor's op over --rounds rounds, the columns in turn. Convolutions are
-timed as forward (fprop), weight gradient (wgrad) and input gradient (dgrad: tunecache's
-per-phase forward convolutions, `custom_ops.dgrad_phases`, against cuDNN's dgrad).
+timed as forward (fprop), weight gradient (wgrad) and input gradient (dgrad: `ops.conv2d_dgrad`,
+tunecache's per-phase forward convolutions, against cuDNN's dgrad).
 
     python benchmarks/bench_models.py --list                       # the suite, with sources
     python benchmarks/bench_models.py [--ops matmul,conv2d_fprop] [--only resnet50] [--shard 1/3]
@@ -174,7 +174,7 @@ def cases(layer: Layer):
     import torch.nn.functional as F
     from bench_kernels import torch_fn
 
-    from tunecache import custom_ops, ops
+    from tunecache import ops
     from tunecache.shapes import canonical_problem
 
     dt = getattr(torch, layer.dtype)
@@ -204,7 +204,7 @@ def cases(layer: Layer):
     if "conv2d_dgrad" in layer.ops:
         yield (
             "conv2d_dgrad",
-            lambda: custom_ops._dgrad(gy_nhwc, w, x.shape, st, pd),
+            lambda: ops.conv2d_dgrad(gy_nhwc, w, p["H"], p["W"], st, pd),
             lambda: torch.ops.aten.convolution_backward(
                 gy, xn, wn, None, list(st), list(pd), [1, 1], False, [0, 0], 1, [True, False, False]
             ),
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         path = save(done)
     for op, s in summarize(rows, info.get("device")).items():
-        if isinstance(s, dict) and "geomean" in s:
+        if op in ("matmul", *CONV_OPS):
             print(f"{op:13s} geomean {s['geomean']:.3f}x the vendor, min {s['min']:.3f}x, {s['layers']} layers")
     print(f"wrote {path}")
     return 0

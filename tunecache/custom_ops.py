@@ -16,6 +16,7 @@ multiply-add is spent on the zeros a dilated gradient would hold.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,12 @@ class DgradPhase:
 
 def dgrad_phases(x_shape, w_shape, stride, padding) -> list[DgradPhase]:
     """The sh x sw output phases of conv2d_nhwc's input gradient (x NHWC, w [Co, R, S, Ci])."""
+    return list(_phases(tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _phases(x_shape, w_shape, stride, padding) -> tuple[DgradPhase, ...]:
+    """`dgrad_phases`, computed once per geometry: a backward pass asks at every step."""
     _, h, w, _ = x_shape
     _, r, s, _ = w_shape
     (sh, sw), (ph, pw) = stride, padding
@@ -143,14 +150,17 @@ def dgrad_phases(x_shape, w_shape, stride, padding) -> list[DgradPhase]:
             s0, ks, left, right, cols = axis(b, w, s, sw, pw, q)
             if rows and cols:
                 phases.append(DgradPhase(a, b, r0, s0, (kr, ks), (top, bottom, left, right)))
-    return phases
+    return tuple(phases)
 
 
-def _dgrad(grad_out: Tensor, w: Tensor, x_shape, stride, padding) -> Tensor:
-    """grad_x[N, H, W, Ci] of conv2d_nhwc: one tuned forward convolution per output phase."""
+def dgrad(grad_out: Tensor, w: Tensor, x_shape, stride, padding) -> Tensor:
+    """grad_x[N, H, W, Ci] of conv2d_nhwc (grad_out NHWC and w [Co, R, S, Ci] contiguous;
+    stride, padding: (h, w) pairs): one tuned forward convolution per output phase, each
+    launched through `ops.conv2d_fprop` directly (no custom op's dispatch per phase: on small
+    layers that cost more than the convolution)."""
     n, h, wd, ci = x_shape
     sh, sw = stride
-    phases = dgrad_phases(x_shape, w.shape, stride, padding)
+    phases = _phases(tuple(x_shape), tuple(w.shape), tuple(stride), tuple(padding))
     if len(phases) == 1 and (sh, sw) == (1, 1):
         return _phase(grad_out, w, phases[0], stride)
     gaps = any(0 in ph.taps for ph in phases)
@@ -170,7 +180,19 @@ def _phase(grad_out: Tensor, w: Tensor, ph: DgradPhase, stride) -> Tensor:
     if explicit:
         top, bottom, left, right = ph.pad
         g = torch.nn.functional.pad(grad_out, (0, 0, left, right, top, bottom))
-    return conv2d_nhwc(g, w_t, [1, 1], list(padding))
+    return ops.conv2d_fprop(g, w_t, (1, 1), padding)
+
+
+@torch.library.custom_op("tunecache::conv2d_dgrad_nhwc", mutates_args=())
+def conv2d_dgrad_nhwc(grad_out: Tensor, w: Tensor, H: int, W: int, stride: list[int], padding: list[int]) -> Tensor:
+    """grad_x[N, H, W, Ci] of conv2d_nhwc, tuned (`dgrad`: one conv2d_fprop per output phase)."""
+    x_shape = (grad_out.shape[0], H, W, w.shape[3])
+    return dgrad(grad_out.contiguous(), w.contiguous(), x_shape, tuple(stride), tuple(padding))
+
+
+@conv2d_dgrad_nhwc.register_fake
+def _(grad_out: Tensor, w: Tensor, H: int, W: int, stride: list[int], padding: list[int]) -> Tensor:
+    return grad_out.new_empty((grad_out.shape[0], H, W, w.shape[3]))
 
 
 def _conv_setup(ctx, inputs, output) -> None:
@@ -182,7 +204,9 @@ def _conv_setup(ctx, inputs, output) -> None:
 def _conv_backward(ctx, grad: Tensor):
     x, w = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_x = _dgrad(grad, w, x.shape, ctx.stride, ctx.padding) if ctx.needs_input_grad[0] else None
+    grad_x = (
+        conv2d_dgrad_nhwc(grad, w, x.shape[1], x.shape[2], ctx.stride, ctx.padding) if ctx.needs_input_grad[0] else None
+    )
     grad_w = (
         conv2d_wgrad_nhwc(x, grad, w.shape[1], w.shape[2], ctx.stride, ctx.padding) if ctx.needs_input_grad[1] else None
     )

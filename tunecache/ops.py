@@ -2,6 +2,7 @@
 
 y = tunecache.ops.conv2d_fprop(x, w, stride=1, padding=1)     # NHWC
 gw = tunecache.ops.conv2d_wgrad(x, grad_out, R, S, stride=1, padding=0)
+gx = tunecache.ops.conv2d_dgrad(grad_out, w, H, W, stride=1, padding=0)
 c = tunecache.ops.matmul(a, b)
 
 With autograd and torch.compile (torch.library custom ops, `tunecache.custom_ops`), in the
@@ -73,6 +74,26 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
     if entry is None or entry.watch:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
     return entry.run(x, grad_out, R, S, stride, padding)
+
+
+def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> torch.Tensor:
+    """grad_x[N, H, W, Ci] of conv2d_fprop, from grad_out[N, P, Q, Co] and w[Co, R, S, Ci]: one
+    tuned conv2d_fprop per output phase (`custom_ops.dgrad`), none of them on a dilated
+    gradient's zeros."""
+    st = problems.pair(stride, "stride", minimum=1)
+    pd = problems.pair(padding, "padding", minimum=0)
+    if grad_out.dim() != 4 or w.dim() != 4 or grad_out.shape[3] != w.shape[0]:
+        raise ValueError(
+            f"conv2d_dgrad takes grad_out (N, P, Q, Co) and w (Co, R, S, Ci) with the same Co, got "
+            f"{tuple(grad_out.shape)} and {tuple(w.shape)}"
+        )
+    want = (problems.out_size(H, w.shape[1], st[0], pd[0]), problems.out_size(W, w.shape[2], st[1], pd[1]))
+    if tuple(grad_out.shape[1:3]) != want:
+        raise ValueError(
+            f"grad_out is {tuple(grad_out.shape[1:3])} (P, Q), but an input of H={H}, W={W} gives {want} at "
+            f"stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
+        )
+    return custom_ops.dgrad(grad_out.contiguous(), w.contiguous(), (grad_out.shape[0], H, W, w.shape[3]), st, pd)
 
 
 def _hashable(v):

@@ -92,6 +92,7 @@ def test_the_custom_ops_pass_opcheck(untuned):
         (torch.ops.tunecache.matmul.default, (torch.randn(5, 6, requires_grad=True), torch.randn(6, 3))),
         (torch.ops.tunecache.conv2d_nhwc.default, (x, w, [2, 2], [1, 1])),
         (torch.ops.tunecache.conv2d_wgrad_nhwc.default, (x.detach(), g, 3, 3, [2, 2], [1, 1])),
+        (torch.ops.tunecache.conv2d_dgrad_nhwc.default, (g, w.detach(), 7, 7, [2, 2], [1, 1])),
     ):
         torch.library.opcheck(op, args)
 
