@@ -132,7 +132,10 @@ def test_a_layer_falls_back_to_torch_with_one_warning_for_what_the_kernels_do_no
     assert caplog.text.count("dtype torch.float64") == 1
 
 
-def test_torch_compile_captures_a_model_built_on_them_in_one_graph(untuned):
+def test_torch_compile_captures_a_model_built_on_them_in_one_graph(untuned, tmp_path, monkeypatch):
+    # Inductor's caches of its own: a shared one may hold graphs another version of these ops
+    # compiled (their backward is cached with the forward's key)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
     model = tnn.convert(
         torch.nn.Sequential(
