@@ -33,25 +33,32 @@ sys.path.insert(0, str(HERE))
 from common import RESULTS, device_info, write_results  # noqa: E402
 
 
-def first_call(variant: str, size: int, tmp: Path) -> dict:
+def cold_env(triton_cache: Path, store: Path) -> dict:
+    """A child's environment for a cold first call: its own Triton cache and SQLite store, no
+    fleet, and the default miss policy and candidate cap."""
     env = {
         **os.environ,
-        "TRITON_CACHE_DIR": str(tmp / f"triton-{variant}"),
-        "TUNECACHE_DB_URL": f"sqlite:///{tmp / f'store-{variant}.sqlite'}",
+        "TRITON_CACHE_DIR": str(triton_cache),
+        "TUNECACHE_DB_URL": f"sqlite:///{store}",
         "PYTHONUNBUFFERED": "1",
     }
-    for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN"):
+    for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY", "TUNECACHE_MAX_CANDIDATES"):
         env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "tutorial_matmul.py"), "--variant", variant, "--size", str(size)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    return env
+
+
+def run_child(args: list[str], env: dict, what: str, timeout: float = 1200) -> dict:
+    """Run `python ARGS` and return the JSON of its last line of output; RuntimeError with the
+    end of its stderr if it failed."""
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def first_call(variant: str, size: int, tmp: Path) -> dict:
+    env = cold_env(tmp / f"triton-{variant}", tmp / f"store-{variant}.sqlite")
+    return run_child([str(HERE / "tutorial_matmul.py"), "--variant", variant, "--size", str(size)], env, variant)
 
 
 def time_winners(configs: dict[str, dict], size: int, tmp: Path) -> dict[str, float]:
@@ -75,13 +82,12 @@ for _ in range(5):
 print(json.dumps({{name: statistics.median(v) for name, v in ms.items()}}))
 """
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / "triton-winners")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"timing the winners failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(["-c", code], env, "timing the winners")
 
 
-OPS_CHILD = """
+# the start of a child process that makes one op's first call: the tuner's timelines kept (the
+# list `timelines`), the op's problem `p`, backend `mod` and inputs `args` made
+FIRST_CALL_PRELUDE = """
 import json, logging, sys, time, torch
 timelines = []
 class Keep(logging.Handler):
@@ -93,13 +99,18 @@ logging.getLogger("tunecache.tuner").setLevel(logging.INFO)
 from tunecache.shapes import canonical_problem
 import tunecache.ops as ops
 from tunecache import registry
-from tunecache.config_cache import CACHE
 from tunecache.key import device_of
-from tunecache.tuner import make_key
 op, shape = sys.argv[1], json.loads(sys.argv[2])
 p = canonical_problem(op, shape)
 mod = registry.backends_for(op, device_of(torch.empty(1, device="cuda")), p)[0]
 args = mod.inputs(p, "cuda")
+"""
+
+OPS_CHILD = (
+    FIRST_CALL_PRELUDE
+    + """
+from tunecache.config_cache import CACHE
+from tunecache.tuner import make_key
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 getattr(ops, op)(*args)
@@ -115,6 +126,7 @@ print(json.dumps({"seconds": seconds, "kernel": mod.KERNEL, "config": rec.config
                   "timeline": timelines[-1] if timelines else None,
                   "trials": [[t.config, t.status, t.median_ms] for t in trials]}))
 """
+)
 
 SIDE_BY_SIDE = """
 import json, sys, statistics, torch
@@ -140,42 +152,21 @@ def ops_case(op: str, shape: dict, tmp: Path, case: int) -> dict:
     out = {}
     for name, cap in (("default", None), ("exhaustive", "0")):
         cache = tmp / (f"triton-{op}-{case}-default" if name == "default" else f"triton-{op}-exhaustive")
-        env = {
-            **os.environ,
-            "TRITON_CACHE_DIR": str(cache),
-            "TUNECACHE_DB_URL": f"sqlite:///{tmp / f'store-{op}-{case}-{name}.sqlite'}",
-            "PYTHONUNBUFFERED": "1",
-        }
-        for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY", "TUNECACHE_MAX_CANDIDATES"):
-            env.pop(k, None)
+        env = cold_env(cache, tmp / f"store-{op}-{case}-{name}.sqlite")
         if cap is not None:
             env["TUNECACHE_MAX_CANDIDATES"] = cap
-        proc = subprocess.run(
-            [sys.executable, "-c", OPS_CHILD, op, json.dumps(shape)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{op} {shape} ({name}) failed:\n{proc.stderr[-4000:]}")
-        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[name] = run_child(["-c", OPS_CHILD, op, json.dumps(shape)], env, f"{op} {shape} ({name})", 1800)
     configs = {n: r["config"] for n, r in out.items()}
     if configs["default"] == configs["exhaustive"]:
         # the same kernel: timing it twice would measure only the GPU's drift between rounds
         out["winner_vs_exhaustive"] = 1.0
         out["side_by_side_ms"] = "the same config"
         return out
-    proc = subprocess.run(
-        [sys.executable, "-c", SIDE_BY_SIDE, op, json.dumps(shape), out["default"]["kernel"], json.dumps(configs)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env={**os.environ, "TRITON_CACHE_DIR": str(tmp / f"triton-{op}-exhaustive")},
+    ms = run_child(
+        ["-c", SIDE_BY_SIDE, op, json.dumps(shape), out["default"]["kernel"], json.dumps(configs)],
+        {**os.environ, "TRITON_CACHE_DIR": str(tmp / f"triton-{op}-exhaustive")},
+        f"timing the winners of {op} {shape}",
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"timing the winners of {op} {shape} failed:\n{proc.stderr[-4000:]}")
-    ms = json.loads(proc.stdout.strip().splitlines()[-1])
     out["winner_vs_exhaustive"] = ms["exhaustive"] / ms["default"]
     out["side_by_side_ms"] = ms
     return out

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,10 +20,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_tuning import FIRST_CALL_PRELUDE, cold_env, run_child  # noqa: E402
 from common import device_info, write_results  # noqa: E402
 
-CHILD = r"""
-import json, logging, sys, time, torch
+CHILD = (
+    FIRST_CALL_PRELUDE
+    + r"""
 from tunecache import isolated
 events = []
 t0 = [None]
@@ -55,26 +55,11 @@ def traced(name, fn):
     return call
 for name in ("get", "keep_tuned"):
     setattr(CACHE, name, traced(name, getattr(CACHE, name)))
-timelines = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        if hasattr(record, "timeline"):
-            timelines.append(record.timeline)
-logging.getLogger("tunecache.tuner").addHandler(Keep())
-logging.getLogger("tunecache.tuner").setLevel(logging.INFO)
-from tunecache.shapes import canonical_problem
-import tunecache.ops as ops
-from tunecache import registry
-from tunecache.key import device_of
-op, shape = sys.argv[1], json.loads(sys.argv[2])
 import tunecache.tuner as tuner
 for name, given in (("QUICK_TIMING", sys.argv[3]), ("SETTLE_TIMING", sys.argv[4])):
     if given:
         warmup, rep = (float(x) for x in given.split(","))
         setattr(tuner, name, {"warmup_ms": warmup, "rep_ms": rep})
-p = canonical_problem(op, shape)
-mod = registry.backends_for(op, device_of(torch.empty(1, device="cuda")), p)[0]
-args = mod.inputs(p, "cuda")
 torch.cuda.synchronize()
 t0[0] = time.perf_counter()
 getattr(ops, op)(*args)
@@ -86,6 +71,7 @@ torch.cuda.synchronize()
 events.append({"role": "caller", "pid": 0, "what": "second_call", "start": 0, "end": time.perf_counter() - t1})
 print(json.dumps({"seconds": now(), "timeline": timelines[-1] if timelines else None, "events": events}))
 """
+)
 
 
 def parse_shape(text: str) -> dict:
@@ -122,23 +108,9 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to the JSON's name")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {
-            **os.environ,
-            "TRITON_CACHE_DIR": f"{tmp}/triton",
-            "TUNECACHE_DB_URL": f"sqlite:///{tmp}/store.sqlite",
-        }
-        for k in ("TUNECACHE_SERVER_URL", "TUNECACHE_TOKEN", "TUNECACHE_MISS_POLICY", "TUNECACHE_MAX_CANDIDATES"):
-            env.pop(k, None)
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, args.op, json.dumps(parse_shape(args.shape)), args.quick, args.settle],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    if proc.returncode != 0:
-        raise SystemExit(f"the tune failed:\n{proc.stderr[-4000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+        env = cold_env(Path(tmp) / "triton", Path(tmp) / "store.sqlite")
+        child = ["-c", CHILD, args.op, json.dumps(parse_shape(args.shape)), args.quick, args.settle]
+        res = run_child(child, env, f"tuning {args.op} {args.shape}", 900)
     procs = summarize(res["events"])
     timing = f"quick={args.quick or 'default'} settle={args.settle or 'default'}"
     print(f"{args.op} {args.shape} {timing}: {res['seconds']:.2f} s")
