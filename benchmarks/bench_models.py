@@ -264,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--shard must be i/n with 1 <= i <= n, got {args.shard!r}")
     layers = [lay for lay in suite() if not prefixes or any(lay.model.startswith(p) for p in prefixes)]
+    layers = layers[i - 1 :: n]  # before --ops: a shard's layers are the same whichever ops are timed
     if want_ops:
         layers = [
             lay for lay in layers if ("matmul" in want_ops if lay.op == "matmul" else bool(want_ops & set(lay.ops)))
         ]
-    layers = layers[i - 1 :: n]
     if args.list:
         for lay in layers:
             print(f"{lay.id:90s} {','.join(lay.ops) or 'matmul'}  ({lay.source})")
