@@ -114,13 +114,15 @@ class DgradPhase:
     taps: tuple[int, int]  # (rows, columns) of the phase's filter; 0 when no tap reaches it
     pad: tuple[int, int, int, int]
 
-    def conv(self, p: int, q: int) -> tuple[tuple[int, int], tuple[int, int], bool]:
-        """((H, W) of the forward convolution's input, its (symmetric) padding, whether
-        grad_out is padded or cropped first) for a grad_out of P x Q."""
+    def conv(self, p: int, q: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """The forward convolution that computes this phase from a grad_out of P x Q: ((H, W)
+        of its input, grad_out's own), (its symmetric padding), (the first row and column of
+        its output that the phase takes). An uneven or negative `pad` is met by its larger side
+        and a window of the output: a row or column more is computed, where a padded copy of
+        grad_out would cost all of it."""
         top, bottom, left, right = self.pad
-        if top == bottom >= 0 and left == right >= 0:
-            return (p, q), (top, left), False
-        return (p + top + bottom, q + left + right), (0, 0), True
+        ph, pw = max(top, bottom, 0), max(left, right, 0)
+        return (p, q), (ph, pw), (ph - top, pw - left)
 
 
 def dgrad_phases(x_shape, w_shape, stride, padding) -> list[DgradPhase]:
@@ -157,30 +159,33 @@ def dgrad(grad_out: Tensor, w: Tensor, x_shape, stride, padding) -> Tensor:
     """grad_x[N, H, W, Ci] of conv2d_nhwc (grad_out NHWC and w [Co, R, S, Ci] contiguous;
     stride, padding: (h, w) pairs): one tuned forward convolution per output phase, each
     launched through `ops.conv2d_fprop` directly (no custom op's dispatch per phase: on small
-    layers that cost more than the convolution)."""
+    layers that cost more than the convolution), the filter flipped once for all of them."""
     n, h, wd, ci = x_shape
     sh, sw = stride
     phases = _phases(tuple(x_shape), tuple(w.shape), tuple(stride), tuple(padding))
+    flipped = w.flip(1, 2)
     if len(phases) == 1 and (sh, sw) == (1, 1):
-        return _phase(grad_out, w, phases[0], stride)
+        return _phase(grad_out, flipped, phases[0], stride, h, wd).contiguous()
     gaps = any(0 in ph.taps for ph in phases)
     gx = grad_out.new_zeros((n, h, wd, ci)) if gaps else grad_out.new_empty((n, h, wd, ci))
     for ph in phases:
         if 0 not in ph.taps:
-            gx[:, ph.a :: sh, ph.b :: sw, :] = _phase(grad_out, w, ph, stride)
+            rows, cols = len(range(ph.a, h, sh)), len(range(ph.b, wd, sw))
+            gx[:, ph.a :: sh, ph.b :: sw, :] = _phase(grad_out, flipped, ph, stride, rows, cols)
     return gx
 
 
-def _phase(grad_out: Tensor, w: Tensor, ph: DgradPhase, stride) -> Tensor:
+def _phase(grad_out: Tensor, flipped: Tensor, ph: DgradPhase, stride, rows: int, cols: int) -> Tensor:
+    """The phase's rows x cols of grad_x (a view of its convolution's output). `flipped` is the
+    filter with its taps reversed: the phase's taps r0::sh, reversed, are a strided slice of it."""
     sh, sw = stride
-    taps = w[:, ph.r0 :: sh, ph.s0 :: sw, :]  # [Co, kr, ks, Ci]
-    w_t = taps.flip(1, 2).permute(3, 1, 2, 0).contiguous()  # [Ci, kr, ks, Co], taps reversed
-    _, padding, explicit = ph.conv(grad_out.shape[1], grad_out.shape[2])
-    g = grad_out
-    if explicit:
-        top, bottom, left, right = ph.pad
-        g = torch.nn.functional.pad(grad_out, (0, 0, left, right, top, bottom))
-    return ops.conv2d_fprop(g, w_t, (1, 1), padding)
+    (kr, ks), (r, s) = ph.taps, flipped.shape[1:3]
+    r1, s1 = r - 1 - ph.r0 - sh * (kr - 1), s - 1 - ph.s0 - sw * (ks - 1)
+    taps = flipped[:, r1 : r1 + sh * (kr - 1) + 1 : sh, s1 : s1 + sw * (ks - 1) + 1 : sw, :]
+    w_t = taps.permute(3, 1, 2, 0).contiguous()  # [Ci, kr, ks, Co]
+    _, padding, (dr, dc) = ph.conv(grad_out.shape[1], grad_out.shape[2])
+    out = ops.conv2d_fprop(grad_out, w_t, (1, 1), padding)
+    return out[:, dr : dr + rows, dc : dc + cols, :]
 
 
 @torch.library.custom_op("tunecache::conv2d_dgrad_nhwc", mutates_args=())

@@ -9,9 +9,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import tunecache.nn as tnn
-from tunecache import ops
+from tunecache import custom_ops, ops
 
 
 @pytest.fixture
@@ -193,3 +195,37 @@ def test_a_script_that_imports_triton_first_is_told_why_the_ops_run_torchs(tmp_p
     proc = _plain_script(tmp_path, "import triton\n" + TRAIN_SCRIPT)
     assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
     assert "Triton was imported before tunecache chose its CPU interpreter" in proc.stderr, proc.stderr[-3000:]
+
+
+def _torch_fprop(x, w, stride, padding):
+    """A forward convolution by torch, NHWC (float64 here)."""
+    y = F.conv2d(x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), stride=stride, padding=padding)
+    return y.permute(0, 2, 3, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    h=st.integers(1, 12),
+    w=st.integers(1, 12),
+    r=st.integers(1, 7),
+    s=st.integers(1, 7),
+    sh=st.integers(1, 4),
+    sw=st.integers(1, 4),
+    ph=st.integers(0, 3),
+    pw=st.integers(0, 3),
+)
+def test_the_phases_of_a_dgrad_add_up_to_torchs_for_any_geometry(h, w, r, s, sh, sw, ph, pw):
+    """The plan of `custom_ops.dgrad` (phases, their taps, paddings met by their larger side and
+    an output window, the assembly) in float64, each phase's convolution done by torch so that
+    the plan alone is checked: any size, filter, stride and padding a forward convolution takes."""
+    assume(h + 2 * ph >= r and w + 2 * pw >= s)
+    x = torch.randn(2, 3, h, w, dtype=torch.float64)
+    wt = torch.randn(4, 3, r, s, dtype=torch.float64)
+    g = torch.randn_like(F.conv2d(x, wt, stride=(sh, sw), padding=(ph, pw)))
+    want = torch.nn.grad.conv2d_input(x.shape, wt, g, stride=(sh, sw), padding=(ph, pw))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(custom_ops.ops, "conv2d_fprop", _torch_fprop)
+        got = custom_ops.dgrad(
+            g.permute(0, 2, 3, 1).contiguous(), wt.permute(0, 2, 3, 1).contiguous(), (2, h, w, 3), (sh, sw), (ph, pw)
+        )
+    torch.testing.assert_close(got.permute(0, 3, 1, 2), want)
