@@ -203,21 +203,17 @@ def _torch_fprop(x, w, stride, padding):
     return y.permute(0, 2, 3, 1)
 
 
+def _pairs(lo: int, hi: int):
+    return st.tuples(st.integers(lo, hi), st.integers(lo, hi))
+
+
 @settings(max_examples=150, deadline=None)
-@given(
-    h=st.integers(1, 12),
-    w=st.integers(1, 12),
-    r=st.integers(1, 7),
-    s=st.integers(1, 7),
-    sh=st.integers(1, 4),
-    sw=st.integers(1, 4),
-    ph=st.integers(0, 3),
-    pw=st.integers(0, 3),
-)
-def test_the_phases_of_a_dgrad_add_up_to_torchs_for_any_geometry(h, w, r, s, sh, sw, ph, pw):
+@given(size=_pairs(1, 12), kernel=_pairs(1, 7), stride=_pairs(1, 4), padding=_pairs(0, 3))
+def test_the_phases_of_a_dgrad_add_up_to_torchs_for_any_geometry(size, kernel, stride, padding):
     """The plan of `custom_ops.dgrad` (phases, their taps, paddings met by their larger side and
     an output window, the assembly) in float64, each phase's convolution done by torch so that
     the plan alone is checked: any size, filter, stride and padding a forward convolution takes."""
+    (h, w), (r, s), (sh, sw), (ph, pw) = size, kernel, stride, padding
     assume(h + 2 * ph >= r and w + 2 * pw >= s)
     x = torch.randn(2, 3, h, w, dtype=torch.float64)
     wt = torch.randn(4, 3, r, s, dtype=torch.float64)
