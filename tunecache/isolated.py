@@ -270,6 +270,13 @@ def runner_for(torch_device: str) -> Worker:
         return w
 
 
+def runner_is_warm(torch_device: str) -> bool:
+    """Whether this process's trial runner for the device is up and has answered (a tune that
+    uses it waits for no start)."""
+    w = _RUNNERS.get((torch_device, env_fingerprint()))
+    return w is not None and w.proc is not None and w.proc.poll() is None and w._greeted
+
+
 def shutdown() -> None:
     """Stop every worker of this process (also run at exit)."""
     with _LOCK:

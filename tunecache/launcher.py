@@ -244,9 +244,13 @@ def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[
     return check
 
 
-def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[..., None]:
+def _announce(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> Callable[..., None]:
     """Tuning blocks the caller's call: say so once, with what and roughly how long."""
     said = []
+    from .isolated import runner_is_warm
+
+    # a process's first tune waits for its trial runner's start (importing torch: seconds)
+    start = 0.0 if runner_is_warm(torch_device) else 4.0
 
     def progress(stage: str, done: int, total: int, best_ms: float | None) -> None:
         if said:
@@ -257,7 +261,9 @@ def _announce(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[.
         else:
             from .compile import default_workers
 
-            guess = -(-total // default_workers()) * 3.0 + total * 0.15  # compiles, then timings
+            # as measured on an H100 host: compiles in rounds of the pool's width, then ~30 ms
+            # of checks and timings per candidate
+            guess = start + -(-total // default_workers()) * 0.6 + total * 0.03
         shape = ",".join(f"{k}={v}" for k, v in problem.items() if not k.startswith("gemm_"))
         log.warning(
             "tunecache: tuning %s for %s on %s: %d candidates, roughly %.0f s; later calls and "
@@ -336,7 +342,8 @@ def _decide(
     if policy == "tune":
         failure = None
         try:
-            result = tune(mod, problem, device, torch_device=torch_device, progress=_announce(mod, problem, device))
+            announce = _announce(mod, problem, device, torch_device)
+            result = tune(mod, problem, device, torch_device=torch_device, progress=announce)
         except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
             result, failure = None, e
         default_ran = result is not None and result.default_ms is not None
