@@ -283,13 +283,16 @@ def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_dev
     winner): start the trial runner now, so that its imports (torch alone takes seconds) run
     while the fleet is asked and the store opened, not after. If the fleet answers after all,
     the runner waits, idle and without a CUDA context, for this process's next miss."""
-    if settings.miss_policy() != "tune" or not CACHE.surely_missing(make_key(mod, problem, device).digest):
-        return
-    from .isolated import runner_for
+    try:
+        if settings.miss_policy() != "tune" or not CACHE.surely_missing(make_key(mod, problem, device).digest):
+            return
+        from .isolated import runner_for
 
-    runner = runner_for(torch_device)
-    if runner.proc is None:
-        runner.in_background(runner.warm_up)
+        runner = runner_for(torch_device)
+        if runner.proc is None:
+            runner.in_background(runner.warm_up)
+    except Exception as e:  # noqa: BLE001 - only a head start: the tune starts it (or says why) itself
+        log.debug("tunecache: could not start the trial runner ahead: %s", e)
 
 
 def _look_up_first(mod: ModuleType, problem: dict, device: DeviceClass) -> "list[ConfigRecord | None]":
