@@ -104,9 +104,10 @@ class Worker:
                 self._greeted = True
             return self._request(msg, timeout)
 
-    def warm_up(self, torch_device: str | None = None) -> None:
-        """The imports (and CUDA's start on `torch_device`) a first real request would wait for."""
-        self.call({"cmd": "warm", "torch_device": torch_device}, _START_TIMEOUT_S)
+    def warm_up(self, torch_device: str | None = None, *, torch: bool = False) -> None:
+        """The imports (torch's too if `torch`) and CUDA's start on `torch_device` that a first
+        real request would wait for."""
+        self.call({"cmd": "warm", "torch_device": torch_device, "torch": torch}, _START_TIMEOUT_S)
 
     def in_background(self, work: Callable[[], object]) -> threading.Thread:
         """Start the child here and run `work` (its requests) on a thread, so that the child's

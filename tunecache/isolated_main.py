@@ -80,10 +80,10 @@ def hello(msg: dict) -> dict:
 
 def warm(msg: dict) -> dict:
     """Do the imports (and the CUDA initialisation) a first real request would wait for."""
-    if msg.get("torch_device"):
+    if msg.get("torch_device") or msg.get("torch"):
         import torch
 
-        if msg["torch_device"].startswith("cuda"):
+        if (msg.get("torch_device") or "").startswith("cuda"):
             torch.cuda.set_device(torch.device(msg["torch_device"]))
             torch.cuda.init()
     if "TRITON_INTERPRET" not in os.environ:

@@ -289,8 +289,8 @@ def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_dev
         from .isolated import runner_for
 
         runner = runner_for(torch_device)
-        if runner.proc is None:
-            runner.in_background(runner.warm_up)
+        if runner.proc is None:  # torch, not CUDA: a runner left idle holds no GPU memory
+            runner.in_background(lambda: runner.warm_up(torch=True))
     except Exception as e:  # noqa: BLE001 - only a head start: the tune starts it (or says why) itself
         log.debug("tunecache: could not start the trial runner ahead: %s", e)
 
