@@ -7,6 +7,10 @@ Python, imports, CUDA), how many requests each served and how long they were bus
 tuner's timeline beside it and writes JSON to benchmarks/results/profile-tune-<device>.json.
 
     python benchmarks/profile_tune.py [--op matmul] [--shape M=4096,N=4096,K=4096,dtype=bfloat16]
+        [--runs 2]
+
+--runs 2 profiles a second cold tune (its own store and Triton cache) on a host whose runner
+server the first one started (tunecache.forkserver): its workers are forked, torch imported.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_tuning import FIRST_CALL_PRELUDE, cold_env, run_child  # noqa: E402
+from bench_tuning import FIRST_CALL_PRELUDE, cold_env, run_child, stop_runner_servers  # noqa: E402
 from common import device_info, write_results  # noqa: E402
 
 CHILD = (
@@ -106,11 +111,17 @@ def main() -> None:
     ap.add_argument("--quick", default="", help="WARMUP_MS,REP_MS of the quick round (default: the tuner's)")
     ap.add_argument("--settle", default="", help="WARMUP_MS,REP_MS of the settling round (default: the tuner's)")
     ap.add_argument("--tag", default="", help="appended to the JSON's name")
+    ap.add_argument("--runs", type=int, default=1, help="cold tunes one after another; the last is reported")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        env = cold_env(Path(tmp) / "triton", Path(tmp) / "store.sqlite")
         child = ["-c", CHILD, args.op, json.dumps(parse_shape(args.shape)), args.quick, args.settle]
-        res = run_child(child, env, f"tuning {args.op} {args.shape}", 900)
+        for run in range(args.runs):
+            env = cold_env(Path(tmp) / f"triton-{run}", Path(tmp) / f"store-{run}.sqlite")
+            res = run_child(child, env, f"tuning {args.op} {args.shape}", 900)
+            if run + 1 < args.runs:
+                print(f"run {run + 1}: {res['seconds']:.2f} s; timeline: {json.dumps(res['timeline'])}")
+                time.sleep(5)  # the runner server the first run started: up by now
+        stop_runner_servers(Path(tmp) / "runtime")
     procs = summarize(res["events"])
     timing = f"quick={args.quick or 'default'} settle={args.settle or 'default'}"
     print(f"{args.op} {args.shape} {timing}: {res['seconds']:.2f} s")
@@ -124,6 +135,7 @@ def main() -> None:
         "compile_workers": len(compile_procs),
         "compile_busy_s": round(sum(p["busy_s"] for p in compile_procs), 3),
         "runner_first_answer": next((p.get("first_answer") for p in procs.values() if p["role"] != "compile"), None),
+        "runner_forked": (res["timeline"] or {}).get("runner_forked"),
         "command": "python benchmarks/profile_tune.py " + " ".join(sys.argv[1:]),
     }
     print("summary:", json.dumps(summary))

@@ -8,7 +8,9 @@ every test). Plain helpers are imported from support/ (`from support import run_
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +29,18 @@ if not HAS_GPU:
     # must be set before any @triton.jit runs at import time
     os.environ["TRITON_INTERPRET"] = "1"
 
+if not os.environ.get("TUNECACHE_RUNTIME_DIR"):
+    # the runner servers this session starts (tunecache.forkserver) live here and stop with it
+    os.environ["TUNECACHE_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tc-rt-")
+
 PG_URL = os.environ.get("TUNECACHE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tunecache import forkserver
+
+    for sock in Path(os.environ["TUNECACHE_RUNTIME_DIR"]).glob("*.sock"):
+        forkserver.stop(str(sock))
 
 
 def pytest_collection_modifyitems(config, items):

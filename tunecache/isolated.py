@@ -10,7 +10,9 @@ and its CUDA context are never touched.
 
 Two uses: a pool of compile workers (`CompilePool`, one per CPU core, warm across tuning
 runs) and one trial runner per GPU (`runner_for`), which makes the problem's inputs itself,
-launches each candidate, checks it against the reference and times it.
+launches each candidate, checks it against the reference and times it. Both are forked from
+the host's runner server when it is up (`tunecache.forkserver`: torch imported once per host),
+else started as fresh processes.
 """
 
 from __future__ import annotations
@@ -59,9 +61,13 @@ def _signal_name(code: int) -> str:
 class Worker:
     """One child process serving requests one at a time."""
 
-    def __init__(self, role: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, role: str, env: dict[str, str] | None = None, *, forkable: bool = False) -> None:
         self.role = role
         self.env = dict(os.environ if env is None else env)
+        # forked from the host's runner server when one is up (tunecache.forkserver): torch
+        # and the interpreter's start are done there once per host, not once per process
+        self.forkable = forkable
+        self.forked = False
         # one request at a time: a warm-up started on a thread and the next request may meet
         self._lock = threading.RLock()
         self.proc: subprocess.Popen | None = None
@@ -82,7 +88,13 @@ class Worker:
             if self.proc is not None and self.proc.poll() is None:
                 return
             self._err = tempfile.TemporaryFile()
-            self.proc = subprocess.Popen(
+            forked = None
+            if self.forkable:
+                from . import forkserver
+
+                forked = forkserver.runner(self.role, self.env, self._err.fileno())
+            self.forked = forked is not None
+            self.proc = forked or subprocess.Popen(
                 [sys.executable, "-m", "tunecache.isolated_main", self.role],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -211,7 +223,7 @@ class CompilePool:
         self.size = workers
         self._idle: queue.Queue[Worker] = queue.Queue()
         for _ in range(workers):
-            self._idle.put(Worker("compile", env))
+            self._idle.put(Worker("compile", env, forkable=True))
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunecache-compile")
 
     def submit(self, msg: dict, timeout: float | None) -> "Future[dict | WorkerFailed]":
@@ -267,7 +279,7 @@ def runner_for(torch_device: str) -> Worker:
         if w is None:
             for old_key in [o for o in _RUNNERS if o[0] == torch_device]:  # started under other settings
                 _RUNNERS.pop(old_key).close()
-            w = _RUNNERS[k] = Worker(f"trial runner for {torch_device}")
+            w = _RUNNERS[k] = Worker(f"trial runner for {torch_device}", forkable=True)
         return w
 
 
@@ -276,6 +288,18 @@ def runner_is_warm(torch_device: str) -> bool:
     uses it waits for no start)."""
     w = _RUNNERS.get((torch_device, env_fingerprint()))
     return w is not None and w.proc is not None and w.proc.poll() is None and w._greeted
+
+
+def runner_start_s(torch_device: str) -> float:
+    """Roughly how long a tune waits for its trial runner to start (the H100 host's figures):
+    none for a warm one, a fork of the host's runner server (torch imported), else a process
+    that imports torch itself."""
+    w = _RUNNERS.get((torch_device, env_fingerprint()))
+    if runner_is_warm(torch_device) or (w is not None and w.forked):
+        return 0.0
+    from . import forkserver
+
+    return 0.3 if forkserver.serving(dict(os.environ)) else 4.0
 
 
 def shutdown() -> None:

@@ -247,10 +247,9 @@ def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[
 def _announce(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> Callable[..., None]:
     """Tuning blocks the caller's call: say so once, with what and roughly how long."""
     said = []
-    from .isolated import runner_is_warm
+    from .isolated import runner_start_s
 
-    # a process's first tune waits for its trial runner's start (importing torch: seconds)
-    start = 0.0 if runner_is_warm(torch_device) else 4.0
+    start = runner_start_s(torch_device)
 
     def progress(stage: str, done: int, total: int, best_ms: float | None) -> None:
         if said:

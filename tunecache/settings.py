@@ -326,3 +326,30 @@ def gluon_direct_launch() -> bool:
     """TUNECACHE_GLUON_DIRECT_LAUNCH: the Hopper backends launch compiled kernels directly (on by
     default; 0 goes through JITFunction.run every call)."""
     return _flag("TUNECACHE_GLUON_DIRECT_LAUNCH", True)
+
+
+def runner_server() -> bool:
+    """TUNECACHE_RUNNER_SERVER: trial runners are forked from a per-host server that has
+    imported torch already (a process's first tune skips seconds of imports); 0 starts each
+    runner as a fresh process."""
+    return _flag("TUNECACHE_RUNNER_SERVER", True)
+
+
+def runner_server_idle_s() -> float:
+    """TUNECACHE_RUNNER_SERVER_IDLE_S: the runner server exits after this long with no runner
+    alive and no request."""
+    return _seconds("TUNECACHE_RUNNER_SERVER_IDLE_S", 900.0)
+
+
+def runtime_dir() -> Path:
+    """TUNECACHE_RUNTIME_DIR, else the user's runtime directory (XDG_RUNTIME_DIR), else a
+    directory of this user's under the system's temporary one: the runner server's socket."""
+    given = os.environ.get("TUNECACHE_RUNTIME_DIR", "").strip()
+    if given:
+        return Path(given)
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "").strip()
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "tunecache"
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"tunecache-{os.getuid()}"

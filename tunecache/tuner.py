@@ -196,6 +196,7 @@ def tune(
     winner_binaries = runner.binaries(best.config) if on_gpu else []
     mark("binaries")
     timeline.update({f"runner_{stage}_s": s for stage, s in runner.setup_seconds.items()})
+    timeline["runner_forked"] = int(runner.worker.forked)  # from the host's runner server
     result = TuneResult(
         key,
         best.config,
