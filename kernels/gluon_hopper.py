@@ -97,6 +97,18 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
 
 
 def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
-    """`configs` reordered with quick_subset() first."""
+    """`configs` reordered with quick_subset() first, then the rest likeliest first: a capped
+    tune sees each tile's deepest ring, BLOCK_K of 64 or more and GROUP_M 8 before the shallow
+    rings and narrow K steps (the space's own order put 64x64x32 two-stage rings next)."""
     first = quick_subset(op, configs, p, sm_count)
-    return first + [c for c in configs if c not in first]
+    rest = [c for c in configs if c not in first]
+    deepest: dict[tuple, int] = {}
+    for c in configs:
+        k = tuple(sorted((n, v) for n, v in c.items() if n != "num_stages"))
+        deepest[k] = max(deepest.get(k, 0), c["num_stages"])
+
+    def likeliness(c: dict) -> tuple:
+        k = tuple(sorted((n, v) for n, v in c.items() if n != "num_stages"))
+        return (c["BLOCK_K"] < 64, deepest[k] - c["num_stages"], c.get("GROUP_M", 8) != 8)
+
+    return first + sorted(rest, key=likeliness)

@@ -110,6 +110,33 @@ def test_a_capped_tune_sees_every_tile_of_the_quick_subset():
     assert unsplit >= {t for t in tiles if t[2] == 64}
 
 
+@pytest.mark.parametrize("M,N,K", [(128, 8192, 8192), (4096, 4096, 4096), (16384, 1024, 4096)])
+def test_a_capped_tune_takes_deep_rings_before_narrow_k_steps(M, N, K):
+    """After the quick subset, a capped tune's candidates are each tile's deepest rings with K
+    steps of 64 or 128, not the space's 64x64x32 two-stage rings: 128x8192x8192's exhaustive
+    winner (64x128x128, four stages) was past the cap (H100: 0.973x the exhaustive best)."""
+    from tunecache import settings
+
+    p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
+    ordered = mm.prune(mm.config_space(p, H100), p, H100)
+    capped, past = ordered[: settings.max_candidates()], ordered[settings.max_candidates() :]
+    if any(c["BLOCK_K"] == 32 for c in capped):
+        assert not any(c["BLOCK_K"] >= 64 and c["GROUP_M"] == 8 for c in past)
+    deepest = {}
+    for c in ordered:
+        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], c["num_warps"])
+        deepest[k] = max(deepest.get(k, 0), c["num_stages"])
+    shallow_in = [c for c in capped if c["num_stages"] < deepest[_tile(c)] - 1]
+    deep_out = [c for c in past if c["num_stages"] == deepest[_tile(c)] and c["BLOCK_K"] >= 64 and c["GROUP_M"] == 8]
+    assert not (shallow_in and deep_out), (shallow_in[:3], deep_out[:3])
+    if M == 128:
+        assert {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4} in capped
+
+
+def _tile(c: dict) -> tuple:
+    return (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], c["num_warps"])
+
+
 @pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
 def test_supports_only_sm90_half_precision(mod, p):
     assert mod.supports(p, H100)
