@@ -163,6 +163,18 @@ def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
                 "kernels_compiled": compiled,
                 **({"sync_seconds": sync_s} if sync_s else {}),
             }
+            if args.profile and mode == "fresh":  # one more fresh host, its first call under cProfile
+                host = tmp / f"host-profile-{case}"
+                host_env = {
+                    **env,
+                    "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
+                    "TRITON_CACHE_DIR": str(host / "triton-cache"),
+                    "TUNECACHE_SERVER_URL": fleet.url,
+                    "TUNECACHE_TOKEN": fleet.read,
+                }
+                rows[f"{case} ({mode})"]["profile"] = run_child(child_code(case, args.configs, True), host_env)[
+                    "profile"
+                ]
     return rows
 
 

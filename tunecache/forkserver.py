@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("tunecache")
 
@@ -99,13 +100,14 @@ def serving(env: dict[str, str]) -> bool:
 
 
 class ForkedProcess:
-    """What `subprocess.Popen` gives a `Worker`, for a runner the server forked: its pipes, its
-    pid, and its exit status as the server reports it (it is the server's child, not ours)."""
+    """What `subprocess.Popen` gives a caller, for a process the server forked: its pid, its
+    exit status as the server reports it (it is the server's child, not ours), signals sent
+    through the server (which knows whether the pid is still its child's)."""
 
-    def __init__(self, conn: socket.socket, pid: int, stdin_fd: int, stdout_fd: int) -> None:
+    def __init__(self, conn: socket.socket, pid: int) -> None:
         self.pid = pid
-        self.stdin = os.fdopen(stdin_fd, "wb")
-        self.stdout = os.fdopen(stdout_fd, "rb")
+        self.stdin: Any = None
+        self.stdout: Any = None
         self.returncode: int | None = None
         self._conn: socket.socket | None = conn
 
@@ -140,20 +142,49 @@ class ForkedProcess:
             self._hear(left)
         return self.returncode
 
-    def kill(self) -> None:
-        """The server kills it (it knows whether the pid is still its child's)."""
+    def send_signal(self, sig: int) -> None:
         if self.returncode is None and self._conn is not None:
             try:
-                self._conn.send(b'{"kill": true}')
+                self._conn.send(json.dumps({"signal": int(sig)}).encode())
             except OSError:
                 pass
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 def runner(role: str, env: dict[str, str], stderr_fd: int) -> ForkedProcess | None:
-    """A trial runner forked from this host's server, or None: no server (one is started for
-    later runners), or it did not answer; the caller then starts a process of its own."""
+    """A worker process (`python -m tunecache.isolated_main ROLE`) forked from this host's
+    server, its stdin and stdout pipes of ours; None: no server (one is started for later
+    workers), or it did not answer: the caller starts a process of its own."""
+    r_in, w_in = os.pipe()
+    r_out, w_out = os.pipe()
+    try:
+        forked = spawn("tunecache.isolated_main", [role], env, (r_in, w_out, stderr_fd))
+    finally:
+        os.close(r_in)
+        os.close(w_out)
+    if forked is None:
+        os.close(w_in)
+        os.close(r_out)
+        return None
+    forked.stdin, forked.stdout = os.fdopen(w_in, "wb"), os.fdopen(r_out, "rb")
+    return forked
+
+
+def spawn(
+    module: str, args: list[str], env: dict[str, str], fds: tuple[int, int, int], on_close: int = signal.SIGKILL
+) -> ForkedProcess | None:
+    """`python -m MODULE ARGS` (a tunecache module) forked from this host's server with `fds`
+    as its stdin, stdout and stderr, or None (see `runner`). When our end of the connection
+    closes (this process exits, even by kill -9), the server sends it `on_close`."""
     from . import settings
 
+    if not module.startswith("tunecache."):
+        raise ValueError(f"the runner server runs tunecache's own modules, not {module!r}")
     try:
         if not settings.runner_server():
             return None
@@ -171,24 +202,31 @@ def runner(role: str, env: dict[str, str], stderr_fd: int) -> ForkedProcess | No
         conn.close()
         _start(path, env)
         return None
-    r_in, w_in = os.pipe()
-    r_out, w_out = os.pipe()
     try:
-        request = {"role": role, "env": env, "cwd": os.getcwd()}
-        socket.send_fds(conn, [json.dumps(request).encode()], [r_in, w_out, stderr_fd])
+        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "on_close": int(on_close)}
+        socket.send_fds(conn, [json.dumps(request).encode()], list(fds))
         answer = json.loads(conn.recv(4096) or b"{}")
         pid = int(answer["pid"])
     except (OSError, ValueError, KeyError) as e:
-        log.debug("tunecache: the runner server did not fork a runner: %s", e)
+        log.debug("tunecache: the runner server did not fork %s: %s", module, e)
         conn.close()
-        for fd in (w_in, r_out):
-            os.close(fd)
         return None
-    finally:
-        os.close(r_in)
-        os.close(w_out)
     conn.settimeout(None)
-    return ForkedProcess(conn, pid, w_in, r_out)
+    return ForkedProcess(conn, pid)
+
+
+def ensure_server(env: dict[str, str], wait_s: float = 0.0) -> bool:
+    """Start this host's runner server unless it is up; wait up to `wait_s` for it to listen.
+    Whether it is up."""
+    path = socket_path(env)
+    if path is None:
+        return False
+    if not os.path.exists(path):
+        _start(path, env)
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.path.exists(path)
 
 
 def _start(path: str, env: dict[str, str]) -> None:
@@ -279,10 +317,10 @@ def _child(request: dict, fds: list[int], server_side: list) -> None:
             os.chdir(request["cwd"])
         except OSError:
             pass
-        sys.argv = ["tunecache.isolated_main", request["role"]]
-        from tunecache import isolated_main
+        import runpy
 
-        isolated_main.main()
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -292,6 +330,10 @@ def _child(request: dict, fds: list[int], server_side: list) -> None:
         traceback.print_exc()
     finally:
         try:
+            import atexit
+
+            atexit._run_exitfuncs()  # as a process's normal exit would: its own workers closed
+            sys.stdout.flush()
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
@@ -332,8 +374,9 @@ def serve(path: str, idle_s: float) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    alive: dict[int, socket.socket] = {}  # runner pid -> its caller's connection
-    conns: dict[socket.socket, int] = {}  # connection -> its runner's pid
+    alive: dict[int, socket.socket] = {}  # child pid -> its caller's connection
+    conns: dict[socket.socket, int] = {}  # connection -> its child's pid
+    on_close: dict[int, int] = {}  # child pid -> the signal it gets when its caller is gone
     last = time.monotonic()
 
     def reap() -> None:
@@ -345,6 +388,7 @@ def serve(path: str, idle_s: float) -> None:
             if pid == 0:
                 return
             conn = alive.pop(pid, None)
+            on_close.pop(pid, None)
             if conn is not None:
                 try:
                     conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
@@ -353,9 +397,9 @@ def serve(path: str, idle_s: float) -> None:
 
     def forget(conn: socket.socket) -> None:
         pid = conns.pop(conn, None)
-        if pid is not None and alive.get(pid) is conn:  # its caller is gone: so is the runner
+        if pid is not None and alive.get(pid) is conn:  # its caller is gone: so is the child
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, on_close.get(pid, signal.SIGKILL))
             except ProcessLookupError:
                 pass
         conn.close()
@@ -384,7 +428,7 @@ def serve(path: str, idle_s: float) -> None:
                         for fd in fds:
                             os.close(fd)
                         return
-                    if len(fds) != 3:
+                    if len(fds) != 3 or not str(request.get("module", "")).startswith("tunecache."):
                         conn.close()
                         for fd in fds:
                             os.close(fd)
@@ -397,6 +441,7 @@ def serve(path: str, idle_s: float) -> None:
                     conn.settimeout(None)
                     alive[pid] = conn
                     conns[conn] = pid
+                    on_close[pid] = int(request.get("on_close", signal.SIGKILL))
                     try:
                         conn.send(json.dumps({"pid": pid}).encode())
                     except OSError:
@@ -408,10 +453,10 @@ def serve(path: str, idle_s: float) -> None:
                         data = b""
                     if not data:
                         forget(r)
-                    elif json.loads(data).get("kill") and conns.get(r) in alive:
+                    elif conns.get(r) in alive:
                         try:
-                            os.kill(conns[r], signal.SIGKILL)
-                        except ProcessLookupError:
+                            os.kill(conns[r], int(json.loads(data).get("signal", signal.SIGKILL)))
+                        except (ProcessLookupError, ValueError):
                             pass
             reap()
             if alive:

@@ -182,7 +182,8 @@ def worker_env(workers: int) -> dict[str, str]:
 
 def _spawn_worker(
     gpu: int, lease_s: float, poll_s: float, log_dir: Path | None, env: dict[str, str] | None = None
-) -> subprocess.Popen:
+) -> Any:
+    """A `tunecache worker --burst` for `gpu` (a subprocess.Popen or a forkserver.ForkedProcess)."""
     cmd = [
         sys.executable,
         "-m",
@@ -198,10 +199,18 @@ def _spawn_worker(
         "--source",
         "pretune",
     ]
-    out: Any = subprocess.DEVNULL
-    if log_dir is not None:
-        out = open(log_dir / f"worker-gpu{gpu}.log", "ab")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    from . import forkserver
+
+    env = dict(os.environ if env is None else env)
+    out = open(log_dir / f"worker-gpu{gpu}.log", "ab") if log_dir is not None else open(os.devnull, "wb")
+    with out, open(os.devnull, "rb") as nothing:
+        # forked from the host's runner server (torch imported: the worker's start is not
+        # seconds of imports, which a run on more GPUs would not divide); SIGTERM when we exit
+        fds = (nothing.fileno(), out.fileno(), out.fileno())
+        forked = forkserver.spawn("tunecache.cli", cmd[3:], env, fds, signal.SIGTERM)
+        if forked is not None:
+            return forked
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
 def _die_with_parent() -> None:
@@ -228,11 +237,14 @@ def pretune(
     on_plan: Callable[[int, int], None] | None = None,
 ) -> Report:
     """Enqueue every shape of `manifest` without a config, run workers until they are done."""
+    from . import forkserver
     from .job_queue import default_queue
     from .worker import worker_device
 
     t0 = time.perf_counter()
     gpus = local_gpus() if gpus is None else gpus
+    env = worker_env(len(gpus or [0]))
+    forkserver.ensure_server(env)  # it imports torch while the manifest is planned and enqueued
     device, _ = worker_device(gpus[0] if gpus else 0)
     queue = queue or default_queue()
     planned = plan(manifest, device)
@@ -247,12 +259,13 @@ def pretune(
         if queue.enqueue(p.key, priority=priority) is None:
             raise RuntimeError(f"cannot enqueue into {queue.where}: the service is unreachable")
     digests = [p.key.digest for p in todo]
-    env = worker_env(len(gpus or [0]))
+    forkserver.ensure_server(env, wait_s=60.0)
     workers = {g: _spawn_worker(g, lease_s, poll_s, log_dir, env) for g in (gpus or [0])}
     restarts = {g: 0 for g in workers}
+    statuses: dict[str, str] = {}
     try:
         while True:
-            statuses = queue.statuses(digests) or {}
+            statuses = queue.statuses(digests) or statuses  # a failed poll keeps what was known
             finished = sum(statuses.get(d) in ("done", "failed") for d in digests)
             if on_progress:
                 on_progress(finished, len(digests), statuses)
@@ -279,7 +292,7 @@ def pretune(
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    statuses = queue.statuses(digests) or {}
+    statuses = queue.statuses(digests) or statuses  # the fleet unreachable now: the last answer
     report.tuned = sum(statuses.get(d) == "done" for d in digests)
     report.failed = [f"{p.shape.name} {p.shape.op}" for p in todo if statuses.get(p.key.digest) == "failed"]
     report.seconds = time.perf_counter() - t0
