@@ -53,7 +53,7 @@ class ConfigCache:
 
     def store(self) -> Store | None:
         """The local store, or None (one warning) when none can be had at all."""
-        from .store import default_store
+        from .process_store import default_store
 
         try:
             return default_store()
@@ -105,10 +105,14 @@ class ConfigCache:
         """A read a warm host's first call makes: `tunecache.quick_read` without opening the
         Store, else the Store (`default` without one, or on a fault)."""
         from . import quick_read
+        from .process_store import holds_nothing_yet
 
-        found = quick(settings.db_url())
+        url = settings.db_url()
+        found = quick(url)
         if found is not quick_read.UNKNOWN:
             return found
+        if holds_nothing_yet(url):  # a fresh host: opening the store to read nothing costs 0.7 s
+            return default
         store = self.store()
         return default if store is None else self.store_call(what, lambda: slow(store), default)
 
@@ -164,9 +168,9 @@ class ConfigCache:
             fleet.report(key, frec.config, why)
             return None
         frec.source = "fleet"
-        store = self.store()
-        if store is not None:  # write-through: the next process on this host needs no network
-            self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        generation = fleet.generation
+        # write-through: the next process on this host needs no network
+        self.write_behind("keep a fleet copy", lambda store: store.put_fleet_copy(frec, generation))
         self.install_binaries(fleet, frec)
         return frec
 
@@ -244,6 +248,23 @@ class ConfigCache:
                 )
                 break
         return written
+
+    def write_behind(self, what: str, fn: Callable[["Store"], Any]) -> None:
+        """A write the call need not wait for (a fleet copy, the fleet's word for a backend):
+        done at once when this process has its store open; otherwise left to the store's
+        writer thread, which opens it (SQLAlchemy's import and the schema: 0.5-0.7 s of a
+        fresh host's first call) while the call runs its kernel (`store.write_behind`)."""
+        from .process_store import store_is_open, write_behind
+
+        if store_is_open(settings.db_url()):
+            self._write(what, fn)
+        else:
+            write_behind(lambda: self._write(what, fn))
+
+    def _write(self, what: str, fn: Callable[["Store"], Any]) -> None:
+        store = self.store()
+        if store is not None:
+            self.store_call(what, lambda: fn(store))
 
     # ---- keep, drop, enqueue ----------------------------------------------------------------
 

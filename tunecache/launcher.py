@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import registry, selfcheck, settings
+from . import registry, selfcheck, settings, triton_driver
 from .config_cache import CACHE
 from .errors import short
 from .key import DeviceClass, TuneKey, device_of, torch_device_for, use_interpreter_without_gpu
@@ -88,6 +88,8 @@ class Op:
                 on_gpu = device_tensor.device.type == "cuda"
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
+                if on_gpu:
+                    triton_driver.start()  # gcc on a host's first Triton launch, beside the lookup
                 if on_gpu and not forced:
                     _runner_ahead(every[0], problem, device, where)
                 looked_up = None if forced else _look_up_first(every[0], problem, device)
@@ -97,6 +99,7 @@ class Op:
                     mods = selfcheck.trusted(every, device, where)
                 if mods and mods[0] is not every[0]:
                     looked_up = None  # another backend's key
+                triton_driver.ready()  # nothing below may make Triton's driver beside the thread
                 entry = (
                     _decide(self, raw, mods, problem, device, where, looked_up)
                     if mods

@@ -153,15 +153,14 @@ def _key(mod: ModuleType, device: DeviceClass) -> tuple:
 
 
 def _keep(k: tuple, v: Verdict) -> None:
-    """Keep a verdict in the store (a store that cannot write keeps it in this process only)."""
+    """Keep a verdict in the store (a store that cannot write keeps it in this process only;
+    the process has it at once: the write may be left to a thread, `ConfigCache.write_behind`)."""
     from .config_cache import CACHE
 
-    store = CACHE.store()
-    if store is not None:
-        CACHE.store_call(
-            "keep a self-check",
-            lambda: store.put_selfcheck(*k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=v.device.name),
-        )
+    CACHE.write_behind(
+        "keep a self-check",
+        lambda store: store.put_selfcheck(*k, ok=v.ok, detail=v.detail, seconds=v.seconds, device_name=v.device.name),
+    )
 
 
 def vouch(mod: ModuleType, device: DeviceClass, rec: "ConfigRecord") -> bool:

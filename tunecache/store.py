@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import threading
 import uuid
 from datetime import datetime, timedelta
 from typing import Any, Iterable, Iterator, Mapping
@@ -1333,25 +1332,4 @@ class Store:
             return res.rowcount == 1
 
 
-_DEFAULT: dict[str, Store] = {}
-_DEFAULT_LOCK = threading.Lock()
-
-
-def default_store() -> Store:
-    """The process-wide store for the current TUNECACHE_DB_URL (opened once).
-
-    A local SQLite store that cannot be used as it is still gives a store, read-only, fresh or
-    in memory, with one warning (tunecache.local_store); a Postgres URL is the fleet's
-    database, whose faults stay loud."""
-    from . import settings
-
-    url = settings.db_url()
-    store = _DEFAULT.get(url)
-    if store is None:
-        with _DEFAULT_LOCK:
-            store = _DEFAULT.get(url)
-            if store is None:
-                from .local_store import open_local_store
-
-                store = _DEFAULT[url] = open_local_store(url).store
-    return store
+from .process_store import default_store  # noqa: E402, F401 - where callers have always found it

@@ -32,6 +32,15 @@ print(json.dumps({"config": entry.config, "provisional": entry.provisional, "dig
                   "calls": calls, "local_sources": [r.source for r in recs]}))
 """
 
+# the same call and nothing after it: the process ends at once
+BARE_CALL = """
+import torch
+from tunecache import ops
+a, b = torch.randn(40, 24), torch.randn(24, 36)
+ops.matmul(a, b)
+print("{}")
+"""
+
 
 def _api(fleet, token_scope="admin"):
     return httpx.Client(
@@ -69,6 +78,13 @@ def test_two_hosts_share_a_config_and_the_second_never_tunes(clean_fleet, tmp_pa
     env_b_offline = dict(env_b, TUNECACHE_SERVER_URL="http://127.0.0.1:9")  # discard port: nothing there
     b2 = run_host(CALL, env_b_offline)
     assert b2["config"] == a["config"] and local_counts(env_b)["trials"] == 0
+
+    # a plain script that ends at its first call (the copy is written behind the call, in a
+    # thread, while a fresh host's store is first opened) still leaves the copy for the next one
+    env_c = host_env(tmp_path, "host_c", fleet.url, fleet.tokens["read"], TUNECACHE_MISS_POLICY="strict")
+    run_host(BARE_CALL, env_c)
+    c = run_host(CALL, dict(env_c, TUNECACHE_SERVER_URL="http://127.0.0.1:9"))
+    assert c["config"] == a["config"] and c["local_sources"] == ["fleet"]
 
 
 def test_a_miss_is_tuned_by_a_worker_and_picked_up_without_restart(clean_fleet, tmp_path):

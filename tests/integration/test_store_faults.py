@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from support import run_py
-from tunecache import store as store_module
+from tunecache import process_store
 from tunecache.key import TuneKey
 from tunecache.local_store import open_local_store
 from tunecache.migrate import head_revision
@@ -281,7 +281,7 @@ def test_corrupt_file_is_moved_aside_and_a_fresh_store_made(tmp_path, caplog, da
 def test_default_store_survives_a_corrupt_store_and_warns_once(db_url, caplog):
     path = Path(db_url.removeprefix("sqlite:///"))
     path.write_bytes(b"\x00garbage" * 512)
-    store_module._DEFAULT.pop(db_url, None)
+    process_store._DEFAULT.pop(db_url, None)
     try:
         with caplog.at_level(logging.WARNING, logger="tunecache.store"):
             s = default_store()
@@ -290,7 +290,7 @@ def test_default_store_survives_a_corrupt_store_and_warns_once(db_url, caplog):
         (msg,) = warnings_of(caplog)
         assert "is not a SQLite database (corrupt): moved aside to" in msg
     finally:
-        s = store_module._DEFAULT.pop(db_url, None)
+        s = process_store._DEFAULT.pop(db_url, None)
         if s is not None:
             s.close()
 
