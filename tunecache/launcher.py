@@ -6,6 +6,7 @@ dtypes and arguments, then the cached launch. Everything below runs once per raw
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import registry, selfcheck, settings, triton_driver
+from . import process_store, registry, selfcheck, settings, triton_driver
 from .config_cache import CACHE
 from .errors import short
 from .key import DeviceClass, TuneKey, device_of, torch_device_for, use_interpreter_without_gpu
@@ -59,13 +60,29 @@ class Op:
         self._lock = threading.Lock()
 
     def resolve(self, raw: tuple, args: tuple, device_tensor: Any) -> Entry:
-        """The slow path: check arguments, pick a backend, look up or tune, memoize."""
+        """The slow path: check arguments, pick a backend, look up or tune, memoize. The
+        store writes this leaves behind (a fresh host's fleet copy) wait for the call's launch
+        (`process_store.hold_writes`): the returned entry's `run` lets them go."""
+        entry = self.memo.get(raw)
+        if entry is not None and entry.watch and time.monotonic() < entry.recheck_at:
+            return entry  # a fleet copy or a default, watched, before its time: every call comes here
+        process_store.hold_writes()
+        try:
+            entry = self._resolve(raw, args, device_tensor)
+        except BaseException:
+            process_store.release_writes()
+            raise
+        return dataclasses.replace(entry, run=_then_release_writes(entry.run))
+
+    def _resolve(self, raw: tuple, args: tuple, device_tensor: Any) -> Entry:
         entry = self.memo.get(raw)
         if entry is not None and entry.watch:
             entry = self._recheck(raw, entry)
             if entry is not None:
                 return entry
         problem = self.problem_fn(*args)  # raises errors naming the bad argument
+        if device_tensor.device.type == "cuda":
+            triton_driver.start()  # a host's first Triton launch: gcc and hashing, beside what follows
         device = device_of(device_tensor)
         if device.arch == "cpu":
             use_interpreter_without_gpu()  # a CPU-only host: its kernels run on Triton's interpreter
@@ -88,8 +105,6 @@ class Op:
                 on_gpu = device_tensor.device.type == "cuda"
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = registry.backends_for(self.name, device, problem, forced)
-                if on_gpu:
-                    triton_driver.start()  # gcc on a host's first Triton launch, beside the lookup
                 if on_gpu and not forced:
                     _runner_ahead(every[0], problem, device, where)
                 looked_up = None if forced else _look_up_first(every[0], problem, device)
@@ -159,6 +174,16 @@ class Op:
 
     def clear(self) -> None:
         self.memo.clear()
+
+
+def _then_release_writes(run: Callable[..., Any]) -> Callable[..., Any]:
+    def first_run(*args):
+        try:
+            return run(*args)
+        finally:
+            process_store.release_writes()
+
+    return first_run
 
 
 def _reference_entry(mod: ModuleType, problem: dict, device: DeviceClass) -> Entry:

@@ -93,6 +93,8 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
             f"grad_out is {tuple(grad_out.shape[1:3])} (P, Q), but an input of H={H}, W={W} gives {want} at "
             f"stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
         )
+    from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
+
     return custom_ops.dgrad(grad_out.contiguous(), w.contiguous(), (grad_out.shape[0], H, W, w.shape[3]), st, pd)
 
 
@@ -125,6 +127,8 @@ def conv2d(
             f"conv2d takes a 4-D input (N, C, H, W) and weight (Co, Ci, R, S), got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}"
         )
+    from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
+
     y = custom_ops.conv2d_nhwc(x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1), list(st), list(pd))
     y = y.permute(0, 3, 1, 2)
     return y if bias is None else y + bias.view(1, -1, 1, 1)
@@ -138,8 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"linear takes x (..., in_features) and weight (out_features, in_features), got {tuple(x.shape)} "
             f"and {tuple(weight.shape)}"
         )
+    from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
+
     y = custom_ops.matmul(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
-
-
-from . import custom_ops  # noqa: E402 - it calls this module's ops

@@ -1,9 +1,11 @@
-"""Triton's CUDA driver, made in a thread while a first call looks its config up.
+"""Triton's CUDA driver, made in a thread while a first call imports its kernels and looks
+its config up.
 
-Triton makes its driver at the first launch, and on a host (or Triton build) that never ran
-Triton that means building its C utilities with gcc: 0.7 s on an H100 host, kept in Triton's
-cache afterwards. gcc is a subprocess, so started when a call's slow path begins it runs
-beside the fleet lookup and the kernel modules' imports instead of after them.
+On a host (or a Triton cache) that never ran Triton, Triton's first launch builds its C
+utilities with gcc: 0.7 s on an H100 host, kept in Triton's cache afterwards. gcc is a
+subprocess, so started when a call's slow path begins it runs beside the kernel modules'
+imports, the hashing of Triton's cache key and the fleet lookup instead of after them.
+(Triton's key is not hashed in a thread: it imports Triton's packages as it walks them.)
 
 Triton makes `driver.active` lazily and without a lock: two threads that both reach it first
 both build it. So the launcher waits for the thread (`ready`) before anything of tunecache
@@ -16,7 +18,7 @@ import sys
 import threading
 
 _lock = threading.Lock()
-_thread: threading.Thread | None = None
+_threads: list[threading.Thread] = []
 
 
 def _made() -> bool:
@@ -24,7 +26,7 @@ def _made() -> bool:
     return mod is not None and getattr(mod.driver, "_active", None) is not None
 
 
-def _make() -> None:
+def _make_driver() -> None:
     try:
         from triton.runtime import driver
 
@@ -34,18 +36,29 @@ def _make() -> None:
 
 
 def start() -> None:
-    """Make the driver in a thread, once per process, unless it is made already."""
-    global _thread
-    if _thread is not None or _made():
+    """Start making the driver, once per process, unless it is made already.
+
+    What the thread runs is imported here first, on the caller's thread: an import racing the
+    caller's own imports of Triton (the kernel modules) can hand one of them a module still
+    half-initialized (Python breaks the would-be deadlock that way)."""
+    if _threads or _made():
         return
     with _lock:
-        if _thread is None:
-            _thread = threading.Thread(target=_make, name="tunecache-triton-driver", daemon=True)
-            _thread.start()
+        if not _threads:
+            try:
+                import triton.backends  # noqa: F401 - each backend's driver module too
+                import triton.runtime.build  # noqa: F401
+                import triton.runtime.cache  # noqa: F401
+                import triton.runtime.driver  # noqa: F401
+            except Exception:  # noqa: BLE001 - no head start; the launch says what is wrong
+                return
+            t = threading.Thread(target=_make_driver, name="tunecache-triton-driver", daemon=True)
+            t.start()
+            _threads.append(t)
 
 
 def ready() -> None:
     """Wait for `start`'s thread, if one was started."""
-    t = _thread
-    if t is not None and t.is_alive():
-        t.join()
+    for t in list(_threads):
+        if t.is_alive():
+            t.join()

@@ -33,3 +33,15 @@ def test_the_fleet_client_imports_no_database_layer():
         "print(sorted(m for m in ('torch', 'triton', 'sqlalchemy', 'alembic') if m in sys.modules))"
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_plain_op_call_registers_no_custom_ops(tmp_path):
+    """A warm host's first `ops.matmul` does not pay for the torch.library registrations of
+    the autograd ops (0.2 s): `ops.linear` and `ops.conv2d` make them on first use."""
+    out = run_py(
+        "import sys, torch; from tunecache import ops; a = torch.randn(8, 8); ops.matmul(a, a); "
+        "print(sorted(m for m in ('tunecache.custom_ops',) if m in sys.modules)); "
+        "ops.linear(a, a); print('tunecache.custom_ops' in sys.modules)",
+        env={"TUNECACHE_DB_URL": f"sqlite:///{tmp_path / 'none' / 'store.sqlite'}", "TUNECACHE_MISS_POLICY": "default"},
+    )
+    assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
