@@ -150,6 +150,36 @@ def plan(manifest: Manifest, device: DeviceClass, backend: str | None = None) ->
     return out
 
 
+def longest_first(planned: list[Planned], device: DeviceClass) -> list[Planned]:
+    """`planned` in the order to enqueue it: the tunes expected to take longest first, so that
+    the GPUs run out of work together instead of one finishing a long tune alone at the end.
+    The measure is the size of the shape's pruned space (on an H100 a tune's seconds follow
+    it: 290 configs 4.5 s, 1,000-1,800 configs 9-11 s; its compile workers build more of a
+    larger space), and the problem's work breaks ties."""
+    from . import registry
+
+    def cost(p: Planned) -> tuple[int, int]:
+        try:
+            mod = registry.module_for_kernel(p.kernel)
+            problem = p.shape.problem
+            return len(mod.prune(mod.config_space(problem, device), problem, device)), _work(problem)
+        except Exception:  # noqa: BLE001 - an order only: the tune says what is wrong with the shape
+            return 0, 0
+
+    return sorted(planned, key=cost, reverse=True)
+
+
+def _work(problem: dict) -> int:
+    """Multiply-adds of a problem (its dimensions' product), 0 when unknown."""
+    n = 1
+    for k in ("M", "N", "K") if "M" in problem else ("N", "P", "Q", "Co", "R", "S", "Ci"):
+        v = problem.get(k)
+        if not isinstance(v, int):
+            return 0
+        n *= v
+    return n
+
+
 @dataclass
 class Report:
     total: int
@@ -255,7 +285,7 @@ def pretune(
     if not todo:
         report.seconds = time.perf_counter() - t0
         return report
-    for p in todo:
+    for p in longest_first(todo, device):
         if queue.enqueue(p.key, priority=priority) is None:
             raise RuntimeError(f"cannot enqueue into {queue.where}: the service is unreachable")
     digests = [p.key.digest for p in todo]

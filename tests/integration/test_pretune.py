@@ -33,6 +33,27 @@ def test_shipped_manifests_parse():
     assert len(load_manifest("tiny_cpu").shapes) == 9
 
 
+def test_pretune_enqueues_the_longest_tunes_first():
+    """So that two GPUs run out of work together: on an H100 the resnet50 manifest's wgrad
+    shapes with the largest spaces go first, the small matmul and fprop spaces last."""
+    from tunecache.key import DeviceClass
+    from tunecache.pretune import load_manifest, longest_first, plan
+    from tunecache.registry import module_for_kernel
+
+    h100 = DeviceClass("sm_90", 132, "NVIDIA H100 80GB HBM3")
+    planned = plan(load_manifest("resnet50"), h100)
+
+    def space(p):
+        mod = module_for_kernel(p.kernel)
+        return len(mod.prune(mod.config_space(p.shape.problem, h100), p.shape.problem, h100))
+
+    ordered = longest_first(planned, h100)
+    sizes = [space(p) for p in ordered]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) == len(planned)
+    assert ordered[0].kernel == "conv2d_wgrad.hopper" and sizes[0] > 4 * sizes[-1], (ordered[0].kernel, sizes)
+    assert [p.key.digest for p in ordered] != [p.key.digest for p in planned]
+
+
 def test_bad_manifest_names_the_problem(tmp_path):
     from tunecache.pretune import ManifestError, load_manifest
 
