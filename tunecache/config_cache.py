@@ -253,7 +253,7 @@ class ConfigCache:
         """A write the call need not wait for (a fleet copy, the fleet's word for a backend):
         done at once when this process has its store open; otherwise left to the store's
         writer thread, which opens it (SQLAlchemy's import and the schema: 0.5-0.7 s of a
-        fresh host's first call) while the call runs its kernel (`store.write_behind`)."""
+        fresh host's first call) once the call has launched its kernel (`process_store.write_behind`)."""
         from .process_store import store_is_open, write_behind
 
         if store_is_open(settings.db_url()):

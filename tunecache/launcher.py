@@ -82,7 +82,7 @@ class Op:
                 return entry
         problem = self.problem_fn(*args)  # raises errors naming the bad argument
         if device_tensor.device.type == "cuda":
-            triton_driver.start()  # a host's first Triton launch: gcc and hashing, beside what follows
+            triton_driver.start()  # a host's first Triton launch builds its C utilities: beside what follows
         device = device_of(device_tensor)
         if device.arch == "cpu":
             use_interpreter_without_gpu()  # a CPU-only host: its kernels run on Triton's interpreter

@@ -155,29 +155,18 @@ def longest_first(planned: list[Planned], device: DeviceClass) -> list[Planned]:
     the GPUs run out of work together instead of one finishing a long tune alone at the end.
     The measure is the size of the shape's pruned space (on an H100 a tune's seconds follow
     it: 290 configs 4.5 s, 1,000-1,800 configs 9-11 s; its compile workers build more of a
-    larger space), and the problem's work breaks ties."""
+    larger space), and the problem's FLOPs (the backend's own `flops`) break ties."""
     from . import registry
 
-    def cost(p: Planned) -> tuple[int, int]:
+    def cost(p: Planned) -> tuple[int, float]:
         try:
             mod = registry.module_for_kernel(p.kernel)
             problem = p.shape.problem
-            return len(mod.prune(mod.config_space(problem, device), problem, device)), _work(problem)
+            return len(mod.prune(mod.config_space(problem, device), problem, device)), mod.flops(problem)
         except Exception:  # noqa: BLE001 - an order only: the tune says what is wrong with the shape
-            return 0, 0
+            return 0, 0.0
 
     return sorted(planned, key=cost, reverse=True)
-
-
-def _work(problem: dict) -> int:
-    """Multiply-adds of a problem (its dimensions' product), 0 when unknown."""
-    n = 1
-    for k in ("M", "N", "K") if "M" in problem else ("N", "P", "Q", "Co", "R", "S", "Ci"):
-        v = problem.get(k)
-        if not isinstance(v, int):
-            return 0
-        n *= v
-    return n
 
 
 @dataclass

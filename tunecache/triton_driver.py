@@ -18,7 +18,7 @@ import sys
 import threading
 
 _lock = threading.Lock()
-_threads: list[threading.Thread] = []
+_thread: threading.Thread | None = None
 
 
 def _made() -> bool:
@@ -41,10 +41,11 @@ def start() -> None:
     What the thread runs is imported here first, on the caller's thread: an import racing the
     caller's own imports of Triton (the kernel modules) can hand one of them a module still
     half-initialized (Python breaks the would-be deadlock that way)."""
-    if _threads or _made():
+    global _thread
+    if _thread is not None or _made():
         return
     with _lock:
-        if not _threads:
+        if _thread is None:
             try:
                 import triton.backends  # noqa: F401 - each backend's driver module too
                 import triton.runtime.build  # noqa: F401
@@ -54,11 +55,11 @@ def start() -> None:
                 return
             t = threading.Thread(target=_make_driver, name="tunecache-triton-driver", daemon=True)
             t.start()
-            _threads.append(t)
+            _thread = t
 
 
 def ready() -> None:
     """Wait for `start`'s thread, if one was started."""
-    for t in list(_threads):
-        if t.is_alive():
-            t.join()
+    t = _thread
+    if t is not None and t.is_alive():
+        t.join()
