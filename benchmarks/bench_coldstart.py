@@ -77,11 +77,46 @@ CASES = {
 }
 PEER = "triton.autotune(cache_results=True)"
 
+# --timeline: when each of these functions ran, and on which thread (a profile hook that looks at
+# these names only: cheaper than cProfile, and it shows what overlaps what)
+STEPS = {
+    "tunecache": ("resolve", "backends_for", "start", "_make_driver", "ready", "_look_up_first", "fetch",
+                  "binaries", "install", "_decide", "trusted", "_runner_ahead", "first_run"),
+    "triton": ("libcuda_dirs", "_cuda_driver_is_active", "platform_key", "_build", "_load_module_from_path",
+               "_compile_so", "load_binary", "_init_handles", "compile"),
+}
+TIMELINE = """
+import threading
+_steps = {steps!r}
+_open, _done = {{}}, []
+def _hook(frame, event, arg):
+    code = frame.f_code
+    if event not in ("call", "return"):
+        return
+    for pkg, names in _steps.items():
+        if code.co_name in names and ("/" + pkg + "/") in code.co_filename:
+            k = (threading.current_thread().name, code.co_name, id(frame))
+            if event == "call":
+                _open[k] = time.perf_counter() - t0
+            elif k in _open:
+                _done.append((round(_open.pop(k), 4), round(time.perf_counter() - t0, 4), k[0], pkg + ":" + code.co_name))
+t0 = time.perf_counter()
+threading.setprofile(_hook)
+sys.setprofile(_hook)
+"""
 
-def child_code(case: str, n_configs: int, profile: bool) -> str:
+
+def child_code(case: str, n_configs: int, profile: bool, timeline: bool = False) -> str:
     inputs, body = CASES[case]
     body = body.format(n=n_configs)
     timed = textwrap.indent(body, "    ")
+    if timeline:
+        return (
+            PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n"
+            + TIMELINE.format(steps=STEPS) + body + "\ntorch.cuda.synchronize()\nend = time.perf_counter() - t0\n"
+            "sys.setprofile(None)\nthreading.setprofile(None)\n"
+            "print(json.dumps({'seconds': end, 'timeline': sorted(_done)}))"
+        )
     if profile:
         run = (
             "import cProfile, pstats, io\npr = cProfile.Profile()\npr.enable()\n"
@@ -163,6 +198,20 @@ def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
                 "kernels_compiled": compiled,
                 **({"sync_seconds": sync_s} if sync_s else {}),
             }
+            if args.timeline and mode == "fresh":  # one more fresh host, its steps' start and end
+                host = tmp / f"host-timeline-{case}"
+                host_env = {
+                    **env,
+                    "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
+                    "TRITON_CACHE_DIR": str(host / "triton-cache"),
+                    "TUNECACHE_SERVER_URL": fleet.url,
+                    "TUNECACHE_TOKEN": fleet.read,
+                }
+                got = run_child(child_code(case, args.configs, False, timeline=True), host_env)
+                rows[f"{case} ({mode})"]["timeline"] = got
+                print(f"{case} on a fresh host, {got['seconds']:.3f} s under the timeline's hook:")
+                for start, end, thread, step in got["timeline"]:
+                    print(f"  {start:7.3f} {end:7.3f}  {thread[:24]:24s} {step}")
             if args.profile and mode == "fresh":  # one more fresh host, its first call under cProfile
                 host = tmp / f"host-profile-{case}"
                 host_env = {
@@ -184,6 +233,10 @@ def main() -> None:
     ap.add_argument("--configs", type=int, default=8, help="configs of the tutorial kernel in both autotuners")
     ap.add_argument("--setup-candidates", type=int, default=4, help="TUNECACHE_MAX_CANDIDATES when filling the store")
     ap.add_argument("--profile", action="store_true", help="add a cProfile of each case to the JSON")
+    ap.add_argument(
+        "--timeline", action="store_true", help="with --fleet: print and keep when each first-call step ran, per thread"
+    )
+    ap.add_argument("--skip-warm", action="store_true", help="with --fleet: measure only the fleet's fresh hosts")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     ap.add_argument("--fleet", action="store_true", help="also: first calls on fresh hosts with a fleet hit")
     ap.add_argument("--out", type=Path, default=None)
@@ -208,7 +261,7 @@ def main() -> None:
         run_child(child_code(case, args.configs, False), setup_env)
 
     rows = {}
-    for case in cases:
+    for case in [] if args.skip_warm else cases:
         times = [run_child(child_code(case, args.configs, False), env)["seconds"] for _ in range(args.repeats)]
         rows[case] = {"seconds": statistics.median(times), "runs": times}
         if args.profile:

@@ -201,6 +201,9 @@ def main() -> None:
         help="comma-separated ops (matmul,conv2d_fprop,conv2d_wgrad): cold-tune the kernel benchmark's "
         "shapes of these ops (bench_kernels.py's set; matmul in bfloat16)",
     )
+    ap.add_argument(
+        "--names", default="", help="comma-separated op:name pairs of --kernel-set to keep (e.g. conv2d_fprop:r50_3x3_512@7)"
+    )
     ap.add_argument("--no-dropin", action="store_true", help="skip the drop-in comparison")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -209,6 +212,12 @@ def main() -> None:
     summary: dict = {"device": device_info().get("device")}
     payload: dict = {}
     cases = [(name, op, p) for op in filter(None, args.kernel_set.split(",")) for name, p in kernel_set(op)]
+    if args.names:
+        keep = set(args.names.split(","))
+        unknown = keep - {f"{op}:{name}" for name, op, _ in cases}
+        if unknown:
+            ap.error(f"--names: {sorted(unknown)} not in --kernel-set {args.kernel_set!r}'s shapes")
+        cases = [c for c in cases if f"{c[1]}:{c[0]}" in keep]
     for item in filter(None, args.ops.split(";")):
         op, _, text = item.partition(":")
         cases.append((text, op, dict(kv.split("=", 1) for kv in text.split(","))))

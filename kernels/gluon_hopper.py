@@ -59,9 +59,20 @@ def _warps_fit(c: dict) -> bool:
     return area == 128 * 128 or (c["num_warps"] == 8) == (area > 128 * 128)
 
 
+def _k_step_first(c: dict) -> bool:
+    """K steps a capped tune times first: 64, and per tile the step that keeps one stage of the
+    ring between 24 and 48 KB: 128 for tiles of M + N <= 192 (its ring still 4 or more deep),
+    32 for M + N >= 384 (a stage of 64 is 48 KB or more there: 3 deep at most; 32 holds the same
+    K in twice the stages). H100: 128x256x32 six-stage won ResNet-50's 512-channel 3x3 fprop at
+    7x7, 64x128x128 its 1x1 wgrad at 14x14, both past the cap of the 64-only subset."""
+    width = c["BLOCK_M"] + c["BLOCK_N"]
+    return c["BLOCK_K"] == 64 or (c["BLOCK_K"] == 128 and width <= 192) or (c["BLOCK_K"] == 32 and width >= 384)
+
+
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
     """The configs most worth timing first, from configs that fit: per tile shape the deepest
-    ring (and one shallower), BLOCK_K 64 (or a whole filter tap for small-channel fprop),
+    ring (and one shallower), the K steps of `_k_step_first` (or a whole filter tap for
+    small-channel fprop),
     GROUP_M 8, the warps of `_warps_fit`; for wgrad stream-K, the modeled split and the splits
     around the one that fills the GPU, after every tile's unsplit and modeled variants (so that a
     cap cuts splits, not tiles). The tuner times these before the rest of the space, so a capped
@@ -69,7 +80,7 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
     best: dict[tuple, dict] = {}
     if op == "conv2d_wgrad":
         for c in configs:
-            if c["BLOCK_K"] != 64 and not (c["BLOCK_K"] == 128 and c["BLOCK_N"] <= 64):
+            if not _k_step_first(c):
                 continue
             k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"])
             if k not in best or c["num_stages"] > best[k]["num_stages"]:
@@ -82,7 +93,7 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
                 out.append(c)
         return sorted(out, key=lambda c: c["SPLIT_K"] not in (-1, 0))
     for c in configs:
-        if c["BLOCK_K"] != 64 and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
+        if not _k_step_first(c) and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
             continue
         if c.get("GROUP_M", 8) != 8:
             continue

@@ -120,7 +120,7 @@ def test_a_capped_tune_takes_deep_rings_before_narrow_k_steps(M, N, K):
     p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
     ordered = mm.prune(mm.config_space(p, H100), p, H100)
     capped, past = ordered[: settings.max_candidates()], ordered[settings.max_candidates() :]
-    if any(c["BLOCK_K"] == 32 for c in capped):
+    if any(c["BLOCK_K"] == 32 and c["BLOCK_M"] + c["BLOCK_N"] < 384 for c in capped):
         assert not any(c["BLOCK_K"] >= 64 and c["GROUP_M"] == 8 for c in past)
     deepest = {}
     for c in ordered:
@@ -131,6 +131,24 @@ def test_a_capped_tune_takes_deep_rings_before_narrow_k_steps(M, N, K):
     assert not (shallow_in and deep_out), (shallow_in[:3], deep_out[:3])
     if M == 128:
         assert {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4} in capped
+
+
+def test_a_capped_tune_sees_the_k_step_that_keeps_a_wide_or_narrow_tile_deep():
+    """A K step of 64 leaves a 128x256 tile's ring 3 stages deep and a 64x128 tile's one stage
+    half full: ResNet-50's 512-channel 3x3 fprop at 7x7 was won by 128x256x32 (six stages), its
+    1x1 wgrad at 14x14 by 64x128x128, both past the cap (H100: 0.978x and 0.979x the exhaustive
+    best)."""
+    from tunecache import settings
+
+    n = settings.max_candidates()
+    x = _meta(128, 7, 7, 512)
+    p = problems.conv2d_fprop_problem(x, _meta(512, 3, 3, 512), 1, 1)
+    wide = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 6}
+    assert wide in fprop.prune(fprop.config_space(p, H100), p, H100)[:n]
+    x, g = _meta(128, 14, 14, 1024), _meta(128, 14, 14, 256)
+    p = problems.conv2d_wgrad_problem(x, g, 1, 1, 1, 0)
+    narrow = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}
+    assert narrow in wgrad.prune(wgrad.config_space(p, H100), p, H100)[:n]
 
 
 def _tile(c: dict) -> tuple:
