@@ -80,10 +80,32 @@ PEER = "triton.autotune(cache_results=True)"
 # --timeline: when each of these functions ran, and on which thread (a profile hook that looks at
 # these names only: cheaper than cProfile, and it shows what overlaps what)
 STEPS = {
-    "tunecache": ("resolve", "backends_for", "start", "_make_driver", "ready", "_look_up_first", "fetch",
-                  "binaries", "install", "_decide", "trusted", "_runner_ahead", "first_run"),
-    "triton": ("libcuda_dirs", "_cuda_driver_is_active", "platform_key", "_build", "_load_module_from_path",
-               "_compile_so", "load_binary", "_init_handles", "compile"),
+    "tunecache": (
+        "resolve",
+        "backends_for",
+        "start",
+        "_make_driver",
+        "ready",
+        "_look_up_first",
+        "fetch",
+        "binaries",
+        "install",
+        "_decide",
+        "trusted",
+        "_runner_ahead",
+        "first_run",
+    ),
+    "triton": (
+        "libcuda_dirs",
+        "_cuda_driver_is_active",
+        "platform_key",
+        "_build",
+        "_load_module_from_path",
+        "_compile_so",
+        "load_binary",
+        "_init_handles",
+        "compile",
+    ),
 }
 TIMELINE = """
 import threading
@@ -99,7 +121,8 @@ def _hook(frame, event, arg):
             if event == "call":
                 _open[k] = time.perf_counter() - t0
             elif k in _open:
-                _done.append((round(_open.pop(k), 4), round(time.perf_counter() - t0, 4), k[0], pkg + ":" + code.co_name))
+                start = round(_open.pop(k), 4)
+                _done.append((start, round(time.perf_counter() - t0, 4), k[0], pkg + ":" + code.co_name))
 t0 = time.perf_counter()
 threading.setprofile(_hook)
 sys.setprofile(_hook)
@@ -112,8 +135,12 @@ def child_code(case: str, n_configs: int, profile: bool, timeline: bool = False)
     timed = textwrap.indent(body, "    ")
     if timeline:
         return (
-            PRELUDE.format(here=str(HERE)) + inputs + "\ntorch.cuda.synchronize()\n"
-            + TIMELINE.format(steps=STEPS) + body + "\ntorch.cuda.synchronize()\nend = time.perf_counter() - t0\n"
+            PRELUDE.format(here=str(HERE))
+            + inputs
+            + "\ntorch.cuda.synchronize()\n"
+            + TIMELINE.format(steps=STEPS)
+            + body
+            + "\ntorch.cuda.synchronize()\nend = time.perf_counter() - t0\n"
             "sys.setprofile(None)\nthreading.setprofile(None)\n"
             "print(json.dumps({'seconds': end, 'timeline': sorted(_done)}))"
         )

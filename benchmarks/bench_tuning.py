@@ -202,7 +202,9 @@ def main() -> None:
         "shapes of these ops (bench_kernels.py's set; matmul in bfloat16)",
     )
     ap.add_argument(
-        "--names", default="", help="comma-separated op:name pairs of --kernel-set to keep (e.g. conv2d_fprop:r50_3x3_512@7)"
+        "--names",
+        default="",
+        help="comma-separated op:name pairs of --kernel-set to keep (e.g. conv2d_fprop:r50_3x3_512@7)",
     )
     ap.add_argument("--no-dropin", action="store_true", help="skip the drop-in comparison")
     ap.add_argument("--out", type=Path, default=None)
