@@ -393,12 +393,6 @@ JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
 
 STREAM_K = -1  # SPLIT_K value of the stream-K schedule; 0 asks for the modeled best split count
 
-# the work model that picks SPLIT_K=0's split count: an SM's sustained WGMMA rate, the
-# memory bandwidth the fp32 partials make a round trip through, the reduction launch
-_SM_FLOP_PER_US = 5.0e6
-_BYTES_PER_US = 2.5e6
-_REDUCE_LAUNCH_US = 4.0
-
 
 def supports(p: dict, device) -> bool:
     return device.capability == (9, 0) and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
@@ -438,7 +432,7 @@ class Work:
             self.splits, self.per = 1, triton.cdiv(total, sms)
             self.ctas = triton.cdiv(total, self.per)
         else:
-            want = c["SPLIT_K"] or auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
+            want = c["SPLIT_K"] or ghop.auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
             self.splits, self.per = gh.split_k_plan(self.k_steps, want)
             self.ctas = gh.persistent_grid(self.tiles * self.splits, sms)[0]
 
@@ -446,22 +440,6 @@ class Work:
     def of(cls, p: dict, c: dict, sms: int) -> "Work":
         ci = gh.padded_channels(p["Ci"], p["dtype"])
         return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
-
-
-def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> int:
-    """SPLIT_K=0: the split count with the shortest modeled time, the slowest CTA's k-steps
-    (whole waves of units over the SMs) plus the fp32 partials' round trip; the fewest splits
-    within 2% of the best. A power of two is often a poor choice: 81 tiles x 2 splits = 162
-    units is 1.2 waves on 132 SMs, x 8 = 648 units is 4.9."""
-    step_us = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] / _SM_FLOP_PER_US
-    costs = {}
-    for s in range(1, min(k_steps, 64) + 1):
-        active, per = gh.split_k_plan(k_steps, s)
-        if active == s:
-            t = triton.cdiv(tiles * s, sms) * per * step_us
-            costs[s] = t + (s > 1) * (s * out_elems * 8 / _BYTES_PER_US + _REDUCE_LAUNCH_US)
-    best = min(costs.values())
-    return min(s for s, t in costs.items() if t <= 1.02 * best)
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:

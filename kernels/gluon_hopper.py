@@ -10,7 +10,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least
+from .gluon_host import SMEM_LIMIT_BYTES, cdiv, pow2_at_least, split_k_plan
 
 # ---- device code -------------------------------------------------------------------------------
 
@@ -41,6 +41,31 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
     rows = gl.minimum(num_pid_m - first_m, GROUP_M)
     in_group = tile_id % per_group
     return first_m + in_group % rows, in_group // rows
+
+
+# ---- split-K --------------------------------------------------------------------------------
+
+# the work model that picks SPLIT_K=0's split count: an SM's sustained WGMMA rate, the
+# memory bandwidth the fp32 partials make a round trip through, the reduction launch
+_SM_FLOP_PER_US = 5.0e6
+_BYTES_PER_US = 2.5e6
+_REDUCE_LAUNCH_US = 4.0
+
+
+def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> int:
+    """SPLIT_K=0: the split count with the shortest modeled time, the slowest CTA's k-steps
+    (whole waves of units over the SMs) plus the fp32 partials' round trip; the fewest splits
+    within 2% of the best. A power of two is often a poor choice: 81 tiles x 2 splits = 162
+    units is 1.2 waves on 132 SMs, x 8 = 648 units is 4.9."""
+    step_us = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] / _SM_FLOP_PER_US
+    costs = {}
+    for s in range(1, min(k_steps, 64) + 1):
+        active, per = split_k_plan(k_steps, s)
+        if active == s:
+            t = cdiv(tiles * s, sms) * per * step_us
+            costs[s] = t + (s > 1) * (s * out_elems * 8 / _BYTES_PER_US + _REDUCE_LAUNCH_US)
+    best = min(costs.values())
+    return min(s for s, t in costs.items() if t <= 1.02 * best)
 
 
 # ---- candidates ------------------------------------------------------------------------------
@@ -99,7 +124,9 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
             continue
         if not _warps_fit(c):
             continue
-        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"])
+        if c.get("SPLIT_K", 1) not in (0, 1):  # matmul: the modeled split and none, not each count
+            continue
+        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c.get("SPLIT_K", 1))
         if k not in best or c["num_stages"] > best[k]["num_stages"]:
             best[k] = c
     out = list(best.values())
@@ -110,7 +137,8 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
 def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
     """`configs` reordered with quick_subset() first, then the rest likeliest first: a capped
     tune sees each tile's deepest ring, BLOCK_K of 64 or more and GROUP_M 8 before the shallow
-    rings and narrow K steps (the space's own order put 64x64x32 two-stage rings next)."""
+    rings and narrow K steps (the space's own order put 64x64x32 two-stage rings next), and a
+    matmul's modeled split before its other split counts."""
     first = quick_subset(op, configs, p, sm_count)
     rest = [c for c in configs if c not in first]
     deepest: dict[tuple, int] = {}
@@ -120,6 +148,8 @@ def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[di
 
     def likeliness(c: dict) -> tuple:
         k = tuple(sorted((n, v) for n, v in c.items() if n != "num_stages"))
-        return (c["BLOCK_K"] < 64, deepest[k] - c["num_stages"], c.get("GROUP_M", 8) != 8)
+        # matmul's split counts other than the model's come after every unsplit candidate
+        explicit_split = op == "matmul" and c["SPLIT_K"] not in (0, 1)
+        return (explicit_split, c["BLOCK_K"] < 64, deepest[k] - c["num_stages"], c.get("GROUP_M", 8) != 8)
 
     return first + sorted(rest, key=likeliness)

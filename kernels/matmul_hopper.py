@@ -9,6 +9,13 @@ the WGMMA, and the loads run straight across tile boundaries: while a tile's epi
 the accumulator and hands it to an async TMA store, the next tile's first k-steps are already
 in flight. One WGMMA stays outstanding behind the one being issued, so the tensor cores never
 wait for the issuing warps.
+
+Split-K (SPLIT_K in the space): when the output tiles cannot fill the SMs (decode and
+small-batch GEMMs: M = 1 x N = 4096 is 32 tiles of 64x128 on 132 SMs), each tile's K is cut
+into `splits` runs of `per` k-steps; a CTA's units are (tile, split) pairs, each writes an fp32
+partial, and gluon_host.split_k_reduce sums them in split order (deterministic). A split
+launch runs its own binary (SPLIT): the unsplit one is the kernel without split-K, which a
+runtime branch in every tile's epilogue slowed by up to 2.5% on large GEMMs (H100).
 """
 
 from __future__ import annotations
@@ -77,21 +84,44 @@ def _issue_load(
         tma.async_load(b_desc, [k, off_n], bar, b_bufs.index(slot), pred)
 
 
-@gluon.jit(do_not_specialize=["M", "N", "K", "GROUP_M"])
+@gluon.jit
+def _unit(
+    u, SPLITS, K_PER, num_pid_m, num_pid_n, GROUP_M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr
+):
+    """Work unit u -> (first row, first column, first k-step) of its tile and split."""
+    if SPLIT:
+        pid_m, pid_n = grouped_tile(u // SPLITS, num_pid_m, num_pid_n, GROUP_M)
+        k0 = (u % SPLITS) * K_PER
+    else:
+        pid_m, pid_n = grouped_tile(u, num_pid_m, num_pid_n, GROUP_M)
+        k0 = 0
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, k0
+
+
+@gluon.jit(do_not_specialize=["M", "N", "K", "GROUP_M", "SPLITS", "K_PER", "LDW"])
 def matmul_kernel(
     a_desc,
     b_desc,
     c_desc,
+    ws_ptr,
     M,
     N,
     K,
     GROUP_M,
+    SPLITS,
+    K_PER,
+    LDW,
     TRANS_A: gl.constexpr,
     TRANS_B: gl.constexpr,
+    SPLIT: gl.constexpr,
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """a_desc tiles a [M, K] ([K, M] when TRANS_A), b_desc b [K, N] ([N, K] when TRANS_B)."""
+    """a_desc tiles a [M, K] ([K, M] when TRANS_A), b_desc b [K, N] ([N, K] when TRANS_B).
+    SPLIT False: c_desc receives c (SPLITS, K_PER, LDW and ws_ptr unused: the unsplit binary is
+    the kernel without split-K). SPLIT True: ws_ptr [SPLITS, M, LDW] fp32 receives the
+    partials, each split K_PER k-steps (the last one's past K read TMA's zeros); c_desc only
+    gives the tile's shape."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TRANS_A else a_desc.block_type.shape[1]
@@ -108,34 +138,36 @@ def matmul_kernel(
     nprog = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
-    total = my_tiles * k_tiles
+    if SPLIT:
+        my_units = gl.cdiv(num_pid_m * num_pid_n * SPLITS - pid, nprog)
+        steps = K_PER
+    else:
+        my_units = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
+        steps = gl.cdiv(K, BLOCK_K)
+    total = my_units * steps
 
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
 
-    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles;
-    # tile coordinates are recomputed once per tile, not per k-step
+    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across units
+    # (tile, split); unit coordinates are recomputed once per unit, not per k-step
     pt = gl.to_tensor(0)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-    pm = pid_m * BLOCK_M
-    pn = pid_n * BLOCK_N
-    pk = gl.to_tensor(0)
+    pm, pn, ps = _unit(pid, SPLITS, K_PER, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, SPLIT)
+    pj = gl.to_tensor(0)
     for i in gl.static_range(STAGES - 1):
-        _issue_load(i, total, pm, pn, pk, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A, TRANS_B, STAGES)
-        pk += BLOCK_K
-        wrap = pk >= K
-        pk = gl.where(wrap, 0, pk)
+        _issue_load(
+            i, total, pm, pn, (ps + pj) * BLOCK_K, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A, TRANS_B, STAGES
+        )
+        pj += 1
+        wrap = pj >= steps
+        pj = gl.where(wrap, 0, pj)
         if wrap:
             pt += 1
-            pid_m, pid_n = grouped_tile(pid + pt * nprog, num_pid_m, num_pid_n, GROUP_M)
-            pm = pid_m * BLOCK_M
-            pn = pid_n * BLOCK_N
+            pm, pn, ps = _unit(pid + pt * nprog, SPLITS, K_PER, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, SPLIT)
 
     step = 0
-    for t in range(my_tiles):
-        for kk in range(k_tiles):
+    for t in range(my_units):
+        for kk in range(steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             a = a_bufs.index(slot)
@@ -149,33 +181,52 @@ def matmul_kernel(
             # runs on into the next tile's k-steps near the end of this one
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             _issue_load(
-                step + STAGES - 1, total, pm, pn, pk, a_desc, b_desc, a_bufs, b_bufs, ready, TRANS_A, TRANS_B, STAGES
+                step + STAGES - 1,
+                total,
+                pm,
+                pn,
+                (ps + pj) * BLOCK_K,
+                a_desc,
+                b_desc,
+                a_bufs,
+                b_bufs,
+                ready,
+                TRANS_A,
+                TRANS_B,
+                STAGES,
             )
-            pk += BLOCK_K
-            wrap = pk >= K
-            pk = gl.where(wrap, 0, pk)
+            pj += 1
+            wrap = pj >= steps
+            pj = gl.where(wrap, 0, pj)
             if wrap:
                 pt += 1
-                pid_m, pid_n = grouped_tile(pid + pt * nprog, num_pid_m, num_pid_n, GROUP_M)
-                pm = pid_m * BLOCK_M
-                pn = pid_n * BLOCK_N
+                pm, pn, ps = _unit(
+                    pid + pt * nprog, SPLITS, K_PER, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, SPLIT
+                )
             step += 1
         # epilogue outside the k-loop: no WGMMA is in flight across a branch, so ptxas keeps
         # the accumulator in place instead of serializing the WGMMAs
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
-        out = acc.to(dtype)
-        tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-        c_smem.store(out)
-        fence_async_shared()
-        tma.async_store(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+        om, on, ok = _unit(pid + t * nprog, SPLITS, K_PER, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, SPLIT)
+        if not SPLIT:
+            out = acc.to(dtype)
+            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_store(c_desc, [om, on], c_smem)
+        else:
+            rows = om + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = on + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            base = ws_ptr + (ok // K_PER).to(gl.int64) * M * LDW
+            offs = rows.to(gl.int64)[:, None] * LDW + cols[None, :]
+            gl.store(base + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
 
-JIT_FUNCTIONS = (matmul_kernel,)
+JIT_FUNCTIONS = (matmul_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -187,9 +238,10 @@ def supports(p: dict, device) -> bool:
 
 def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
-    tiles, narrow two-warpgroup tiles). Resource limits are left to
-    prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
+    tiles, narrow two-warpgroup tiles, splits of a GEMM whose tiles fill the GPU). Resource
+    limits are left to prune(), which must agree with the compiler."""
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
 
 
 def resources_ok(c: dict) -> bool:
@@ -199,20 +251,52 @@ def resources_ok(c: dict) -> bool:
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
+    """The ring, the output tile TMA stores from (not in a split binary: its partials go out
+    from registers), the barriers."""
     ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
-    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
+    c_tile = 0 if c.get("SPLIT_K", 1) >= 2 else c["BLOCK_M"] * c["BLOCK_N"] * itemsize
+    return ring + c_tile + 8 * c["num_stages"] + 1024
 
 
-def worth_trying(c: dict, p: dict) -> bool:
-    """The performance rule (config_space() applies it): could this config win on this problem?
-    Whether it fits the device is resources_ok()'s question."""
+def split_binary(c: dict, splits: int) -> bool:
+    """Whether a launch runs the split binary: always for SPLIT_K >= 2 (so the config alone
+    decides its binary and smem_bytes), for 0 where the model splits."""
+    return c["SPLIT_K"] >= 2 or splits > 1
+
+
+def worth_trying(c: dict, p: dict, sms: int) -> bool:
+    """The performance rule (config_space() applies it): could this config win on this problem
+    on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
     # tiles far larger than the matrix compute mostly padding
     if c["BLOCK_M"] > max(64, gh.pow2_at_least(p["M"])) or c["BLOCK_N"] > max(64, gh.pow2_at_least(p["N"])):
         return False
-    return c["BLOCK_K"] <= max(32, gh.pow2_at_least(p["K"]))
+    if c["BLOCK_K"] > max(32, gh.pow2_at_least(p["K"])):
+        return False
+    if c["SPLIT_K"] == 1:
+        return True
+    tiles, k_steps = _tiles(p, c), triton.cdiv(p["K"], c["BLOCK_K"])
+    if tiles >= sms:
+        return False  # the tiles fill the GPU: splitting only adds the partials' round trip
+    model = ghop.auto_splits(tiles, k_steps, sms, p["M"] * p["N"], c)
+    if c["SPLIT_K"] == 0:
+        return model > 1  # else the same launch as SPLIT_K=1
+    # the same launch as a smaller SPLIT_K (fewer k-steps than splits), or as the model's own
+    return gh.split_k_plan(k_steps, c["SPLIT_K"])[0] == c["SPLIT_K"] and c["SPLIT_K"] != model
+
+
+def _tiles(p: dict, c: dict) -> int:
+    return triton.cdiv(p["M"], c["BLOCK_M"]) * triton.cdiv(p["N"], c["BLOCK_N"])
+
+
+def splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of config c's launch on problem p: SPLIT_K, or for 0 the work
+    model's count (gluon_hopper.auto_splits), as split_k_plan runs it."""
+    k_steps = triton.cdiv(p["K"], c["BLOCK_K"])
+    want = c["SPLIT_K"] or ghop.auto_splits(_tiles(p, c), k_steps, sms, p["M"] * p["N"], c)
+    return gh.split_k_plan(k_steps, want)
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -230,11 +314,14 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
-    if not (resources_ok(c) and worth_trying(c, p)):
+    c["SPLIT_K"] = 0  # the work model's split count where the tiles leave SMs idle
+    if not worth_trying(c, p, sms):
+        c["SPLIT_K"] = 1
+    if not (resources_ok(c) and worth_trying(c, p, sms)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
-    return c
+    return {k: c[k] for k in SPACES[OP].params}  # the space's order
 
 
 # ---- host side -----------------------------------------------------------------------------------
@@ -245,8 +332,14 @@ def _block_shapes(c: dict, trans_a: bool, trans_b: bool):
     return ([bk, bm] if trans_a else [bm, bk]), ([bn, bk] if trans_b else [bk, bn]), [bm, bn]
 
 
-def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
-    return {"TRANS_A": trans_a, "TRANS_B": trans_b, "STAGES": c["num_stages"], "num_warps": c["num_warps"]}
+def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
+    return {
+        "TRANS_A": trans_a,
+        "TRANS_B": trans_b,
+        "SPLIT": split,
+        "STAGES": c["num_stages"],
+        "num_warps": c["num_warps"],
+    }
 
 
 class _Plan:
@@ -268,6 +361,10 @@ class _Plan:
         "c_shape",
         "N",
         "n_pad",
+        "ws_shape",
+        "reduce",
+        "reduce_grid0",
+        "reduce_tail",
     )
 
     def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
@@ -283,11 +380,20 @@ class _Plan:
             pb = bv.data_ptr()
         c = torch.empty(self.c_shape, device=a.device, dtype=a.dtype)
         pc = c.data_ptr()
+        ws = (
+            _no_split_ws(a.device)
+            if self.reduce is None
+            else torch.empty(self.ws_shape, device=a.device, dtype=torch.float32)
+        )
+        if (pc | ws.data_ptr()) & 15:
+            return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         maps, ld = self.maps, self.launcher
         am = maps.get((0, pa)) or maps.put((0, pa), ld.expand_desc(0, gh.tiled_desc(av, self.a_blk)))
         bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
         cm = maps.get((2, pc)) or maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(c, self.c_blk)))
-        ld(self.grid0, stream, [*am, *bm, *cm, *self.tail])
+        ld(self.grid0, stream, [*am, *bm, *cm, ws, *self.tail])
+        if self.reduce is not None:
+            self.reduce(self.reduce_grid0, stream, (ws, c, *self.reduce_tail))
         return c if self.n_pad == self.N else c[:, : self.N].contiguous()
 
 
@@ -301,8 +407,21 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         key = (direct.config_key(config), a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, dev)
         plan = _PLANS.get(key)
         if plan is not None:
-            return plan.run(a, b, stream)
+            c = plan.run(a, b, stream)
+            if c is not None:
+                return c
     return _launch_jit(config, a, b, key)
+
+
+_NO_SPLIT_WS: dict = {}
+
+
+def _no_split_ws(device) -> torch.Tensor:
+    """ws_ptr of an unsplit launch (never read or written): one fp32 tensor per device."""
+    ws = _NO_SPLIT_WS.get(device)
+    if ws is None:
+        ws = _NO_SPLIT_WS[device] = torch.empty(4, device=device, dtype=torch.float32)
+    return ws
 
 
 def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Tensor:
@@ -322,21 +441,32 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
     c_desc = gh.tiled_desc(c, c_blk)
-    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    grid = gh.persistent_grid(tiles, gh.num_sms(a.device))
-    ce = _constexprs(config, trans_a, trans_b)
-    scalars = (M, N, K, config["GROUP_M"])
-    compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, *scalars, **ce)
-    if key is not None:
+    p = {"M": M, "N": N, "K": K}
+    sms = gh.num_sms(a.device)
+    splits, per = splits_of(p, config, sms)
+    grid = gh.persistent_grid(_tiles(p, config) * splits, sms)
+    split = split_binary(config, splits)
+    ce = _constexprs(config, trans_a, trans_b, split)
+    ws_shape = (splits, M, n_pad)
+    ws = torch.empty(ws_shape, device=a.device, dtype=torch.float32) if split else _no_split_ws(a.device)
+    scalars = (M, N, K, config["GROUP_M"], splits, per, n_pad)
+    compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, *scalars, **ce)
+    reduce = gh.split_k_reduce_jit(ws, c) if split else None
+    if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:
         ld = direct.DirectLauncher.of(compiled)
-        if ld is not None:
+        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(matmul_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.tail = direct.kernel_args(matmul_kernel, (None, None, None, None) + scalars, ce)[4:]
             plan.trans_a, plan.trans_b = trans_a, trans_b
             plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
+            plan.ws_shape, plan.reduce = ws_shape, rd
+            if rd is not None:
+                plan.reduce_grid0 = gh.split_k_reduce_grid(c.numel())[0]
+                plan.reduce_tail = (c.numel(), splits) + gh.split_k_reduce_tail()
             _PLANS.put(key, plan)
     return c if n_pad == N else c[:, :N].contiguous()
 
@@ -345,18 +475,17 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
     a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
-    ce = _constexprs(config, trans_a, trans_b)
+    split = split_binary(config, splits_of(p, config, gh.sm_count_of(device))[0])
+    ce = _constexprs(config, trans_a, trans_b, split)
     sig = {
         "a_desc": gh.desc_sig(dt, a_blk),
         "b_desc": gh.desc_sig(dt, b_blk),
         "c_desc": gh.desc_sig(dt, c_blk),
-        "M": "i32",
-        "N": "i32",
-        "K": "i32",
-        "GROUP_M": "i32",
+        "ws_ptr": "*fp32",
+        **{k: "i32" for k in ("M", "N", "K", "GROUP_M", "SPLITS", "K_PER", "LDW")},
     }
     sig.update({k: "constexpr" for k in ce})
-    return [
+    specs = [
         KernelSpec(
             fn=matmul_kernel,
             signature=sig,
@@ -365,3 +494,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             name="matmul_kernel",
         )
     ]
+    if split:
+        specs.append(gh.split_k_reduce_spec(dt))
+    return specs

@@ -7,13 +7,16 @@ for us); `num_warps` is 4 (one warpgroup) or 8 (two warpgroups splitting the til
 from . import ConfigSpace
 
 SPACES = {
-    # c[M, N] = a[M, K] @ b[K, N]; persistent over tiles in grouped order
+    # c[M, N] = a[M, K] @ b[K, N]; persistent over tiles in grouped order. SPLIT_K > 1 cuts each
+    # tile's K that many ways into fp32 partials summed by a deterministic second pass; 0 takes
+    # the split count a work model finds fastest; 1 never splits
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
             "BLOCK_N": (64, 128, 256),
             "BLOCK_K": (32, 64, 128),
             "GROUP_M": (1, 8),
+            "SPLIT_K": (0, 1, 2, 4, 8),
             "num_warps": (4, 8),
             "num_stages": (2, 3, 4, 5, 6),
         }

@@ -70,11 +70,38 @@ def test_matmul_matches_torch(M, N, K, layouts, dtype):
     dev = DeviceClass("sm_90", gh.num_sms(0))
     configs = [
         mm.default_config(p, dev),
-        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
     ]
     for c in configs:
         _poison(M * gh.round_up(N, 8), dtype)
         _check(mm.launch(c, a, b), ref, 1e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layouts", ["rr", "rc"])
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 14336), (16, 2816, 2048), (77, 520, 1000), (1, 8, 4160)])
+def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, monkeypatch):
+    """Decode-sized GEMMs split K over the SMs: every split count, the model's (0) included,
+    gives torch's answer through the JIT and then through the planned launch (two kernels)."""
+    torch.manual_seed(M + N + K)
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = (
+        torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        if layouts[1] == "r"
+        else torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()
+    )
+    ref = a.float() @ b.float()
+    for split in (0, 2, 3, 8):
+        c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": split, "num_warps": 4}
+        c["num_stages"] = 4
+        _poison(M * gh.round_up(N, 8), torch.bfloat16)
+        _check(mm.launch(c, a, b), ref, 1e-2)  # JIT, builds the plan
+        with monkeypatch.context() as m:
+            _no_jit(m, mm.matmul_kernel)
+            _no_jit(m, gh.split_k_reduce_kernel)
+            _poison(M * gh.round_up(N, 8), torch.bfloat16)
+            _check(mm.launch(c, a, b), ref, 1e-2)
 
 
 # the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,
@@ -203,7 +230,7 @@ def _no_jit(monkeypatch, *fns):
 @pytest.mark.parametrize("layouts", ["rr", "cc"])
 def test_matmul_direct_launch_matches_torch_on_new_data(monkeypatch, layouts):
     M, N, K = 333, 517, 129  # N padded for TMA: the output is sliced
-    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 
     def operands(seed):
         torch.manual_seed(seed)
@@ -288,7 +315,7 @@ def test_direct_launch_off_switch_and_hooks_use_the_jit(monkeypatch):
 
     a = torch.randn(128, 64, device="cuda", dtype=torch.float16)
     b = torch.randn(64, 128, device="cuda", dtype=torch.float16)
-    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
     mm.launch(c, a, b)
     seen = []
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda md: seen.append(md))

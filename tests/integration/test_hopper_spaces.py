@@ -83,7 +83,7 @@ def test_default_config_is_in_space_and_survives_pruning(mod, p):
 
 def test_prune_rejects_configs_over_shared_memory():
     p = PROBLEMS[0][1]
-    big = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 6}
+    big = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8, "num_stages": 6}
     assert mm.smem_bytes(big) > gh.SMEM_LIMIT_BYTES
     assert mm.prune([big], p, H100) == []
 
@@ -91,7 +91,7 @@ def test_prune_rejects_configs_over_shared_memory():
 def test_prune_keeps_the_seed_hopper_config():
     # the tutorial's best Hopper matmul: 128x256x64, 3 buffers, 8 warps (~208 KB of smem)
     p = PROBLEMS[0][1]
-    c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
     assert mm.prune([c], p, H100) == [c]
 
 
@@ -124,13 +124,14 @@ def test_a_capped_tune_takes_deep_rings_before_narrow_k_steps(M, N, K):
         assert not any(c["BLOCK_K"] >= 64 and c["GROUP_M"] == 8 for c in past)
     deepest = {}
     for c in ordered:
-        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], c["num_warps"])
+        k = _tile(c)
         deepest[k] = max(deepest.get(k, 0), c["num_stages"])
     shallow_in = [c for c in capped if c["num_stages"] < deepest[_tile(c)] - 1]
     deep_out = [c for c in past if c["num_stages"] == deepest[_tile(c)] and c["BLOCK_K"] >= 64 and c["GROUP_M"] == 8]
     assert not (shallow_in and deep_out), (shallow_in[:3], deep_out[:3])
     if M == 128:
-        assert {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4} in capped
+        want = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+        assert any(dict(want, SPLIT_K=s) in capped for s in (0, 1))
 
 
 def test_a_capped_tune_sees_the_k_step_that_keeps_a_wide_or_narrow_tile_deep():
@@ -151,8 +152,24 @@ def test_a_capped_tune_sees_the_k_step_that_keeps_a_wide_or_narrow_tile_deep():
     assert narrow in wgrad.prune(wgrad.config_space(p, H100), p, H100)[:n]
 
 
+@pytest.mark.parametrize(
+    "M,N,K,splits",
+    [(1, 4096, 14336, True), (16, 2816, 2048, True), (1, 8192, 8192, True), (4096, 4096, 4096, False)],
+)
+def test_a_decode_gemm_splits_k_by_default_and_a_prefill_gemm_does_not(M, N, K, splits):
+    """M = 1 x N = 4096 is 32 tiles of 64x128 on 132 SMs: untuned and tuned alike, K is split
+    so that every SM streams part of the weight; 4096^3 fills the GPU with tiles, and none of
+    its candidates splits."""
+    p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"}
+    c = mm.default_config(p, H100)
+    assert (mm.splits_of(p, c, 132)[0] > 1) is splits
+    pruned = mm.prune(mm.config_space(p, H100), p, H100)
+    assert any(x["SPLIT_K"] != 1 for x in pruned) is splits
+    assert all(space_for(mm.KERNEL).contains(x) for x in pruned + [c])
+
+
 def _tile(c: dict) -> tuple:
-    return (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], c["num_warps"])
+    return (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], c["SPLIT_K"], c["num_warps"])
 
 
 @pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
