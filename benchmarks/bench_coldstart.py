@@ -198,6 +198,17 @@ class Fleet:
         self.proc.wait(30)
 
 
+def fresh_host_env(env: dict, fleet: Fleet, host: Path) -> dict:
+    """A host that never tuned: its own empty store and Triton cache, the fleet's read token."""
+    return {
+        **env,
+        "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
+        "TRITON_CACHE_DIR": str(host / "triton-cache"),
+        "TUNECACHE_SERVER_URL": fleet.url,
+        "TUNECACHE_TOKEN": fleet.read,
+    }
+
+
 def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
     """Each op's first call on fresh hosts: (a) nothing but the fleet; (b) after `tunecache sync`."""
     rows = {}
@@ -206,13 +217,7 @@ def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
             times, compiled, sync_s = [], [], []
             for i in range(args.repeats):
                 host = tmp / f"host-{mode.replace(' ', '-')}-{case}-{i}"
-                host_env = {
-                    **env,
-                    "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
-                    "TRITON_CACHE_DIR": str(host / "triton-cache"),
-                    "TUNECACHE_SERVER_URL": fleet.url,
-                    "TUNECACHE_TOKEN": fleet.read,
-                }
+                host_env = fresh_host_env(env, fleet, host)
                 if mode == "after sync":
                     t0 = time.perf_counter()
                     subprocess.run([sys.executable, "-m", "tunecache.cli", "sync"], env=host_env, check=True)
@@ -227,13 +232,7 @@ def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
             }
             if args.timeline and mode == "fresh":  # one more fresh host, its steps' start and end
                 host = tmp / f"host-timeline-{case}"
-                host_env = {
-                    **env,
-                    "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
-                    "TRITON_CACHE_DIR": str(host / "triton-cache"),
-                    "TUNECACHE_SERVER_URL": fleet.url,
-                    "TUNECACHE_TOKEN": fleet.read,
-                }
+                host_env = fresh_host_env(env, fleet, host)
                 got = run_child(child_code(case, args.configs, False, timeline=True), host_env)
                 rows[f"{case} ({mode})"]["timeline"] = got
                 print(f"{case} on a fresh host, {got['seconds']:.3f} s under the timeline's hook:")
@@ -241,13 +240,7 @@ def fleet_cases(args, env: dict, fleet: Fleet, tmp: Path) -> dict:
                     print(f"  {start:7.3f} {end:7.3f}  {thread[:24]:24s} {step}")
             if args.profile and mode == "fresh":  # one more fresh host, its first call under cProfile
                 host = tmp / f"host-profile-{case}"
-                host_env = {
-                    **env,
-                    "TUNECACHE_DB_URL": f"sqlite:///{host / 'store.sqlite'}",
-                    "TRITON_CACHE_DIR": str(host / "triton-cache"),
-                    "TUNECACHE_SERVER_URL": fleet.url,
-                    "TUNECACHE_TOKEN": fleet.read,
-                }
+                host_env = fresh_host_env(env, fleet, host)
                 rows[f"{case} ({mode})"]["profile"] = run_child(child_code(case, args.configs, True), host_env)[
                     "profile"
                 ]
