@@ -277,14 +277,13 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
         return False
     if c["SPLIT_K"] == 1:
         return True
-    tiles, k_steps = _tiles(p, c), triton.cdiv(p["K"], c["BLOCK_K"])
-    if tiles >= sms:
+    if _tiles(p, c) >= sms:
         return False  # the tiles fill the GPU: splitting only adds the partials' round trip
-    model = ghop.auto_splits(tiles, k_steps, sms, p["M"] * p["N"], c)
+    model = splits_of(p, dict(c, SPLIT_K=0), sms)[0]
     if c["SPLIT_K"] == 0:
         return model > 1  # else the same launch as SPLIT_K=1
     # the same launch as a smaller SPLIT_K (fewer k-steps than splits), or as the model's own
-    return gh.split_k_plan(k_steps, c["SPLIT_K"])[0] == c["SPLIT_K"] and c["SPLIT_K"] != model
+    return splits_of(p, c, sms)[0] == c["SPLIT_K"] != model
 
 
 def _tiles(p: dict, c: dict) -> int:
