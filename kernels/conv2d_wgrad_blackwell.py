@@ -45,12 +45,12 @@ from .geometry import is_pointwise
 from .gluon_blackwell import (
     TMEM_COLUMNS,
     WORKER_REGS,
-    epilogue_width,
     init_ring,
     invalidate_ring,
     mma_partition,
     ring_slot,
     split_k_range,
+    store_acc_masked,
 )
 from .spaces.blackwell import SPACES
 
@@ -140,30 +140,26 @@ def _epilogue_partition(
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
-    EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
-    SLICES: gl.constexpr = BLOCK_N // EPI_N
-    slice_layout: gl.constexpr = acc_tmem.index(0).slice(0, EPI_N).get_reg_layout()
-    row_layout: gl.constexpr = gl.SliceLayout(1, slice_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, slice_layout)
     row_stride = RS * Ci
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         split = work_id // tiles_per_split
         pid_co, cb, rs = _tile_coords(work_id % tiles_per_split, co_blocks, ci_blocks)
-        rows = pid_co * BLOCK_M + gl.arange(0, BLOCK_M, row_layout)
         base = out_ptr + split.to(gl.int64) * Co * row_stride + rs * Ci
-        row_ptrs = base + rows.to(gl.int64)[:, None] * row_stride
-        row_ok = rows[:, None] < Co
         acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
         mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
-        acc = acc_tmem.index(acc_slot)
-        for j in gl.static_range(SLICES):
-            part = acc.slice(j * EPI_N, EPI_N).load(slice_layout).to(out_ptr.dtype.element_ty)
-            if j == SLICES - 1:
-                # the whole accumulator is in registers: the MMA warp may reuse it
-                mbarrier.arrive(acc_empty.index(acc_slot))
-            chans = cb * BLOCK_N + j * EPI_N + gl.arange(0, EPI_N, col_layout)
-            gl.store(row_ptrs + chans[None, :], part, mask=row_ok & (chans[None, :] < Ci))
+        # only the tap's real channels: a channel block that overhangs Ci must not write into
+        # the next tap's columns
+        store_acc_masked(
+            acc_tmem.index(acc_slot),
+            acc_empty.index(acc_slot),
+            base,
+            pid_co * BLOCK_M,
+            Co,
+            row_stride,
+            cb * BLOCK_N,
+            Ci,
+        )
         acc_use += 1
 
 
@@ -303,10 +299,13 @@ def supports(p: dict, device) -> bool:
     return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
 
 
-def splits_of(p: dict, c: dict) -> tuple[int, int]:
-    """(active splits, K iterations per split) of config c on problem p."""
-    npq = p["N"] * p["P"] * p["Q"]
-    return gh.split_k_plan(triton.cdiv(npq, c["BLOCK_K"]), c["SPLIT_K"])
+def splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    """(active splits, K iterations per split) of config c on problem p on `sms` SMs: SPLIT_K,
+    or for 0 the count gluon_host's work model finds fastest (the Hopper wgrad's model)."""
+    k_steps = triton.cdiv(p["N"] * p["P"] * p["Q"], c["BLOCK_K"])
+    out_elems = p["Co"] * p["R"] * p["S"] * gh.padded_channels(p["Ci"], p["dtype"])
+    want = c["SPLIT_K"] or gh.auto_splits(output_tiles(p, c), k_steps, sms, out_elems, c)
+    return gh.split_k_plan(k_steps, want)
 
 
 def output_tiles(p: dict, c: dict) -> int:
@@ -323,16 +322,23 @@ def config_space(p: dict, device) -> list[dict]:
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): no channel block wider than the tap's
-    channels, no Co block beyond Co, no more splits than the reduction has iterations (the same
-    launch as fewer), and no splitting further once the output tiles alone fill every SM twice
-    (only adds reduction traffic). Whether it fits the device is resources_ok()'s question."""
+    channels, no Co block beyond Co; SPLIT_K=0 only where the work model splits (else the same
+    launch as 1); no explicit count that launches as fewer splits (more splits than the
+    reduction has iterations) or as the model's own; and no splitting further once the output
+    tiles alone fill every SM twice (only adds reduction traffic). Whether it fits the device
+    is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
-    active, _ = splits_of(p, c)
-    if active < c["SPLIT_K"]:
+    if c["SPLIT_K"] == 1:
+        return True
+    model, _ = splits_of(p, dict(c, SPLIT_K=0), sms)
+    if c["SPLIT_K"] == 0:
+        return model > 1
+    active, _ = splits_of(p, c, sms)
+    if active < c["SPLIT_K"] or active == model:
         return False
-    return not (c["SPLIT_K"] > 1 and output_tiles(p, c) * c["SPLIT_K"] // 2 >= 2 * sms)
+    return output_tiles(p, c) * c["SPLIT_K"] // 2 < 2 * sms
 
 
 # bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
@@ -362,19 +368,15 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 
 def default_config(p: dict, device) -> dict:
-    """128 x 128 tiles, 4 stages, and enough splits to give every SM about two work items."""
+    """128 x 128 tiles, 4 stages, and the work model's split count (SPLIT_K=0) where it splits."""
     sms = gh.sm_count_of(device)
-    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 1, "num_warps": 4}
+    c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 0, "num_warps": 4}
+    if not worth_trying(c, p, sms):
+        c["SPLIT_K"] = 1
     space = config_space(p, device)
-    for split in SPACES[OP].params["SPLIT_K"]:
-        candidate = dict(c, SPLIT_K=split)
-        if candidate in space:
-            c = candidate
-            if output_tiles(p, c) * split >= 2 * sms:
-                break
     if c not in space or not resources_ok(c, p):
         fitting = prune(space, p, device)
-        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["NUM_BUFFERS"], -x["SPLIT_K"]))
+        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["NUM_BUFFERS"], x["SPLIT_K"] in (0, 1)))
     return c
 
 
@@ -395,7 +397,9 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     total_k = triton.cdiv(npq, bk)
-    active, per = gh.split_k_plan(total_k, config["SPLIT_K"])
+    sms = gh.num_sms(x.device)
+    shape = {"N": N, "P": P, "Q": Q, "Co": Co, "R": R, "S": S, "Ci": Ci, "dtype": problems.dtype_name(x.dtype)}
+    active, per = splits_of(shape, config, sms)
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     target = out if active == 1 else gh.split_k_workspace(active, Co, R * S * Ci, x.device)
     g_desc = gh.tiled_desc(gp.view(npq, gp.shape[-1]), [bk, bm])
@@ -405,7 +409,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     else:
         x_desc = gh.tiled_desc(xp.view(npq, Ci), [bk, bn])
     tiles = triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn)
-    grid = gh.persistent_grid(tiles * active, gh.num_sms(x.device))
+    grid = gh.persistent_grid(tiles * active, sms)
     conv2d_wgrad_kernel[grid](
         g_desc,
         x_desc,
@@ -434,7 +438,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    active, _ = splits_of(p, config)
+    active, _ = splits_of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {

@@ -432,7 +432,7 @@ class Work:
             self.splits, self.per = 1, triton.cdiv(total, sms)
             self.ctas = triton.cdiv(total, self.per)
         else:
-            want = c["SPLIT_K"] or ghop.auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
+            want = c["SPLIT_K"] or gh.auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
             self.splits, self.per = gh.split_k_plan(self.k_steps, want)
             self.ctas = gh.persistent_grid(self.tiles * self.splits, sms)[0]
 

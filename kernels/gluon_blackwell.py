@@ -157,6 +157,29 @@ def tma_store_epilogue(c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m
     tma.store_wait(0)
 
 
+@gluon.jit
+def store_acc_masked(acc, acc_free, base, row0, n_rows, row_stride, col0, n_cols):
+    """An accumulator's rows row0.. and columns col0.. stored from registers, one epilogue
+    slice at a time, to base[row * row_stride + col] (cast to base's element type) where row <
+    n_rows and col < n_cols: an epilogue whose output TMA cannot store (fp32 split partials, a
+    tile that overhangs into a neighbour's columns). `acc_free` is arrived on once the last
+    slice is in registers, handing the accumulator back to the MMA warp."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
+    SLICES: gl.constexpr = BLOCK_N // EPI_N
+    slice_layout: gl.constexpr = acc.slice(0, EPI_N).get_reg_layout()
+    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, slice_layout))
+    row_ptrs = base + rows.to(gl.int64)[:, None] * row_stride
+    row_ok = rows[:, None] < n_rows
+    for j in gl.static_range(SLICES):
+        part = acc.slice(j * EPI_N, EPI_N).load(slice_layout).to(base.dtype.element_ty)
+        if j == SLICES - 1:
+            mbarrier.arrive(acc_free)
+        cols = col0 + j * EPI_N + gl.arange(0, EPI_N, gl.SliceLayout(0, slice_layout))
+        gl.store(row_ptrs + cols[None, :], part, mask=row_ok & (cols[None, :] < n_cols))
+
+
 @gluon.constexpr_function
 def epilogue_width(block_n):
     """Columns per epilogue slice: 64 fp32 registers per thread at 4 warps and BLOCK_M=128."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_host import SMEM_LIMIT_BYTES, cdiv, pow2_at_least, split_k_plan
+from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least
 
 # ---- device code -------------------------------------------------------------------------------
 
@@ -41,31 +41,6 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
     rows = gl.minimum(num_pid_m - first_m, GROUP_M)
     in_group = tile_id % per_group
     return first_m + in_group % rows, in_group // rows
-
-
-# ---- split-K --------------------------------------------------------------------------------
-
-# the work model that picks SPLIT_K=0's split count: an SM's sustained WGMMA rate, the
-# memory bandwidth the fp32 partials make a round trip through, the reduction launch
-_SM_FLOP_PER_US = 5.0e6
-_BYTES_PER_US = 2.5e6
-_REDUCE_LAUNCH_US = 4.0
-
-
-def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> int:
-    """SPLIT_K=0: the split count with the shortest modeled time, the slowest CTA's k-steps
-    (whole waves of units over the SMs) plus the fp32 partials' round trip; the fewest splits
-    within 2% of the best. A power of two is often a poor choice: 81 tiles x 2 splits = 162
-    units is 1.2 waves on 132 SMs, x 8 = 648 units is 4.9."""
-    step_us = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] / _SM_FLOP_PER_US
-    costs = {}
-    for s in range(1, min(k_steps, 64) + 1):
-        active, per = split_k_plan(k_steps, s)
-        if active == s:
-            t = cdiv(tiles * s, sms) * per * step_us
-            costs[s] = t + (s > 1) * (s * out_elems * 8 / _BYTES_PER_US + _REDUCE_LAUNCH_US)
-    best = min(costs.values())
-    return min(s for s, t in costs.items() if t <= 1.02 * best)
 
 
 # ---- candidates ------------------------------------------------------------------------------

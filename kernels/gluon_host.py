@@ -255,6 +255,78 @@ def split_k_workspace(splits: int, rows: int, cols: int, device) -> torch.Tensor
     return torch.empty((splits, rows, cols), device=device, dtype=torch.float32)
 
 
+# the work model that picks SPLIT_K=0's split count: an SM's sustained MMA rate, the memory
+# bandwidth the fp32 partials make a round trip through, the reduction launch. Measured on an
+# H100; a B200's first two are each about twice as high, which leaves the model's choice nearly
+# where it is (no Blackwell GPU has checked that)
+_SM_FLOP_PER_US = 5.0e6
+_BYTES_PER_US = 2.5e6
+_REDUCE_LAUNCH_US = 4.0
+
+
+def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> int:
+    """SPLIT_K=0: the split count with the shortest modeled time, the slowest CTA's k-steps
+    (whole waves of units over the SMs) plus the fp32 partials' round trip; the fewest splits
+    within 2% of the best. A power of two is often a poor choice: 81 tiles x 2 splits = 162
+    units is 1.2 waves on 132 SMs, x 8 = 648 units is 4.9."""
+    step_us = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] / _SM_FLOP_PER_US
+    costs = {}
+    for s in range(1, min(k_steps, 64) + 1):
+        active, per = split_k_plan(k_steps, s)
+        if active == s:
+            t = cdiv(tiles * s, sms) * per * step_us
+            costs[s] = t + (s > 1) * (s * out_elems * 8 / _BYTES_PER_US + _REDUCE_LAUNCH_US)
+    best = min(costs.values())
+    return min(s for s, t in costs.items() if t <= 1.02 * best)
+
+
+# ---- split-K of a matmul: the rules both Gluon matmuls follow ---------------------------------
+
+
+def matmul_tiles(p: dict, c: dict) -> int:
+    return cdiv(p["M"], c["BLOCK_M"]) * cdiv(p["N"], c["BLOCK_N"])
+
+
+def matmul_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of config c's launch on matmul p: SPLIT_K, or for 0 the work
+    model's count (auto_splits), as split_k_plan runs it."""
+    k_steps = cdiv(p["K"], c["BLOCK_K"])
+    want = c["SPLIT_K"] or auto_splits(matmul_tiles(p, c), k_steps, sms, p["M"] * p["N"], c)
+    return split_k_plan(k_steps, want)
+
+
+def matmul_split_worth_trying(c: dict, p: dict, sms: int) -> bool:
+    """The split-K half of a matmul's worth_trying: no split of a GEMM whose tiles fill the GPU,
+    no SPLIT_K=0 where the model does not split (the same launch as 1), no explicit count that
+    launches as a smaller one (fewer k-steps than splits) or as the model's own."""
+    if c["SPLIT_K"] == 1:
+        return True
+    if matmul_tiles(p, c) >= sms:
+        return False  # the tiles fill the GPU: splitting only adds the partials' round trip
+    model = matmul_splits(p, dict(c, SPLIT_K=0), sms)[0]
+    if c["SPLIT_K"] == 0:
+        return model > 1
+    return matmul_splits(p, c, sms)[0] == c["SPLIT_K"] != model
+
+
+def split_binary(c: dict, splits: int) -> bool:
+    """Whether a matmul launch runs its split binary: always for SPLIT_K >= 2 (so the config
+    alone decides its binary and its shared memory), for 0 where the model splits."""
+    return c["SPLIT_K"] >= 2 or splits > 1
+
+
+_NO_SPLIT_WS: dict = {}
+
+
+def no_split_workspace(device) -> torch.Tensor:
+    """The workspace argument of an unsplit launch (never read or written): one fp32 tensor per
+    device, so the unsplit binary's signature is the split one's."""
+    ws = _NO_SPLIT_WS.get(device)
+    if ws is None:
+        ws = _NO_SPLIT_WS[device] = torch.empty(4, device=device, dtype=torch.float32)
+    return ws
+
+
 @gluon.jit(do_not_specialize=["numel", "splits"])  # one binary for every split count and size
 def split_k_reduce_kernel(ws_ptr, out_ptr, numel, splits, BLOCK: gl.constexpr, num_warps: gl.constexpr):
     """out[i] = sum_s ws[s, i] in split order (deterministic), cast to out's dtype."""

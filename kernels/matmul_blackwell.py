@@ -13,6 +13,13 @@ through a permuted shared-memory view).
 
 GROUP_M is a runtime argument: it changes the tile order, not the code, so configs that
 differ only in it share one compiled kernel.
+
+Split-K (SPLIT_K in the space, the rules the Hopper matmul follows, gluon_host.matmul_splits):
+when the output tiles cannot fill the SMs (decode GEMMs), each tile's K is cut into `splits`
+runs; work items are (split, tile) pairs numbered split-major, as in the wgrad kernel; the
+epilogue writes each item's fp32 partial from registers and gluon_host.split_k_reduce sums
+them in split order (deterministic). A split launch runs its own binary (SPLIT): the unsplit
+one keeps the TMA-store epilogue and no workspace traffic.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from .gluon_blackwell import (
     invalidate_ring,
     mma_partition,
     ring_slot,
+    split_k_range,
+    store_acc_masked,
     tma_store_epilogue,
 )
 from .spaces.blackwell import SPACES
@@ -64,29 +73,34 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    num_pid_m,
+    num_work,
+    tiles,
     num_pid_n,
-    k_iters,
+    total_k,
+    k_per_split,
     group_m,
     A_TRANS: gl.constexpr,
     B_TRANS: gl.constexpr,
 ):
+    """TMA tiles of each work item's K range (the whole of K without split-K)."""
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if A_TRANS else a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if A_TRANS else a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANS else b_desc.block_type.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_pid_m = tiles // num_pid_n
     use = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, group_m)
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        _, k_start, k_count = split_k_range(work_id, tiles, total_k, k_per_split)
+        pid_m, pid_n = grouped_tile(work_id % tiles, num_pid_m, num_pid_n, group_m)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        for ki in range(k_iters):
+        for ki in range(k_count):
             slot, phase = ring_slot(use, NUM_BUFFERS)
             mbarrier.wait(empty.index(slot), phase ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)
-            off_k = ki * BLOCK_K
+            off_k = (k_start + ki) * BLOCK_K
             if A_TRANS:
                 tma.async_load(a_desc, [off_k, off_m], bar, a_bufs.index(slot))
             else:
@@ -98,15 +112,38 @@ def _load_partition(
             use += 1
 
 
-@gluon.jit(do_not_specialize=["M", "N", "K", "group_m"])
+@gluon.jit
+def _partials_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW):
+    """The split binary's epilogue: each work item's fp32 partial into ws[split, M, LDW]."""
+    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
+    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    num_pid_m = tiles // num_pid_n
+    acc_use = 0
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(work_id % tiles, num_pid_m, num_pid_n, group_m)
+        base = ws_ptr + (work_id // tiles).to(gl.int64) * M * LDW
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        store_acc_masked(
+            acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, pid_m * BLOCK_M, M, LDW, pid_n * BLOCK_N, N
+        )
+        acc_use += 1
+
+
+@gluon.jit(do_not_specialize=["M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW"])
 def matmul_kernel(
     a_desc,
     b_desc,
     c_desc,
+    ws_ptr,
     M,
     N,
     K,
     group_m,
+    SPLITS,
+    K_PER,
+    LDW,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -114,13 +151,15 @@ def matmul_kernel(
     NUM_ACC: gl.constexpr,
     A_TRANS: gl.constexpr,
     B_TRANS: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     """a_desc tiles a [M, K] ([K, M] storage when A_TRANS), b_desc b [K, N] ([N, K] when
-    B_TRANS), c_desc c [M, N] in [BLOCK_M, epilogue slice] blocks."""
+    B_TRANS). SPLIT False: c_desc receives c [M, N] in [BLOCK_M, epilogue slice] blocks
+    (SPLITS, K_PER, LDW and ws_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW] fp32 receives
+    the partials, K_PER k-steps per split."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
@@ -134,49 +173,110 @@ def matmul_kernel(
 
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_iters = gl.cdiv(K, BLOCK_K)
-    gl.warp_specialize(
-        [
-            (tma_store_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-            (
-                mma_partition,
+    tiles = num_pid_m * num_pid_n
+    total_k = gl.cdiv(K, BLOCK_K)
+    if SPLIT:
+        num_work = tiles * SPLITS
+        k_per_split = K_PER
+    else:
+        num_work = tiles
+        k_per_split = total_k
+    # the partitions' argument lists are written out in each branch: a tuple held in a variable
+    # would carry A_TRANS and B_TRANS as values, not constexprs
+    if SPLIT:
+        gl.warp_specialize(
+            [
                 (
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    acc_tmem,
-                    acc_ready,
-                    acc_empty,
-                    num_pid_m * num_pid_n,
-                    num_pid_m * num_pid_n,
-                    k_iters,
-                    k_iters,
-                    A_TRANS,
-                    B_TRANS,
+                    _partials_epilogue,
+                    (ws_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW),
                 ),
-            ),
-            (
-                _load_partition,
                 (
-                    a_desc,
-                    b_desc,
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    num_pid_m,
-                    num_pid_n,
-                    k_iters,
-                    group_m,
-                    A_TRANS,
-                    B_TRANS,
+                    mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        acc_tmem,
+                        acc_ready,
+                        acc_empty,
+                        num_work,
+                        tiles,
+                        total_k,
+                        k_per_split,
+                        A_TRANS,
+                        B_TRANS,
+                    ),
                 ),
-            ),
-        ],
-        [1, 1],
-        [WORKER_REGS, WORKER_REGS],
-    )
+                (
+                    _load_partition,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        num_work,
+                        tiles,
+                        num_pid_n,
+                        total_k,
+                        k_per_split,
+                        group_m,
+                        A_TRANS,
+                        B_TRANS,
+                    ),
+                ),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
+    else:
+        c_smem = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        gl.warp_specialize(
+            [
+                (tma_store_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+                (
+                    mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        acc_tmem,
+                        acc_ready,
+                        acc_empty,
+                        num_work,
+                        tiles,
+                        total_k,
+                        k_per_split,
+                        A_TRANS,
+                        B_TRANS,
+                    ),
+                ),
+                (
+                    _load_partition,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        num_work,
+                        tiles,
+                        num_pid_n,
+                        total_k,
+                        k_per_split,
+                        group_m,
+                        A_TRANS,
+                        B_TRANS,
+                    ),
+                ),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
 
     invalidate_ring(ready)
     invalidate_ring(empty)
@@ -184,7 +284,7 @@ def matmul_kernel(
     invalidate_ring(acc_empty)
 
 
-JIT_FUNCTIONS = (matmul_kernel,)
+JIT_FUNCTIONS = (matmul_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -198,16 +298,19 @@ def supports(p: dict, device) -> bool:
 def config_space(p: dict, device) -> list[dict]:
     """The space less configs that cannot help on this problem (worth_trying). Resource limits
     are left to prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if worth_trying(c, p)]
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
 
 
-def worth_trying(c: dict, p: dict) -> bool:
+def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): no tile far larger than the matrix
-    (it would compute mostly padding). Whether it fits the device is resources_ok()'s question."""
+    (it would compute mostly padding), and the split counts of gluon_host's matmul rule. Whether
+    it fits the device is resources_ok()'s question."""
     return (
         c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"]))
         and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
         and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"]))
+        and gh.matmul_split_worth_trying(c, p, sms)
     )
 
 
@@ -216,11 +319,12 @@ def epilogue_n(c: dict) -> int:
 
 
 def smem_bytes(c: dict, p: dict) -> int:
-    """Shared memory the kernel allocates: the operand ring, two epilogue staging slices and
-    the barriers (what the compiler reports, to within its few bytes of bookkeeping)."""
+    """Shared memory the kernel allocates: the operand ring, two epilogue staging slices (not
+    in a split binary: its partials go out from registers) and the barriers (what the compiler
+    reports, to within its few bytes of bookkeeping)."""
     item = gh.ITEMSIZE[p["dtype"]]
     ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item
+    staging = 0 if c["SPLIT_K"] >= 2 else 2 * c["BLOCK_M"] * epilogue_n(c) * item
     return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
 
 
@@ -240,7 +344,10 @@ def resources_ok(c: dict, p: dict) -> bool:
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if resources_ok(c, p)]
+    """Configs that fit the device; explicit split counts after the unsplit and modeled ones,
+    so that a capped tune (TUNECACHE_MAX_CANDIDATES) cuts split counts before tiles."""
+    kept = [c for c in configs if resources_ok(c, p)]
+    return sorted(kept, key=lambda c: c["SPLIT_K"] not in (0, 1))
 
 
 def default_config(p: dict, device) -> dict:
@@ -251,9 +358,14 @@ def default_config(p: dict, device) -> dict:
         c.update(BLOCK_N=128, NUM_BUFFERS=5)
         if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 128) < sms // 2:
             c.update(BLOCK_M=64, NUM_BUFFERS=6)
-    if c not in config_space(p, device):
-        fitting = prune(config_space(p, device), p, device)
-        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"], x["NUM_ACC"]))
+    c["SPLIT_K"] = 0  # the work model's split count where the tiles leave SMs idle
+    if not worth_trying(c, p, sms):
+        c["SPLIT_K"] = 1
+    space = config_space(p, device)
+    c = {k: c[k] for k in SPACES[OP].params}  # the space's order
+    if c not in space or not resources_ok(c, p):
+        fitting = prune(space, p, device)
+        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"], -x["SPLIT_K"]))
     return c
 
 
@@ -265,7 +377,7 @@ def _block_shapes(c: dict, trans_a: bool, trans_b: bool):
     return ([bk, bm] if trans_a else [bm, bk]), ([bn, bk] if trans_b else [bk, bn]), [bm, epilogue_n(c)]
 
 
-def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
+def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
     return {
         "BLOCK_M": c["BLOCK_M"],
         "BLOCK_N": c["BLOCK_N"],
@@ -274,6 +386,7 @@ def _constexprs(c: dict, trans_a: bool, trans_b: bool) -> dict:
         "NUM_ACC": c["NUM_ACC"],
         "A_TRANS": trans_a,
         "B_TRANS": trans_b,
+        "SPLIT": split,
     }
 
 
@@ -292,19 +405,29 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
     c_desc = gh.tiled_desc(c, c_blk)
-    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    grid = gh.persistent_grid(tiles, gh.num_sms(a.device))
+    p = {"M": M, "N": N, "K": K}
+    sms = gh.num_sms(a.device)
+    splits, per = gh.matmul_splits(p, config, sms)
+    split = gh.split_binary(config, splits)
+    ws = gh.split_k_workspace(splits, M, n_pad, a.device) if split else gh.no_split_workspace(a.device)
+    grid = gh.persistent_grid(gh.matmul_tiles(p, config) * splits, sms)
     matmul_kernel[grid](
         a_desc,
         b_desc,
         c_desc,
+        ws,
         M,
         N,
         K,
         config["GROUP_M"],
+        splits,
+        per,
+        n_pad,
         num_warps=config["num_warps"],
-        **_constexprs(config, trans_a, trans_b),
+        **_constexprs(config, trans_a, trans_b, split),
     )
+    if split:
+        gh.split_k_reduce(ws, c)
     return c if n_pad == N else c[:, :N].contiguous()
 
 
@@ -312,18 +435,17 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
     a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
-    ce = _constexprs(config, trans_a, trans_b)
+    split = gh.split_binary(config, gh.matmul_splits(p, config, gh.sm_count_of(device))[0])
+    ce = _constexprs(config, trans_a, trans_b, split)
     sig = {
         "a_desc": gh.desc_sig(dt, a_blk),
         "b_desc": gh.desc_sig(dt, b_blk),
         "c_desc": gh.desc_sig(dt, c_blk),
-        "M": "i32",
-        "N": "i32",
-        "K": "i32",
-        "group_m": "i32",
+        "ws_ptr": "*fp32",
+        **{k: "i32" for k in ("M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW")},
     }
     sig.update({k: "constexpr" for k in ce})
-    return [
+    specs = [
         KernelSpec(
             fn=matmul_kernel,
             signature=sig,
@@ -332,3 +454,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             name="matmul_kernel",
         )
     ]
+    if split:
+        specs.append(gh.split_k_reduce_spec(dt))
+    return specs

@@ -258,12 +258,6 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
     return ring + c_tile + 8 * c["num_stages"] + 1024
 
 
-def split_binary(c: dict, splits: int) -> bool:
-    """Whether a launch runs the split binary: always for SPLIT_K >= 2 (so the config alone
-    decides its binary and smem_bytes), for 0 where the model splits."""
-    return c["SPLIT_K"] >= 2 or splits > 1
-
-
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): could this config win on this problem
     on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
@@ -275,27 +269,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
         return False
     if c["BLOCK_K"] > max(32, gh.pow2_at_least(p["K"])):
         return False
-    if c["SPLIT_K"] == 1:
-        return True
-    if _tiles(p, c) >= sms:
-        return False  # the tiles fill the GPU: splitting only adds the partials' round trip
-    model = splits_of(p, dict(c, SPLIT_K=0), sms)[0]
-    if c["SPLIT_K"] == 0:
-        return model > 1  # else the same launch as SPLIT_K=1
-    # the same launch as a smaller SPLIT_K (fewer k-steps than splits), or as the model's own
-    return splits_of(p, c, sms)[0] == c["SPLIT_K"] != model
-
-
-def _tiles(p: dict, c: dict) -> int:
-    return triton.cdiv(p["M"], c["BLOCK_M"]) * triton.cdiv(p["N"], c["BLOCK_N"])
-
-
-def splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
-    """(splits, k-steps per split) of config c's launch on problem p: SPLIT_K, or for 0 the work
-    model's count (gluon_hopper.auto_splits), as split_k_plan runs it."""
-    k_steps = triton.cdiv(p["K"], c["BLOCK_K"])
-    want = c["SPLIT_K"] or ghop.auto_splits(_tiles(p, c), k_steps, sms, p["M"] * p["N"], c)
-    return gh.split_k_plan(k_steps, want)
+    return gh.matmul_split_worth_trying(c, p, sms)
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -380,7 +354,7 @@ class _Plan:
         c = torch.empty(self.c_shape, device=a.device, dtype=a.dtype)
         pc = c.data_ptr()
         ws = (
-            _no_split_ws(a.device)
+            gh.no_split_workspace(a.device)
             if self.reduce is None
             else torch.empty(self.ws_shape, device=a.device, dtype=torch.float32)
         )
@@ -412,17 +386,6 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _launch_jit(config, a, b, key)
 
 
-_NO_SPLIT_WS: dict = {}
-
-
-def _no_split_ws(device) -> torch.Tensor:
-    """ws_ptr of an unsplit launch (never read or written): one fp32 tensor per device."""
-    ws = _NO_SPLIT_WS.get(device)
-    if ws is None:
-        ws = _NO_SPLIT_WS[device] = torch.empty(4, device=device, dtype=torch.float32)
-    return ws
-
-
 def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[1]
@@ -442,12 +405,12 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     c_desc = gh.tiled_desc(c, c_blk)
     p = {"M": M, "N": N, "K": K}
     sms = gh.num_sms(a.device)
-    splits, per = splits_of(p, config, sms)
-    grid = gh.persistent_grid(_tiles(p, config) * splits, sms)
-    split = split_binary(config, splits)
+    splits, per = gh.matmul_splits(p, config, sms)
+    grid = gh.persistent_grid(gh.matmul_tiles(p, config) * splits, sms)
+    split = gh.split_binary(config, splits)
     ce = _constexprs(config, trans_a, trans_b, split)
     ws_shape = (splits, M, n_pad)
-    ws = torch.empty(ws_shape, device=a.device, dtype=torch.float32) if split else _no_split_ws(a.device)
+    ws = torch.empty(ws_shape, device=a.device, dtype=torch.float32) if split else gh.no_split_workspace(a.device)
     scalars = (M, N, K, config["GROUP_M"], splits, per, n_pad)
     compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, *scalars, **ce)
     reduce = gh.split_k_reduce_jit(ws, c) if split else None
@@ -474,7 +437,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
     a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
-    split = split_binary(config, splits_of(p, config, gh.sm_count_of(device))[0])
+    split = gh.split_binary(config, gh.matmul_splits(p, config, gh.sm_count_of(device))[0])
     ce = _constexprs(config, trans_a, trans_b, split)
     sig = {
         "a_desc": gh.desc_sig(dt, a_blk),

@@ -11,7 +11,8 @@ persistent matmul 001), widened where the hardware allows:
   and small tiles leave room for more in the 227 KiB of shared memory;
 - GROUP_M (grouped tile order for L2 reuse) and SPLIT_K are runtime arguments of the
   kernels: they change the schedule, not the code, so configs that differ only in them
-  share one compiled kernel.
+  share one compiled kernel (the matmul's split launches share one binary of their own, its
+  unsplit launches another).
 `num_warps` is the epilogue partition's warps; the load and MMA partitions have one warp
 each. The seeds run Blackwell at 4 (the persistent-matmul figures show 8 slower there).
 
@@ -25,7 +26,9 @@ from . import ConfigSpace
 _STAGES = (2, 3, 4, 5, 6)
 
 SPACES = {
-    # c[M, N] = a[M, K] @ b[K, N]
+    # c[M, N] = a[M, K] @ b[K, N]; SPLIT_K as the Hopper matmul's: > 1 cuts each tile's K that
+    # many ways into fp32 partials summed by a deterministic second pass, 0 takes the split
+    # count gluon_host's work model finds fastest, 1 never splits
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
@@ -34,6 +37,7 @@ SPACES = {
             "NUM_BUFFERS": _STAGES,
             "NUM_ACC": (2,),
             "GROUP_M": (1, 8),
+            "SPLIT_K": (0, 1, 2, 4, 8),
             "num_warps": (4,),
         }
     ),
@@ -51,7 +55,8 @@ SPACES = {
     ),
     # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]:
     # M = Co, N = Ci at one filter tap (r, s), K = N*P*Q split SPLIT_K ways and reduced
-    # deterministically by a second kernel.
+    # deterministically by a second kernel; 0 takes the split count gluon_host's work model
+    # finds fastest (the Hopper wgrad's SPLIT_K=0).
     "conv2d_wgrad": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
@@ -59,7 +64,7 @@ SPACES = {
             "BLOCK_K": (64, 128),
             "NUM_BUFFERS": _STAGES,
             "NUM_ACC": (2,),
-            "SPLIT_K": (1, 2, 4, 8, 16, 32),
+            "SPLIT_K": (0, 1, 2, 4, 8, 16, 32),
             "num_warps": (4,),
         }
     ),

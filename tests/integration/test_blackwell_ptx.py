@@ -21,18 +21,27 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import canonical_problem, compile_in_fresh_processes, device_for
+from tunecache.compile import REPRESENTATIVE, canonical_problem, compile_in_fresh_processes, device_for
 from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell, matmul_blackwell
+from tunecache_kernels import gluon_host as gh
 
 ARCH = "sm_100a"
-MODULES = {
-    "matmul": matmul_blackwell,
-    "conv2d_fprop": conv2d_fprop_blackwell,
-    "conv2d_wgrad": conv2d_wgrad_blackwell,
+# each kernel on a problem that takes the path named (op, problem overrides, module)
+KERNELS = {
+    "matmul": ("matmul", {}, matmul_blackwell),
+    # a decode GEMM: 32 tiles on 148 SMs, so the default config splits K (the split binary)
+    "matmul-split": ("matmul", {"M": 16, "N": 4096, "K": 4096}, matmul_blackwell),
+    "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell),
+    "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell),
 }
 # the partitions each kernel's warp_specialize runs: (default/epilogue, MMA, load)
 PARTITIONS = {
     "matmul": (gluon_blackwell.tma_store_epilogue, gluon_blackwell.mma_partition, matmul_blackwell._load_partition),
+    "matmul-split": (
+        matmul_blackwell._partials_epilogue,
+        gluon_blackwell.mma_partition,
+        matmul_blackwell._load_partition,
+    ),
     "conv2d_fprop": (
         gluon_blackwell.tma_store_epilogue,
         gluon_blackwell.mma_partition,
@@ -44,8 +53,14 @@ PARTITIONS = {
         conv2d_wgrad_blackwell._load_partition,
     ),
 }
-TMA_STORE = {"matmul": True, "conv2d_fprop": True, "conv2d_wgrad": False}
-IM2COL = {"matmul": False, "conv2d_fprop": True, "conv2d_wgrad": True}
+# the split binary's partials and wgrad's tiles leave from registers (masked global stores)
+TMA_STORE = {"matmul": True, "matmul-split": False, "conv2d_fprop": True, "conv2d_wgrad": False}
+IM2COL = {"matmul": False, "matmul-split": False, "conv2d_fprop": True, "conv2d_wgrad": True}
+
+
+def _problem(kernel: str) -> dict:
+    op, overrides, _ = KERNELS[kernel]
+    return canonical_problem(op, {**REPRESENTATIVE[op], **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +68,23 @@ def ptx_of():
     # one batch of compiles in fresh processes: earlier tests ran the CPU interpreter in this one
     device = device_for(ARCH)
     jobs = []
-    for op, mod in MODULES.items():
-        p = canonical_problem(op)
+    for kernel, (_, _, mod) in KERNELS.items():
+        p = _problem(kernel)
         jobs.append((mod, p, mod.default_config(p, device), 0))
-    ptx = {op: out["asm"]["ptx"] for op, out in zip(MODULES, compile_in_fresh_processes(jobs, device, ARCH))}
+    ptx = {k: out["asm"]["ptx"] for k, out in zip(KERNELS, compile_in_fresh_processes(jobs, device, ARCH))}
     return ptx.__getitem__
+
+
+def test_the_decode_problem_takes_the_split_binary():
+    device = device_for(ARCH)
+    p = _problem("matmul-split")
+    config = matmul_blackwell.default_config(p, device)
+    splits, _ = gh.matmul_splits(p, config, gh.sm_count_of(device))
+    assert splits > 1 and gh.split_binary(config, splits)
+    names = [spec.name for spec in matmul_blackwell.compile_specs(p, config, device)]
+    assert names == ["matmul_kernel", "split_k_reduce"]
+    big = _problem("matmul")
+    assert not gh.split_binary(matmul_blackwell.default_config(big, device), 1)
 
 
 def _lines_in_ptx(ptx: str) -> set[tuple[str, int]]:
@@ -72,7 +99,7 @@ def _body_lines(jit_fn) -> tuple[str, range]:
     return os.path.basename(inspect.getsourcefile(fn)), range(first + 1, first + len(src))
 
 
-@pytest.mark.parametrize("op", sorted(MODULES))
+@pytest.mark.parametrize("op", sorted(KERNELS))
 def test_tcgen05_mma_into_tensor_memory(op, ptx_of):
     ptx = ptx_of(op)
     assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx), "no tcgen05 MMA in the PTX"
@@ -81,7 +108,7 @@ def test_tcgen05_mma_into_tensor_memory(op, ptx_of):
     assert "wgmma" not in ptx and "mma.sync" not in ptx
 
 
-@pytest.mark.parametrize("op", sorted(MODULES))
+@pytest.mark.parametrize("op", sorted(KERNELS))
 def test_warp_specialized_partitions(op, ptx_of):
     ptx = ptx_of(op)
     # the partitions are dispatched on the warp index through a jump table
@@ -97,7 +124,7 @@ def test_warp_specialized_partitions(op, ptx_of):
         assert any((fname, n) in lines for n in body), f"{part.__name__} ({fname}) has no code in the PTX"
 
 
-@pytest.mark.parametrize("op", sorted(MODULES))
+@pytest.mark.parametrize("op", sorted(KERNELS))
 def test_tma_loads_and_stores(op, ptx_of):
     ptx = ptx_of(op)
     loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.(im2col\.)?mbarrier", ptx)

@@ -162,7 +162,7 @@ def test_a_decode_gemm_splits_k_by_default_and_a_prefill_gemm_does_not(M, N, K, 
     its candidates splits."""
     p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"}
     c = mm.default_config(p, H100)
-    assert (mm.splits_of(p, c, 132)[0] > 1) is splits
+    assert (gh.matmul_splits(p, c, 132)[0] > 1) is splits
     pruned = mm.prune(mm.config_space(p, H100), p, H100)
     assert any(x["SPLIT_K"] != 1 for x in pruned) is splits
     assert all(space_for(mm.KERNEL).contains(x) for x in pruned + [c])
