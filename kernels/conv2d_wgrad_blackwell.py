@@ -21,21 +21,27 @@ Persistent and warp-specialized (building blocks in gluon_blackwell):
 Work items are numbered split-major, so the CTAs running together read the same pixel slab
 of grad_out and x, which stays in L2.
 
+The schedules are the Hopper wgrad's (gluon_host.WgradWork divides the work, wgrad_piece
+walks it on the device): SPLIT_K > 0 splits that many ways, 0 takes the work model's count,
+-1 is stream-K, where every CTA runs an equal share of the (tile, k-step) iterations and the
+tiles CTAs share are summed in the epilogue in CTA order (for too few tiles for whole waves
+and a reduction too short to split).
+
 SPLIT_K is a runtime argument (the launch passes the K-iterations per split): configs that
 differ only in it share one compiled kernel, as long as they agree on whether the kernel
-writes the fp32 workspace (several splits) or grad_w itself (one).
+writes the fp32 workspace (several splits) or grad_w itself (one); stream-K has its own.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout,
     allocate_tensor_memory,
     mbarrier,
+    tcgen05_commit,
     tma,
 )
 
@@ -47,11 +53,11 @@ from .gluon_blackwell import (
     WORKER_REGS,
     init_ring,
     invalidate_ring,
-    mma_partition,
+    mma_chain,
     ring_slot,
-    split_k_range,
     store_acc_masked,
 )
+from .gluon_host import wgrad_num_pieces, wgrad_piece
 from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "blackwell"
@@ -69,15 +75,6 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _tile_coords(tile, co_blocks, ci_blocks):
-    """Output tile -> (Co block, channel block, filter tap); Co blocks vary fastest, so
-    neighbouring CTAs share the same im2col columns."""
-    pid_co = tile % co_blocks
-    rest = tile // co_blocks
-    return pid_co, rest % ci_blocks, rest // ci_blocks
-
-
-@gluon.jit
 def _load_partition(
     g_desc,
     x_desc,
@@ -85,12 +82,12 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    num_work,
-    tiles_per_split,
-    total_k,
-    k_per_split,
     co_blocks,
     ci_blocks,
+    tiles,
+    k_steps,
+    per,
+    num_splits,
     S,
     PQ,
     Q,
@@ -98,6 +95,7 @@ def _load_partition(
     stride_w,
     pad_h,
     pad_w,
+    STREAM: gl.constexpr,
     IM2COL: gl.constexpr,
 ):
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
@@ -106,16 +104,15 @@ def _load_partition(
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
     nbytes: gl.constexpr = g_desc.block_type.nbytes + x_desc.block_type.nbytes
     use = 0
-    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        _, k_start, k_count = split_k_range(work_id, tiles_per_split, total_k, k_per_split)
-        pid_co, cb, rs = _tile_coords(work_id % tiles_per_split, co_blocks, ci_blocks)
+    for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        _, _, co_blk, ci_blk, rs, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
         r = (rs // S).to(gl.int16)
         s = (rs % S).to(gl.int16)
-        off_co = pid_co * BLOCK_M
-        c0 = cb * BLOCK_N
-        for ki in range(k_count):
+        off_co = co_blk * BLOCK_M
+        c0 = ci_blk * BLOCK_N
+        for kk in range(k_from, k_to):
             # BLOCK_K output pixels from pixel m on (TMA wraps rows and images by itself)
-            m = (k_start + ki) * BLOCK_K
+            m = kk * BLOCK_K
             slot, phase = ring_slot(use, NUM_BUFFERS)
             mbarrier.wait(empty.index(slot), phase ^ 1)
             bar = ready.index(slot)
@@ -133,33 +130,95 @@ def _load_partition(
 
 
 @gluon.jit
-def _epilogue_partition(
-    out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks, ci_blocks, Co, Ci, RS
+def _mma_partition(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    co_blocks,
+    ci_blocks,
+    tiles,
+    k_steps,
+    per,
+    num_splits,
+    STREAM: gl.constexpr,
 ):
-    """Masked stores of each tile into out[split, Co, RS * Ci] (split 0 only: grad_w itself)."""
+    """The MMA warp: each piece's k-steps into the next free accumulator, grad_out's tile fed
+    through a permuted view (M-major A)."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    use = 0
+    acc_use = 0
+    for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        _, _, _, _, _, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
+        use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_to - k_from, use, True, False)
+        tcgen05_commit(acc_ready.index(acc_slot))
+        acc_use += 1
+
+
+@gluon.jit
+def _epilogue_partition(
+    out_ptr,
+    ws_ptr,
+    flags_ptr,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    co_blocks,
+    ci_blocks,
+    tiles,
+    k_steps,
+    per,
+    num_splits,
+    Co,
+    Ci,
+    RS,
+    STREAM: gl.constexpr,
+):
+    """Masked stores of each piece, only of the tap's real channels (a channel block that
+    overhangs Ci must not write into the next tap's columns).
+
+    Split-K: into its split's slab of out[split, Co, RS * Ci] (grad_w itself with one split).
+    Stream-K (the Hopper kernel's protocol): a tile this CTA ran whole goes to grad_w; the head
+    of a tile later CTAs end (this CTA's first piece) goes as an fp32 partial into ws[pid]
+    ([BLOCK_M, BLOCK_N]) and raises flags[pid]; the CTA holding a tile's last k-steps waits for
+    the flags of the CTAs before it on that tile, adds their partials in CTA order
+    (deterministic), lowers the flags and stores the sum. It only waits on lower-numbered
+    CTAs, whose partial is the first thing they store."""
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    pid = gl.program_id(0)
     row_stride = RS * Ci
     acc_use = 0
-    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        split = work_id // tiles_per_split
-        pid_co, cb, rs = _tile_coords(work_id % tiles_per_split, co_blocks, ci_blocks)
-        base = out_ptr + split.to(gl.int64) * Co * row_stride + rs * Ci
+    for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        split, t, co_blk, ci_blk, rs, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
         acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
         mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
-        # only the tap's real channels: a channel block that overhangs Ci must not write into
-        # the next tap's columns
-        store_acc_masked(
-            acc_tmem.index(acc_slot),
-            acc_empty.index(acc_slot),
-            base,
-            pid_co * BLOCK_M,
-            Co,
-            row_stride,
-            cb * BLOCK_N,
-            Ci,
-        )
+        acc = acc_tmem.index(acc_slot)
+        free = acc_empty.index(acc_slot)
+        base = out_ptr + split.to(gl.int64) * Co * row_stride + rs * Ci
+        if STREAM:
+            if k_to < k_steps:
+                slab = ws_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N)
+                store_acc_masked(acc, free, slab, 0, BLOCK_M, BLOCK_N, 0, BLOCK_N)
+                gl.barrier()
+                gl.atomic_store(flags_ptr + pid, 1, sem="release", scope="gpu")
+            else:
+                first = t * k_steps // per  # the first CTA whose run reaches this tile: pid if none before
+                for c in range(first, pid):
+                    gl.atomic_poll(flags_ptr + c, 1, sem="acquire", scope="gpu")
+                store_acc_masked(
+                    acc, free, base, co_blk * BLOCK_M, Co, row_stride, ci_blk * BLOCK_N, Ci, ws_ptr, first, pid
+                )
+                for c in range(first, pid):
+                    gl.atomic_store(flags_ptr + c, 0, sem="relaxed", scope="gpu")
+        else:
+            store_acc_masked(acc, free, base, co_blk * BLOCK_M, Co, row_stride, ci_blk * BLOCK_N, Ci)
         acc_use += 1
 
 
@@ -175,8 +234,8 @@ _SHAPE_ARGS = (
     "stride_w",
     "pad_h",
     "pad_w",
-    "total_k",
-    "k_per_split",
+    "k_steps",
+    "per",
     "num_splits",
 )
 
@@ -186,6 +245,8 @@ def conv2d_wgrad_kernel(
     g_desc,
     x_desc,
     out_ptr,
+    ws_ptr,
+    flags_ptr,
     Co,
     Ci,
     RS,
@@ -196,17 +257,21 @@ def conv2d_wgrad_kernel(
     stride_w,
     pad_h,
     pad_w,
-    total_k,
-    k_per_split,
+    k_steps,
+    per,
     num_splits,
     NUM_BUFFERS: gl.constexpr,
     NUM_ACC: gl.constexpr,
     IM2COL: gl.constexpr,
+    STREAM: gl.constexpr,
 ):
     """g_desc: tiles of grad_out as [N*P*Q, Co] ([BLOCK_K, BLOCK_M] blocks); x_desc: im2col over
-    x [N, H, W, Ci] (or tiles of x as [N*H*W, Ci]) in [BLOCK_K, BLOCK_N] blocks; out_ptr: grad_w
-    [Co, R*S*Ci] (one split) or the fp32 workspace [num_splits, Co, R*S*Ci]. The reduction
-    is total_k = cdiv(N*P*Q, BLOCK_K) iterations, k_per_split of them per split."""
+    x [N, H, W, Ci] (or tiles of x as [N*H*W, Ci]) in [BLOCK_K, BLOCK_N] blocks. The reduction
+    is k_steps = cdiv(N*P*Q, BLOCK_K) iterations.
+    Split-K (STREAM False): out_ptr grad_w [Co, R*S*Ci] (one split) or the fp32 workspace
+    [num_splits, Co, R*S*Ci], `per` k-steps per split; ws_ptr and flags_ptr unused.
+    Stream-K: out_ptr grad_w, ws_ptr [CTAs, BLOCK_M, BLOCK_N] fp32, flags_ptr [CTAs] int32 (all
+    zero at launch, left so), `per` (tile, k-step) iterations per CTA."""
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
@@ -226,16 +291,32 @@ def conv2d_wgrad_kernel(
 
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
-    tiles_per_split = co_blocks * ci_blocks * RS
-    num_work = tiles_per_split * num_splits
+    tiles = co_blocks * ci_blocks * RS
     gl.warp_specialize(
         [
             (
                 _epilogue_partition,
-                (out_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles_per_split, co_blocks, ci_blocks, Co, Ci, RS),
+                (
+                    out_ptr,
+                    ws_ptr,
+                    flags_ptr,
+                    acc_tmem,
+                    acc_ready,
+                    acc_empty,
+                    co_blocks,
+                    ci_blocks,
+                    tiles,
+                    k_steps,
+                    per,
+                    num_splits,
+                    Co,
+                    Ci,
+                    RS,
+                    STREAM,
+                ),
             ),
             (
-                mma_partition,
+                _mma_partition,
                 (
                     a_bufs,
                     b_bufs,
@@ -244,12 +325,13 @@ def conv2d_wgrad_kernel(
                     acc_tmem,
                     acc_ready,
                     acc_empty,
-                    num_work,
-                    tiles_per_split,
-                    total_k,
-                    k_per_split,
-                    True,
-                    False,
+                    co_blocks,
+                    ci_blocks,
+                    tiles,
+                    k_steps,
+                    per,
+                    num_splits,
+                    STREAM,
                 ),
             ),
             (
@@ -261,12 +343,12 @@ def conv2d_wgrad_kernel(
                     b_bufs,
                     ready,
                     empty,
-                    num_work,
-                    tiles_per_split,
-                    total_k,
-                    k_per_split,
                     co_blocks,
                     ci_blocks,
+                    tiles,
+                    k_steps,
+                    per,
+                    num_splits,
                     S,
                     PQ,
                     Q,
@@ -274,6 +356,7 @@ def conv2d_wgrad_kernel(
                     stride_w,
                     pad_h,
                     pad_w,
+                    STREAM,
                     IM2COL,
                 ),
             ),
@@ -288,7 +371,7 @@ def conv2d_wgrad_kernel(
     invalidate_ring(acc_empty)
 
 
-JIT_FUNCTIONS = (conv2d_wgrad_kernel,)
+JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -297,20 +380,6 @@ JIT_FUNCTIONS = (conv2d_wgrad_kernel,)
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
     return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
-
-
-def splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
-    """(active splits, K iterations per split) of config c on problem p on `sms` SMs: SPLIT_K,
-    or for 0 the count gluon_host's work model finds fastest (the Hopper wgrad's model)."""
-    k_steps = triton.cdiv(p["N"] * p["P"] * p["Q"], c["BLOCK_K"])
-    out_elems = p["Co"] * p["R"] * p["S"] * gh.padded_channels(p["Ci"], p["dtype"])
-    want = c["SPLIT_K"] or gh.auto_splits(output_tiles(p, c), k_steps, sms, out_elems, c)
-    return gh.split_k_plan(k_steps, want)
-
-
-def output_tiles(p: dict, c: dict) -> int:
-    ci = gh.padded_channels(p["Ci"], p["dtype"])
-    return triton.cdiv(p["Co"], c["BLOCK_M"]) * p["R"] * p["S"] * triton.cdiv(ci, c["BLOCK_N"])
 
 
 def config_space(p: dict, device) -> list[dict]:
@@ -322,23 +391,25 @@ def config_space(p: dict, device) -> list[dict]:
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): no channel block wider than the tap's
-    channels, no Co block beyond Co; SPLIT_K=0 only where the work model splits (else the same
-    launch as 1); no explicit count that launches as fewer splits (more splits than the
-    reduction has iterations) or as the model's own; and no splitting further once the output
-    tiles alone fill every SM twice (only adds reduction traffic). Whether it fits the device
-    is resources_ok()'s question."""
+    channels, no Co block beyond Co; stream-K only with runs that fill the ring; SPLIT_K=0
+    only where the work model splits (else the same launch as 1); no explicit count that
+    launches as fewer splits (more splits than the reduction has iterations) or as the model's
+    own; and no splitting further once the output tiles alone fill every SM twice (only adds
+    reduction traffic). Whether it fits the device is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
+    w = gh.WgradWork.of(p, c, sms)
+    if w.stream:
+        return w.per >= c["NUM_BUFFERS"]
     if c["SPLIT_K"] == 1:
         return True
-    model, _ = splits_of(p, dict(c, SPLIT_K=0), sms)
+    model = gh.WgradWork.of(p, dict(c, SPLIT_K=0), sms).splits
     if c["SPLIT_K"] == 0:
         return model > 1
-    active, _ = splits_of(p, c, sms)
-    if active < c["SPLIT_K"] or active == model:
+    if w.splits < c["SPLIT_K"] or w.splits == model:
         return False
-    return output_tiles(p, c) * c["SPLIT_K"] // 2 < 2 * sms
+    return w.tiles * c["SPLIT_K"] // 2 < 2 * sms
 
 
 # bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
@@ -364,7 +435,10 @@ def resources_ok(c: dict, p: dict) -> bool:
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if resources_ok(c, p)]
+    """Configs that fit the device; the unsplit and modeled schedules before stream-K and the
+    explicit split counts, so that a capped tune (TUNECACHE_MAX_CANDIDATES) cuts those first."""
+    kept = [c for c in configs if resources_ok(c, p)]
+    return sorted(kept, key=lambda c: c["SPLIT_K"] not in (0, 1))
 
 
 def default_config(p: dict, device) -> dict:
@@ -384,7 +458,12 @@ def default_config(p: dict, device) -> dict:
 
 
 def _constexprs(c: dict, im2col: bool) -> dict:
-    return {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col}
+    return {
+        "NUM_BUFFERS": c["NUM_BUFFERS"],
+        "NUM_ACC": c["NUM_ACC"],
+        "IM2COL": im2col,
+        "STREAM": c["SPLIT_K"] == gh.STREAM_K,
+    }
 
 
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
@@ -396,24 +475,25 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     Ci = xp.shape[-1]
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    total_k = triton.cdiv(npq, bk)
-    sms = gh.num_sms(x.device)
-    shape = {"N": N, "P": P, "Q": Q, "Co": Co, "R": R, "S": S, "Ci": Ci, "dtype": problems.dtype_name(x.dtype)}
-    active, per = splits_of(shape, config, sms)
+    work = gh.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
-    target = out if active == 1 else gh.split_k_workspace(active, Co, R * S * Ci, x.device)
+    if work.stream:
+        ws = torch.empty((work.ctas, bm, bn), device=x.device, dtype=torch.float32)
+        flags = gh.stream_k_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        ptrs = (out, ws, flags)
+    else:
+        ws = out if work.splits == 1 else gh.split_k_workspace(work.splits, Co, R * S * Ci, x.device)
+        ptrs = (ws, ws, ws)  # ws_ptr and flags_ptr unused
     g_desc = gh.tiled_desc(gp.view(npq, gp.shape[-1]), [bk, bm])
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
     if im2col:
         x_desc = gh.im2col_desc(xp, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
     else:
         x_desc = gh.tiled_desc(xp.view(npq, Ci), [bk, bn])
-    tiles = triton.cdiv(Co, bm) * R * S * triton.cdiv(Ci, bn)
-    grid = gh.persistent_grid(tiles * active, sms)
-    conv2d_wgrad_kernel[grid](
+    conv2d_wgrad_kernel[(work.ctas,)](
         g_desc,
         x_desc,
-        target,
+        *ptrs,
         Co,
         Ci,
         R * S,
@@ -424,27 +504,30 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         sw,
         ph,
         pw,
-        total_k,
-        per,
-        active,
+        work.k_steps,
+        work.per,
+        work.splits,
         num_warps=config["num_warps"],
         **_constexprs(config, im2col),
     )
-    if active > 1:
-        gh.split_k_reduce(target, out)
+    if not work.stream and work.splits > 1:
+        gh.split_k_reduce(ws, out)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    active, _ = splits_of(p, config, gh.sm_count_of(device))
+    work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
+    out_sig = gh.ptr_sig(dt) if work.stream or work.splits == 1 else "*fp32"
     sig = {
         "g_desc": gh.desc_sig(dt, [bk, bm]),
         "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
-        "out_ptr": "*fp32" if active > 1 else gh.ptr_sig(dt),
+        "out_ptr": out_sig,
+        "ws_ptr": "*fp32" if work.stream else out_sig,
+        "flags_ptr": "*i32" if work.stream else out_sig,
     }
     sig.update({k: "i32" for k in _SHAPE_ARGS})
     sig.update({k: "constexpr" for k in ce})
@@ -457,6 +540,6 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             name="conv2d_wgrad_kernel",
         )
     ]
-    if active > 1:
+    if not work.stream and work.splits > 1:
         specs.append(gh.split_k_reduce_spec(dt))
     return specs

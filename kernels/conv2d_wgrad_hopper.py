@@ -21,7 +21,6 @@ Two schedules, chosen by SPLIT_K (see spaces/hopper.py):
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,6 +36,7 @@ from . import gluon_host as gh
 from . import gluon_launch as direct
 from .geometry import is_pointwise
 from .gluon_hopper import wgmma_acc_layout
+from .gluon_host import wgrad_num_pieces, wgrad_piece
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "hopper"
@@ -93,44 +93,6 @@ def _issue_load(
 
 
 @gluon.jit
-def _run(tiles, k_steps, per):
-    """Stream-K: this CTA's iterations [start, end) of the tile-major (tile, k-step) order."""
-    start = gl.program_id(0) * per
-    return start, gl.minimum(start + per, tiles * k_steps)
-
-
-@gluon.jit
-def _num_pieces(tiles, k_steps, per, num_splits, STREAM: gl.constexpr):
-    if STREAM:
-        start, end = _run(tiles, k_steps, per)
-        n = (end - 1) // k_steps - start // k_steps + 1
-    else:
-        n = gl.cdiv(tiles * num_splits - gl.program_id(0), gl.num_programs(0))
-    return n
-
-
-@gluon.jit
-def _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM: gl.constexpr):
-    """This CTA's i-th piece of work -> (split, tile, Co block, Ci block, tap index, first
-    k-step, end k-step). Split-K: unit pid + i * nprog of the split-major order (the CTAs
-    running together share a pixel range in L2). Stream-K: the run's tiles, last to first."""
-    if STREAM:
-        start, end = _run(tiles, k_steps, per)
-        t = (end - 1) // k_steps - i
-        split = t * 0
-        k_from = gl.maximum(start - t * k_steps, 0)
-        k_to = gl.minimum(end - t * k_steps, k_steps)
-    else:
-        u = gl.program_id(0) + i * gl.num_programs(0)
-        split = u // tiles
-        t = u % tiles
-        k_from = split * per
-        k_to = gl.minimum(k_from + per, k_steps)
-    rest = t // co_blocks
-    return split, t, t % co_blocks, rest % ci_blocks, rest // ci_blocks, k_from, k_to
-
-
-@gluon.jit
 def _load_partition(
     g_desc,
     x_desc,
@@ -164,8 +126,8 @@ def _load_partition(
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles = co_blocks * ci_blocks * RS
     use = 0
-    for i in range(_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
-        _, _, co_blk, ci_blk, rs, k_from, k_to = _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
+    for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        _, _, co_blk, ci_blk, rs, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
         r = rs // S
         s = rs % S
         for kk in range(k_from, k_to):
@@ -235,8 +197,8 @@ def _mma_partition(
     tiles = co_blocks * ci_blocks * RS
     row_len = RS * Ci
     use = 0
-    for i in range(_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
-        split, t, co_blk, ci_blk, rs, k_from, k_to = _piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
+    for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
+        split, t, co_blk, ci_blk, rs, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
         for kk in range(k_from, k_to):
             slot = use % STAGES
             mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
@@ -391,7 +353,8 @@ JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
 
 # ---- configs -------------------------------------------------------------------------------------
 
-STREAM_K = -1  # SPLIT_K value of the stream-K schedule; 0 asks for the modeled best split count
+STREAM_K = gh.STREAM_K  # SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
+Work = gh.WgradWork
 
 
 def supports(p: dict, device) -> bool:
@@ -413,33 +376,6 @@ def resources_ok(c: dict) -> bool:
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
     return c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 8 * c["num_stages"] + 1024
-
-
-class Work:
-    """How a config's launch divides the GEMM: `tiles` output tiles, each `k_steps` BLOCK_K
-    steps long; split-K runs `splits` units of `per` steps per tile over `ctas` persistent CTAs,
-    stream-K gives each of `ctas` CTAs `per` consecutive (tile, step) iterations."""
-
-    __slots__ = ("tiles", "k_steps", "splits", "per", "ctas", "stream")
-
-    def __init__(self, Co: int, Ci: int, RS: int, npq: int, c: dict, sms: int):
-        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-        self.tiles = triton.cdiv(Co, bm) * RS * triton.cdiv(Ci, bn)
-        self.k_steps = max(1, triton.cdiv(npq, bk))
-        self.stream = c["SPLIT_K"] == STREAM_K
-        if self.stream:
-            total = self.tiles * self.k_steps
-            self.splits, self.per = 1, triton.cdiv(total, sms)
-            self.ctas = triton.cdiv(total, self.per)
-        else:
-            want = c["SPLIT_K"] or gh.auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
-            self.splits, self.per = gh.split_k_plan(self.k_steps, want)
-            self.ctas = gh.persistent_grid(self.tiles * self.splits, sms)[0]
-
-    @classmethod
-    def of(cls, p: dict, c: dict, sms: int) -> "Work":
-        ci = gh.padded_channels(p["Ci"], p["dtype"])
-        return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
@@ -495,20 +431,6 @@ def _constexprs(c: dict, im2col: bool) -> dict:
     }
 
 
-_FLAGS: dict = {}
-
-
-def _streamk_flags(device: torch.device, stream: int, ctas: int) -> torch.Tensor:
-    """Stream-K's per-CTA flags, one zeroed buffer per (device, stream): every flag a launch
-    raises is lowered by the CTA that consumes it, so the buffer is all zeros between launches,
-    and launches on one stream never overlap."""
-    key = (device, stream)
-    flags = _FLAGS.get(key)
-    if flags is None or flags.numel() < ctas:
-        flags = _FLAGS[key] = torch.zeros(max(ctas, 1024), device=device, dtype=torch.int32)
-    return flags
-
-
 class _Plan:
     """One (config, x/grad_out shapes and strides, dtype, filter, stride, padding, device) launch,
     precomputed: see gluon_host.DirectLauncher."""
@@ -546,7 +468,7 @@ class _Plan:
         gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(gp)))
         xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
         if mode == "stream":
-            flags = _streamk_flags(x.device, stream, self.grid0)
+            flags = gh.stream_k_flags(x.device, stream, self.grid0)
             ld(self.grid0, stream, [*gm, *xm, out, ws, flags, *self.tail])
         elif mode == "split":
             ld(self.grid0, stream, [*gm, *xm, ws, ws, ws, *self.tail])
@@ -624,7 +546,7 @@ def _launch_jit(
     geometry = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw)
     reduce = None
     if mode == "stream":
-        flags = _streamk_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        flags = gh.stream_k_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
         ptrs = (out, ws, flags)
     else:
         target = out if mode == "direct" else ws

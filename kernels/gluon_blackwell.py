@@ -79,6 +79,27 @@ def split_k_range(work_id, tiles_per_split, total_k, k_per_split):
 
 
 @gluon.jit
+def mma_chain(a_bufs, b_bufs, ready, empty, acc, k_count, use, A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    """k_count tcgen05 MMAs into `acc` from the operand ring's stages `use`.. on; returns the
+    ring's new use count. Every MMA releases its operand stage (arrives on `empty`) when the
+    tensor core is done with it. An operand stored K-outer ([BLOCK_K, rows]) is fed through a
+    permuted view."""
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    for ki in range(k_count):
+        slot, phase = ring_slot(use, NUM_BUFFERS)
+        mbarrier.wait(ready.index(slot), phase)
+        a = a_bufs.index(slot)
+        b = b_bufs.index(slot)
+        if A_TRANS:
+            a = a.permute((1, 0))
+        if B_TRANS:
+            b = b.permute((1, 0))
+        tcgen05_mma(a, b, acc, use_acc=ki > 0, mbarriers=[empty.index(slot)])
+        use += 1
+    return use
+
+
+@gluon.jit
 def mma_partition(
     a_bufs,
     b_bufs,
@@ -95,10 +116,8 @@ def mma_partition(
     B_TRANS: gl.constexpr,
 ):
     """The MMA warp: for each work item, chain tcgen05 MMAs over its K range into the next
-    free accumulator. Every MMA releases its operand stage (arrives on `empty`) when the
-    tensor core is done with it; a commit after the last one hands the accumulator to the
-    epilogue. An operand stored K-outer ([BLOCK_K, rows]) is fed through a permuted view."""
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    free accumulator (mma_chain); a commit after the last one hands the accumulator to the
+    epilogue."""
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     use = 0
     acc_use = 0
@@ -106,18 +125,7 @@ def mma_partition(
         _, _, k_count = split_k_range(work_id, tiles_per_split, total_k, k_per_split)
         acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
         mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
-        acc = acc_tmem.index(acc_slot)
-        for ki in range(k_count):
-            slot, phase = ring_slot(use, NUM_BUFFERS)
-            mbarrier.wait(ready.index(slot), phase)
-            a = a_bufs.index(slot)
-            b = b_bufs.index(slot)
-            if A_TRANS:
-                a = a.permute((1, 0))
-            if B_TRANS:
-                b = b.permute((1, 0))
-            tcgen05_mma(a, b, acc, use_acc=ki > 0, mbarriers=[empty.index(slot)])
-            use += 1
+        use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_count, use, A_TRANS, B_TRANS)
         # arrives when every MMA issued so far, this tile's last one included, is complete
         tcgen05_commit(acc_ready.index(acc_slot))
         acc_use += 1
@@ -158,26 +166,34 @@ def tma_store_epilogue(c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m
 
 
 @gluon.jit
-def store_acc_masked(acc, acc_free, base, row0, n_rows, row_stride, col0, n_cols):
+def store_acc_masked(acc, acc_free, base, row0, n_rows, row_stride, col0, n_cols, partials=None, first=0, last=0):
     """An accumulator's rows row0.. and columns col0.. stored from registers, one epilogue
     slice at a time, to base[row * row_stride + col] (cast to base's element type) where row <
     n_rows and col < n_cols: an epilogue whose output TMA cannot store (fp32 split partials, a
-    tile that overhangs into a neighbour's columns). `acc_free` is arrived on once the last
-    slice is in registers, handing the accumulator back to the MMA warp."""
+    tile that overhangs into a neighbour's columns). With `partials`, the fp32 tiles
+    partials[first..last) ([BLOCK_M, BLOCK_N] each) are added first, in that order
+    (deterministic). `acc_free` is arrived on once the last slice is in registers, handing the
+    accumulator back to the MMA warp."""
     BLOCK_M: gl.constexpr = acc.shape[0]
     BLOCK_N: gl.constexpr = acc.shape[1]
     EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
     SLICES: gl.constexpr = BLOCK_N // EPI_N
     slice_layout: gl.constexpr = acc.slice(0, EPI_N).get_reg_layout()
-    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, slice_layout))
+    r = gl.arange(0, BLOCK_M, gl.SliceLayout(1, slice_layout))
+    c = gl.arange(0, EPI_N, gl.SliceLayout(0, slice_layout))
+    rows = row0 + r
     row_ptrs = base + rows.to(gl.int64)[:, None] * row_stride
     row_ok = rows[:, None] < n_rows
     for j in gl.static_range(SLICES):
-        part = acc.slice(j * EPI_N, EPI_N).load(slice_layout).to(base.dtype.element_ty)
+        part = acc.slice(j * EPI_N, EPI_N).load(slice_layout)
         if j == SLICES - 1:
             mbarrier.arrive(acc_free)
-        cols = col0 + j * EPI_N + gl.arange(0, EPI_N, gl.SliceLayout(0, slice_layout))
-        gl.store(row_ptrs + cols[None, :], part, mask=row_ok & (cols[None, :] < n_cols))
+        if partials is not None:
+            offs = r[:, None] * BLOCK_N + (j * EPI_N + c)[None, :]
+            for k in range(first, last):
+                part += gl.load(partials + k.to(gl.int64) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+        cols = col0 + j * EPI_N + c
+        gl.store(row_ptrs + cols[None, :], part.to(base.dtype.element_ty), mask=row_ok & (cols[None, :] < n_cols))
 
 
 @gluon.constexpr_function

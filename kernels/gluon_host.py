@@ -388,6 +388,94 @@ def split_k_reduce_spec(out_dtype: Any) -> KernelSpec:
     )
 
 
+# ---- the wgrad kernels' division of work: split-K and stream-K ------------------------------
+
+STREAM_K = -1  # a wgrad SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
+
+
+class WgradWork:
+    """How a wgrad config's launch divides the GEMM: `tiles` output tiles, each `k_steps`
+    BLOCK_K steps long; split-K runs `splits` units of `per` steps per tile over `ctas`
+    persistent CTAs, stream-K gives each of `ctas` CTAs `per` consecutive (tile, step)
+    iterations. Both Gluon wgrad kernels divide their work so (wgrad_piece)."""
+
+    __slots__ = ("tiles", "k_steps", "splits", "per", "ctas", "stream")
+
+    def __init__(self, Co: int, Ci: int, RS: int, npq: int, c: dict, sms: int):
+        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+        self.tiles = cdiv(Co, bm) * RS * cdiv(Ci, bn)
+        self.k_steps = max(1, cdiv(npq, bk))
+        self.stream = c["SPLIT_K"] == STREAM_K
+        if self.stream:
+            total = self.tiles * self.k_steps
+            self.splits, self.per = 1, cdiv(total, sms)
+            self.ctas = cdiv(total, self.per)
+        else:
+            want = c["SPLIT_K"] or auto_splits(self.tiles, self.k_steps, sms, Co * RS * Ci, c)
+            self.splits, self.per = split_k_plan(self.k_steps, want)
+            self.ctas = persistent_grid(self.tiles * self.splits, sms)[0]
+
+    @classmethod
+    def of(cls, p: dict, c: dict, sms: int) -> "WgradWork":
+        ci = padded_channels(p["Ci"], p["dtype"])
+        return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
+
+
+_FLAGS: dict = {}
+
+
+def stream_k_flags(device: torch.device, stream: int, ctas: int) -> torch.Tensor:
+    """Stream-K's per-CTA flags, one zeroed buffer per (device, stream): every flag a launch
+    raises is lowered by the CTA that consumes it, so the buffer is all zeros between launches,
+    and launches on one stream never overlap."""
+    key = (device, stream)
+    flags = _FLAGS.get(key)
+    if flags is None or flags.numel() < ctas:
+        flags = _FLAGS[key] = torch.zeros(max(ctas, 1024), device=device, dtype=torch.int32)
+    return flags
+
+
+@gluon.jit
+def _stream_k_run(tiles, k_steps, per):
+    """Stream-K: this CTA's iterations [start, end) of the tile-major (tile, k-step) order."""
+    start = gl.program_id(0) * per
+    return start, gl.minimum(start + per, tiles * k_steps)
+
+
+@gluon.jit
+def wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM: gl.constexpr):
+    """How many pieces of work (wgrad_piece) this CTA runs."""
+    if STREAM:
+        start, end = _stream_k_run(tiles, k_steps, per)
+        n = (end - 1) // k_steps - start // k_steps + 1
+    else:
+        n = gl.cdiv(tiles * num_splits - gl.program_id(0), gl.num_programs(0))
+    return n
+
+
+@gluon.jit
+def wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM: gl.constexpr):
+    """This CTA's i-th piece of work -> (split, tile, Co block, Ci block, tap index, first
+    k-step, end k-step). Split-K: unit pid + i * nprog of the split-major order (the CTAs
+    running together share a pixel range in L2). Stream-K: the run's tiles, last to first, so
+    that the one piece a CTA leaves unfinished (the head of a tile later CTAs end) is its first:
+    its partial is out before the CTA waits on anyone."""
+    if STREAM:
+        start, end = _stream_k_run(tiles, k_steps, per)
+        t = (end - 1) // k_steps - i
+        split = t * 0
+        k_from = gl.maximum(start - t * k_steps, 0)
+        k_to = gl.minimum(end - t * k_steps, k_steps)
+    else:
+        u = gl.program_id(0) + i * gl.num_programs(0)
+        split = u // tiles
+        t = u % tiles
+        k_from = split * per
+        k_to = gl.minimum(k_from + per, k_steps)
+    rest = t // co_blocks
+    return split, t, t % co_blocks, rest % ci_blocks, rest // ci_blocks, k_from, k_to
+
+
 # ---- candidate order ------------------------------------------------------------------------
 
 

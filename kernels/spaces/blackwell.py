@@ -56,7 +56,8 @@ SPACES = {
     # grad_W[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci]:
     # M = Co, N = Ci at one filter tap (r, s), K = N*P*Q split SPLIT_K ways and reduced
     # deterministically by a second kernel; 0 takes the split count gluon_host's work model
-    # finds fastest (the Hopper wgrad's SPLIT_K=0).
+    # finds fastest; -1 is stream-K (every CTA an equal run of (tile, k-step) iterations, the
+    # tiles CTAs share summed in CTA order): the Hopper wgrad's schedules.
     "conv2d_wgrad": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
@@ -64,7 +65,7 @@ SPACES = {
             "BLOCK_K": (64, 128),
             "NUM_BUFFERS": _STAGES,
             "NUM_ACC": (2,),
-            "SPLIT_K": (0, 1, 2, 4, 8, 16, 32),
+            "SPLIT_K": (-1, 0, 1, 2, 4, 8, 16, 32),
             "num_warps": (4,),
         }
     ),

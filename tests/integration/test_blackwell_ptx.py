@@ -26,13 +26,15 @@ from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gl
 from tunecache_kernels import gluon_host as gh
 
 ARCH = "sm_100a"
-# each kernel on a problem that takes the path named (op, problem overrides, module)
+# each kernel on a problem and config that take the path named: (op, problem overrides, module,
+# config overrides of the default config)
 KERNELS = {
-    "matmul": ("matmul", {}, matmul_blackwell),
+    "matmul": ("matmul", {}, matmul_blackwell, {}),
     # a decode GEMM: 32 tiles on 148 SMs, so the default config splits K (the split binary)
-    "matmul-split": ("matmul", {"M": 16, "N": 4096, "K": 4096}, matmul_blackwell),
-    "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell),
-    "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell),
+    "matmul-split": ("matmul", {"M": 16, "N": 4096, "K": 4096}, matmul_blackwell, {}),
+    "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell, {}),
+    "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {}),
+    "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gh.STREAM_K}),
 }
 # the partitions each kernel's warp_specialize runs: (default/epilogue, MMA, load)
 PARTITIONS = {
@@ -49,17 +51,28 @@ PARTITIONS = {
     ),
     "conv2d_wgrad": (
         conv2d_wgrad_blackwell._epilogue_partition,
-        gluon_blackwell.mma_partition,
+        conv2d_wgrad_blackwell._mma_partition,
+        conv2d_wgrad_blackwell._load_partition,
+    ),
+    "conv2d_wgrad-stream": (
+        conv2d_wgrad_blackwell._epilogue_partition,
+        conv2d_wgrad_blackwell._mma_partition,
         conv2d_wgrad_blackwell._load_partition,
     ),
 }
 # the split binary's partials and wgrad's tiles leave from registers (masked global stores)
-TMA_STORE = {"matmul": True, "matmul-split": False, "conv2d_fprop": True, "conv2d_wgrad": False}
-IM2COL = {"matmul": False, "matmul-split": False, "conv2d_fprop": True, "conv2d_wgrad": True}
+TMA_STORE = {
+    "matmul": True,
+    "matmul-split": False,
+    "conv2d_fprop": True,
+    "conv2d_wgrad": False,
+    "conv2d_wgrad-stream": False,
+}
+IM2COL = {k: op.startswith("conv") for k, (op, *_) in KERNELS.items()}
 
 
 def _problem(kernel: str) -> dict:
-    op, overrides, _ = KERNELS[kernel]
+    op, overrides, _, _ = KERNELS[kernel]
     return canonical_problem(op, {**REPRESENTATIVE[op], **overrides})
 
 
@@ -68,9 +81,9 @@ def ptx_of():
     # one batch of compiles in fresh processes: earlier tests ran the CPU interpreter in this one
     device = device_for(ARCH)
     jobs = []
-    for kernel, (_, _, mod) in KERNELS.items():
+    for kernel, (_, _, mod, config) in KERNELS.items():
         p = _problem(kernel)
-        jobs.append((mod, p, mod.default_config(p, device), 0))
+        jobs.append((mod, p, {**mod.default_config(p, device), **config}, 0))
     ptx = {k: out["asm"]["ptx"] for k, out in zip(KERNELS, compile_in_fresh_processes(jobs, device, ARCH))}
     return ptx.__getitem__
 
@@ -134,3 +147,13 @@ def test_tma_loads_and_stores(op, ptx_of):
     assert bool(stores) == TMA_STORE[op]
     # the loads complete on mbarriers that the consumers wait on
     assert "mbarrier.try_wait" in ptx
+
+
+@pytest.mark.parametrize("kernel", ["conv2d_wgrad", "conv2d_wgrad-stream"])
+def test_stream_k_hands_partials_over_through_release_and_acquire(kernel, ptx_of):
+    # a CTA publishes its partial with a release store of its flag; the CTA that ends the tile
+    # polls the flags with acquire loads: without both, the sum could read a partial half-written
+    ptx = ptx_of(kernel)
+    stream = kernel.endswith("-stream")
+    assert bool(re.search(r"\.release\.gpu", ptx)) == stream
+    assert bool(re.search(r"\.acquire\.gpu", ptx)) == stream
