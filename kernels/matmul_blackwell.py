@@ -181,8 +181,10 @@ def matmul_kernel(
     else:
         num_work = tiles
         k_per_split = total_k
-    # the partitions' argument lists are written out in each branch: a tuple held in a variable
-    # would carry A_TRANS and B_TRANS as values, not constexprs
+    # two launches of the partitions, their argument lists written out in each: the split
+    # binary allocates no TMA staging buffers, and a partition takes no None in their place
+    # (nor a tuple held in a variable: it would carry A_TRANS and B_TRANS as values, not
+    # constexprs)
     if SPLIT:
         gl.warp_specialize(
             [
