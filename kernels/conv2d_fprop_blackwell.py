@@ -43,6 +43,7 @@ from .gluon_blackwell import (
     grouped_tile,
     init_ring,
     invalidate_ring,
+    likeliest_first,
     mma_partition,
     ring_slot,
     tma_store_epilogue,
@@ -277,7 +278,8 @@ def resources_ok(c: dict, p: dict) -> bool:
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return [c for c in configs if resources_ok(c, p)]
+    """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
+    return likeliest_first([c for c in configs if resources_ok(c, p)])
 
 
 def default_config(p: dict, device) -> dict:

@@ -53,6 +53,7 @@ from .gluon_blackwell import (
     WORKER_REGS,
     init_ring,
     invalidate_ring,
+    likeliest_first,
     mma_chain,
     ring_slot,
     store_acc_masked,
@@ -435,10 +436,8 @@ def resources_ok(c: dict, p: dict) -> bool:
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    """Configs that fit the device; the unsplit and modeled schedules before stream-K and the
-    explicit split counts, so that a capped tune (TUNECACHE_MAX_CANDIDATES) cuts those first."""
-    kept = [c for c in configs if resources_ok(c, p)]
-    return sorted(kept, key=lambda c: c["SPLIT_K"] not in (0, 1))
+    """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
+    return likeliest_first([c for c in configs if resources_ok(c, p)])
 
 
 def default_config(p: dict, device) -> dict:

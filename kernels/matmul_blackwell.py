@@ -43,6 +43,7 @@ from .gluon_blackwell import (
     grouped_tile,
     init_ring,
     invalidate_ring,
+    likeliest_first,
     mma_partition,
     ring_slot,
     split_k_range,
@@ -346,10 +347,8 @@ def resources_ok(c: dict, p: dict) -> bool:
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    """Configs that fit the device; explicit split counts after the unsplit and modeled ones,
-    so that a capped tune (TUNECACHE_MAX_CANDIDATES) cuts split counts before tiles."""
-    kept = [c for c in configs if resources_ok(c, p)]
-    return sorted(kept, key=lambda c: c["SPLIT_K"] not in (0, 1))
+    """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
+    return likeliest_first([c for c in configs if resources_ok(c, p)])
 
 
 def default_config(p: dict, device) -> dict:

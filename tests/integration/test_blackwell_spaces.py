@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tunecache.key import DeviceClass
+from tunecache_kernels import conv2d_fprop_blackwell as fprop
 from tunecache_kernels import conv2d_wgrad_blackwell as wgrad
 from tunecache_kernels import gluon_host as gh
 from tunecache_kernels import matmul_blackwell as mm
@@ -84,3 +85,34 @@ def test_a_wgrad_whose_tiles_fill_the_gpu_is_not_split():
     p = _wgrad_problem(8, 14, 14, 2048, 2048, 3, 3, 1, 1)
     splits = {c["SPLIT_K"] for c in wgrad.config_space(p, B200)}
     assert 1 in splits and not splits - {1, gh.STREAM_K}
+
+
+def _capped_problems():
+    yield mm, {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
+    yield mm, {"M": 16, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "col"}
+    x = _meta(32, 56, 56, 64)
+    yield fprop, problems.conv2d_fprop_problem(x, _meta(64, 3, 3, 64), 1, 1)
+    yield fprop, problems.conv2d_fprop_problem(_meta(1, 224, 224, 3), _meta(64, 7, 7, 3), 2, 3)
+    yield wgrad, _wgrad_problem(32, 7, 7, 512, 512, 3, 3, 1, 1)
+    yield wgrad, _wgrad_problem(128, 56, 56, 64, 64, 1, 1, 1, 0)
+
+
+@pytest.mark.parametrize("mod,p", list(_capped_problems()), ids=lambda x: getattr(x, "KERNEL", None))
+def test_a_capped_tune_sees_every_tile_at_its_deepest_ring(mod, p):
+    """The tuner times the first TUNECACHE_MAX_CANDIDATES (48) of prune()'s order: every tile
+    shape (and unsplit / modeled schedule) at the deepest ring that fits it, GROUP_M 8, is among
+    them, 128-row tiles included."""
+    pruned = mod.prune(mod.config_space(p, B200), p, B200)
+    first = pruned[:48]
+
+    def tile(c):
+        return (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c.get("SPLIT_K", 1))
+
+    deepest = {}
+    for c in pruned:
+        if c.get("GROUP_M", 8) == 8 and c.get("SPLIT_K", 1) in (0, 1):
+            deepest[tile(c)] = max(deepest.get(tile(c), 0), c["NUM_BUFFERS"])
+    assert len(deepest) <= 48
+    seen = {(tile(c), c["NUM_BUFFERS"]) for c in first if c.get("GROUP_M", 8) == 8}
+    assert all((t, n) in seen for t, n in deepest.items()), sorted(set(deepest.items()) - seen)
+    assert any(c["BLOCK_M"] == 128 for c in first) == any(c["BLOCK_M"] == 128 for c in pruned)
