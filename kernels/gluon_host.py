@@ -1,9 +1,12 @@
-"""Host-side code shared by the Gluon backends (hopper and blackwell).
+"""Code shared by the Gluon backends (hopper and blackwell), mostly host-side.
 
 TMA descriptors (tiled and im2col) and the signature strings that name them for an explicit
 compile, channel padding for TMA's 16-byte stride rule, persistent grids, and split-K: its
 fp32 workspace and a deterministic two-pass reduction (the partials are summed in a fixed
-order, so the same inputs always give the same bits, unlike atomics).
+order, so the same inputs always give the same bits, unlike atomics), the work model that
+picks a split count, the matmul's split rules, and the wgrad's division of work (split-K and
+stream-K: WgradWork on the host, wgrad_piece walking it on the device), so that each
+architecture's kernels schedule alike.
 
 Nothing here launches a GEMM, and nothing here serves one architecture only: what only the
 Hopper backends use lives in gluon_hopper.py (device helpers, tuning rules) and gluon_launch.py
