@@ -54,7 +54,7 @@ def test_a_capped_matmul_tune_sees_every_tile_unsplit_or_modeled_before_an_expli
 
 
 def test_the_seeds_wgrad_layer_takes_the_modeled_split_that_fills_whole_waves():
-    # the seeds' 384-channel 64x64 3x3 layer at batch 128: 243 tiles of 128x128 on 148 SMs
+    # the seeds' 384-channel 64x64 3x3 layer at batch 128: 81 tiles of 128x128 on 148 SMs
     p = _wgrad_problem(128, 64, 64, 384, 384, 3, 3, 1, 1)
     c = wgrad.default_config(p, B200)
     assert c["SPLIT_K"] == 0
