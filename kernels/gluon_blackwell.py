@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
+from .gluon_host import ring_shortfall
+
 # Tensor memory of one SM: 128 lanes x 512 columns of 32 bits; an fp32 accumulator of
 # BLOCK_N columns takes BLOCK_N of them (at BLOCK_M 64 or 128 alike).
 TMEM_COLUMNS = 512
@@ -214,18 +216,13 @@ def likeliest_first(configs: list[dict]) -> list[dict]:
     (SPLIT_K 1 and 0) before explicit split counts and stream-K. In the spaces' own order, a
     capped tune of a 4096^3 matmul timed 46 configs of 64-row tiles and 2 of 128 rows."""
 
-    def tile(c: dict) -> tuple:
-        return tuple(sorted((k, v) for k, v in c.items() if k != "NUM_BUFFERS"))
-
-    deepest: dict[tuple, int] = {}
-    for c in configs:
-        deepest[tile(c)] = max(deepest.get(tile(c), 0), c["NUM_BUFFERS"])
+    shortfall = ring_shortfall(configs, "NUM_BUFFERS")
 
     def likeliness(c: dict) -> tuple:
         k_step = 0 if c["BLOCK_K"] == 64 else 1 if c["BLOCK_K"] > 64 else 2
         return (
             c.get("SPLIT_K", 1) not in (0, 1),
-            deepest[tile(c)] - c["NUM_BUFFERS"],
+            shortfall(c),
             c.get("GROUP_M", 8) != 8,
             k_step,
         )

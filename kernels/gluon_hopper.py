@@ -10,7 +10,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least
+from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least, ring_shortfall
 
 # ---- device code -------------------------------------------------------------------------------
 
@@ -116,15 +116,11 @@ def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[di
     matmul's modeled split before its other split counts."""
     first = quick_subset(op, configs, p, sm_count)
     rest = [c for c in configs if c not in first]
-    deepest: dict[tuple, int] = {}
-    for c in configs:
-        k = tuple(sorted((n, v) for n, v in c.items() if n != "num_stages"))
-        deepest[k] = max(deepest.get(k, 0), c["num_stages"])
+    shortfall = ring_shortfall(configs, "num_stages")
 
     def likeliness(c: dict) -> tuple:
-        k = tuple(sorted((n, v) for n, v in c.items() if n != "num_stages"))
         # matmul's split counts other than the model's come after every unsplit candidate
         explicit_split = op == "matmul" and c["SPLIT_K"] not in (0, 1)
-        return (explicit_split, c["BLOCK_K"] < 64, deepest[k] - c["num_stages"], c.get("GROUP_M", 8) != 8)
+        return (explicit_split, c["BLOCK_K"] < 64, shortfall(c), c.get("GROUP_M", 8) != 8)
 
     return first + sorted(rest, key=likeliness)

@@ -17,7 +17,7 @@ Hopper code leaves Blackwell entries valid.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from triton.experimental import gluon
@@ -484,3 +484,17 @@ def wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM: gl.constex
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def ring_shortfall(configs: list[dict], ring: str) -> Callable[[dict], int]:
+    """c -> how many stages c's ring (the parameter `ring`) is short of the deepest ring among
+    `configs` that agree with c on everything else: 0 for each tile's deepest fitting ring,
+    which the backends' candidate orders time first."""
+
+    def rest(c: dict) -> tuple:
+        return tuple(sorted((k, v) for k, v in c.items() if k != ring))
+
+    deepest: dict[tuple, int] = {}
+    for c in configs:
+        deepest[rest(c)] = max(deepest.get(rest(c), 0), c[ring])
+    return lambda c: deepest[rest(c)] - c[ring]
