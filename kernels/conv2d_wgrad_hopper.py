@@ -354,7 +354,6 @@ JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
 # ---- configs -------------------------------------------------------------------------------------
 
 STREAM_K = gh.STREAM_K  # SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
-Work = gh.WgradWork
 
 
 def supports(p: dict, device) -> bool:
@@ -390,7 +389,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     npq = p["N"] * p["P"] * p["Q"]
     if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)):
         return False
-    w = Work.of(p, c, sms)
+    w = gh.WgradWork.of(p, c, sms)
     if c["SPLIT_K"] > 0 and w.splits < c["SPLIT_K"]:
         return False  # the same launch as a smaller SPLIT_K
     # once the output tiles alone fill the GPU twice, splitting only adds reduction
@@ -520,7 +519,7 @@ def _launch_jit(
     Ci = xp.shape[-1]
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    work = Work(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
+    work = gh.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
     mode = "stream" if work.stream else ("split" if work.splits > 1 else "direct")
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     ws_shape = (work.ctas, bm, bn) if mode == "stream" else (work.splits, Co, R * S * Ci)
@@ -577,7 +576,7 @@ def _launch_jit(
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    work = Work.of(p, config, gh.sm_count_of(device))
+    work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {

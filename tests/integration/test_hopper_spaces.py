@@ -196,7 +196,7 @@ def test_wgrad_auto_split_fills_whole_waves():
     # one split leaves 51 of 132 SMs idle and two leave a 30-unit second wave: SPLIT_K=0 picks
     # a count whose units fill the SMs' waves at least 95%
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
-    w = wgrad.Work.of(_seed_wgrad_problem(), c, 132)
+    w = gh.WgradWork.of(_seed_wgrad_problem(), c, 132)
     units = w.tiles * w.splits
     assert w.tiles == 81 and w.splits > 1
     assert units / (-(-units // 132) * 132) >= 0.95
@@ -207,7 +207,7 @@ def test_wgrad_stream_k_gives_every_cta_an_equal_run(sms):
     p = problems.conv2d_wgrad_problem(_meta(128, 7, 7, 512), _meta(128, 7, 7, 512), 3, 3, 1, 1)
     for bn in (64, 128, 256):
         c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": wgrad.STREAM_K, "num_warps": 8, "num_stages": 4}
-        w = wgrad.Work.of(p, c, sms)
+        w = gh.WgradWork.of(p, c, sms)
         total = w.tiles * w.k_steps
         assert w.stream and w.ctas <= sms and w.splits == 1
         assert w.ctas * w.per >= total > (w.ctas - 1) * w.per  # every CTA has work, all work is covered
