@@ -67,3 +67,10 @@ def is_pointwise(p: dict) -> bool:
 def wgrad(p: dict) -> dict:
     """conv2d wgrad's problem from fprop's: [Co, R*S*Ci] = grad_out^T [Co, NPQ] @ im2col(x) [NPQ, R*S*Ci]."""
     return {**p, "gemm_M": p["Co"], "gemm_N": p["R"] * p["S"] * p["Ci"], "gemm_K": p["N"] * p["P"] * p["Q"]}
+
+
+def dgrad(p: dict) -> dict:
+    """conv2d dgrad's problem from fprop's: grad_x [N*H*W, Ci] from grad_out [N*P*Q, Co] and w, one
+    phase of stride-1 taps per (row, column) residue of the stride: K is a phase's share of R*S*Co."""
+    k = -(-p["R"] // p["stride_h"]) * -(-p["S"] // p["stride_w"]) * p["Co"]
+    return {**p, "gemm_M": p["N"] * p["H"] * p["W"], "gemm_N": p["Ci"], "gemm_K": k}

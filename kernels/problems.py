@@ -231,3 +231,58 @@ def conv2d_wgrad_reference(x, grad_out, R, S, stride=1, padding=0) -> torch.Tens
     Co, Ci = grad_out.shape[3], x.shape[3]
     gw = torch.nn.grad.conv2d_weight(xf, (Co, Ci, R, S), gf, stride=st, padding=pd)
     return gw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
+
+
+# ---- conv2d dgrad: grad_x[N, H, W, Ci] from grad_out and w -------------------------------------
+
+
+def _int_arg(name: str, v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} ({what}) must be an int, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name} ({what}) must be positive, got {v}")
+    return v
+
+
+def conv2d_dgrad_problem(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> dict:
+    _check_tensor(grad_out, "grad_out", 4)
+    _check_tensor(w, "w", 4)
+    _same_device_dtype({"grad_out": grad_out, "w": w})
+    _contiguous_nhwc(grad_out, "grad_out")
+    _contiguous_nhwc(w, "w")
+    H, W = _int_arg("H", H, "the input's height"), _int_arg("W", W, "the input's width")
+    st = pair(stride, "stride", minimum=1)
+    pd = pair(padding, "padding", minimum=0)
+    N, P, Q, Co = (int(v) for v in grad_out.shape)
+    Co_w, R, S, Ci = (int(v) for v in w.shape)
+    if Co_w != Co:
+        raise ValueError(f"w has {Co_w} output channels (w.shape[0]) but grad_out has {Co} (grad_out.shape[3])")
+    p = _conv_geometry(N, H, W, Ci, Co, R, S, st, pd, grad_out.dtype)
+    if (p["P"], p["Q"]) != (P, Q):
+        raise ValueError(
+            f"grad_out is {P}x{Q} (grad_out.shape[1:3]) but an input of H={H}, W={W} gives {p['P']}x{p['Q']} at "
+            f"stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
+        )
+    return geometry.dgrad(p)
+
+
+def conv2d_dgrad_inputs(p: dict, device: str) -> tuple:
+    dt = torch_dtype(p["dtype"])
+    g = torch.randn(p["N"], p["P"], p["Q"], p["Co"], device=device, dtype=dt)
+    w = torch.randn(p["Co"], p["R"], p["S"], p["Ci"], device=device, dtype=dt)
+    return (g, w, p["H"], p["W"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+
+
+def conv2d_dgrad_reference(grad_out, w, H, W, stride=1, padding=0) -> torch.Tensor:
+    st, pd = pair(stride, "stride", minimum=1), pair(padding, "padding", minimum=0)
+    gf, wf = grad_out.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)
+    if grad_out.device.type == "cpu" and grad_out.dtype != torch.float32:
+        gf, wf = gf.float(), wf.float()
+    N, Ci = grad_out.shape[0], w.shape[3]
+    gx = torch.nn.grad.conv2d_input((N, Ci, H, W), wf, gf, stride=st, padding=pd)
+    return gx.permute(0, 2, 3, 1).to(grad_out.dtype).contiguous()
+
+
+def conv2d_dgrad_flops(p: dict) -> float:
+    """The forward convolution's multiply-adds: the phases do no others."""
+    return 2.0 * p["N"] * p["P"] * p["Q"] * p["Co"] * p["R"] * p["S"] * p["Ci"]

@@ -81,7 +81,7 @@ def parse_problem(text: str) -> dict:
 
 @app.command()
 def tune(
-    op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+    op: str = typer.Argument(..., help="matmul, conv2d_fprop, conv2d_wgrad or conv2d_dgrad"),
     problem: str = typer.Option(
         ...,
         "--problem",
@@ -826,7 +826,7 @@ def token_revoke(
 
 @app.command("compile")
 def compile_(
-    op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop or conv2d_wgrad"),
+    op: str = typer.Option(..., "--op", help="matmul, conv2d_fprop, conv2d_wgrad or conv2d_dgrad"),
     backend: str = typer.Option(..., "--backend", help="a Gluon backend: blackwell or hopper"),
     arch: str = typer.Option(..., "--arch", help="explicit target: sm_90a or sm_100a"),
     problem: Optional[str] = typer.Option(
@@ -849,7 +849,7 @@ def compile_(
 
 @app.command()
 def key(
-    op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+    op: str = typer.Argument(..., help="matmul, conv2d_fprop, conv2d_wgrad or conv2d_dgrad"),
     problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`, or JSON"),
     device: Optional[str] = typer.Option(
         None, help="the device class ARCH:SMS, e.g. sm_90:132 (default: this machine's GPU, or the CPU interpreter)"
@@ -875,7 +875,7 @@ def key(
 
 @app.command()
 def query(
-    op: str = typer.Argument(..., help="matmul, conv2d_fprop or conv2d_wgrad"),
+    op: str = typer.Argument(..., help="matmul, conv2d_fprop, conv2d_wgrad or conv2d_dgrad"),
     problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`"),
     device: Optional[str] = typer.Option(
         None, help="the device class ARCH:SMS, e.g. sm_90:132 (default: this machine's GPU)"

@@ -155,6 +155,18 @@ REPRESENTATIVE = {
         "padding": 1,
         "dtype": "bfloat16",
     },
+    "conv2d_dgrad": {
+        "N": 32,
+        "H": 56,
+        "W": 56,
+        "Ci": 256,
+        "Co": 256,
+        "R": 3,
+        "S": 3,
+        "stride": 1,
+        "padding": 1,
+        "dtype": "bfloat16",
+    },
 }
 
 

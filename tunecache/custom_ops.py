@@ -7,7 +7,8 @@ autograd differentiates them, and `torch.library.opcheck` checks all of it.
 
 Backward passes are tuned ops too: a matmul's gradients are matmuls of transposed views (the
 GEMM kernels read column-major operands in place), a convolution's weight gradient is the
-wgrad kernel, and the gradient of its input (dgrad) is split by output phase (`dgrad_phases`):
+wgrad kernel, and the gradient of its input is the dgrad kernel, which splits it by output phase
+(on Blackwell, which has no dgrad kernel yet, `dgrad` does that split here, `dgrad_phases`):
 at stride sh x sw, the grad_x positions of one phase (rows a::sh, columns b::sw) are reached
 only by the filter taps r0::sh, s0::sw, and are a stride-1 forward convolution of the output's
 gradient with those taps flipped and transposed, tuned like any other convolution; no
@@ -190,9 +191,8 @@ def _phase(grad_out: Tensor, flipped: Tensor, ph: DgradPhase, stride, rows: int,
 
 @torch.library.custom_op("tunecache::conv2d_dgrad_nhwc", mutates_args=())
 def conv2d_dgrad_nhwc(grad_out: Tensor, w: Tensor, H: int, W: int, stride: list[int], padding: list[int]) -> Tensor:
-    """grad_x[N, H, W, Ci] of conv2d_nhwc, tuned (`dgrad`: one conv2d_fprop per output phase)."""
-    x_shape = (grad_out.shape[0], H, W, w.shape[3])
-    return dgrad(grad_out.contiguous(), w.contiguous(), x_shape, tuple(stride), tuple(padding))
+    """grad_x[N, H, W, Ci] of conv2d_nhwc, tuned (`tunecache.ops.conv2d_dgrad`)."""
+    return ops.conv2d_dgrad(grad_out, w, H, W, tuple(stride), tuple(padding))
 
 
 @conv2d_dgrad_nhwc.register_fake

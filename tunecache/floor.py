@@ -83,14 +83,14 @@ def work(kernel: str, problem: Mapping[str, Any]) -> tuple[float, float] | None:
             return None
         M, N, K = mnk
         return 2.0 * M * N * K, float(size * (M * K + K * N + M * N))
-    if op in ("conv2d_fprop", "conv2d_wgrad"):
-        # both tile the implicit GEMM in gemm_M/N/K (fprop: [NPQ, Co]; wgrad: [Co, RSCi]); both
-        # touch the input x, the filter (w or grad_w) and the output-shaped grad_out or y
+    if op in ("conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad"):
+        # all tile an implicit GEMM of the same multiply-adds (fprop: [NPQ, Co] x RSCi; wgrad:
+        # [Co, RSCi] x NPQ; dgrad: its phases), and touch x (or grad_x), the filter and grad_out or y
         dims = _sizes(problem, "gemm_M", "gemm_N", "gemm_K", "N", "H", "W", "Ci", "Co", "R", "S", "P", "Q")
         if dims is None:
             return None
         gm, gn, gk, N, H, W, Ci, Co, R, S, P, Q = dims
-        return 2.0 * gm * gn * gk, float(size * (N * H * W * Ci + Co * R * S * Ci + N * P * Q * Co))
+        return 2.0 * N * P * Q * Co * R * S * Ci, float(size * (N * H * W * Ci + Co * R * S * Ci + N * P * Q * Co))
     return None
 
 

@@ -14,6 +14,8 @@ y = tunecache.ops.linear(x, weight, bias)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tunecache_kernels import problems
@@ -28,8 +30,9 @@ use_interpreter_without_gpu()
 _matmul = Op("matmul", problems.matmul_problem)
 _fprop = Op("conv2d_fprop", problems.conv2d_fprop_problem)
 _wgrad = Op("conv2d_wgrad", problems.conv2d_wgrad_problem)
+_dgrad = Op("conv2d_dgrad", problems.conv2d_dgrad_problem)
 
-OP_LAUNCHERS = {op.name: op for op in (_matmul, _fprop, _wgrad)}  # each op's memo and slow path
+OP_LAUNCHERS = {op.name: op for op in (_matmul, _fprop, _wgrad, _dgrad)}  # each op's memo and slow path
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -78,24 +81,36 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> torch.Tensor:
     """grad_x[N, H, W, Ci] of conv2d_fprop, from grad_out[N, P, Q, Co] and w[Co, R, S, Ci]: one
-    tuned conv2d_fprop per output phase (`custom_ops.dgrad`), none of them on a dilated
-    gradient's zeros."""
+    tuned kernel over every output phase of the stride, none of them on a dilated gradient's
+    zeros (on Blackwell, which has no dgrad kernel yet: one tuned conv2d_fprop per phase,
+    `custom_ops.dgrad`)."""
+    if type(stride) is list or type(padding) is list:
+        stride, padding = _hashable(stride), _hashable(padding)
+    grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
+    raw = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, w.shape, w.stride(), w.dtype, w.device)
+    raw += (H, W, stride, padding)
+    entry = _dgrad.memo.get(raw)
+    if entry is None or entry.watch:
+        if _dgrad_by_phases(grad_out.device):
+            return _dgrad_phases(grad_out, w, H, W, stride, padding)
+        entry = _dgrad.resolve(raw, (grad_out, w, H, W, stride, padding), grad_out)
+    return entry.run(grad_out, w, H, W, stride, padding)
+
+
+@functools.lru_cache(maxsize=None)
+def _dgrad_by_phases(device: torch.device) -> bool:
+    """Blackwell (compute capability 10): no conv2d_dgrad kernel of its own yet, while its
+    conv2d_fprop kernel runs each phase; elsewhere the dgrad kernels (Hopper, portable)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+
+
+def _dgrad_phases(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding) -> torch.Tensor:
     st = problems.pair(stride, "stride", minimum=1)
     pd = problems.pair(padding, "padding", minimum=0)
-    if grad_out.dim() != 4 or w.dim() != 4 or grad_out.shape[3] != w.shape[0]:
-        raise ValueError(
-            f"conv2d_dgrad takes grad_out (N, P, Q, Co) and w (Co, R, S, Ci) with the same Co, got "
-            f"{tuple(grad_out.shape)} and {tuple(w.shape)}"
-        )
-    want = (problems.out_size(H, w.shape[1], st[0], pd[0]), problems.out_size(W, w.shape[2], st[1], pd[1]))
-    if tuple(grad_out.shape[1:3]) != want:
-        raise ValueError(
-            f"grad_out is {tuple(grad_out.shape[1:3])} (P, Q), but an input of H={H}, W={W} gives {want} at "
-            f"stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
-        )
+    problems.conv2d_dgrad_problem(grad_out, w, H, W, st, pd)  # errors that name the bad argument
     from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
 
-    return custom_ops.dgrad(grad_out.contiguous(), w.contiguous(), (grad_out.shape[0], H, W, w.shape[3]), st, pd)
+    return custom_ops.dgrad(grad_out, w, (grad_out.shape[0], H, W, w.shape[3]), st, pd)
 
 
 def _hashable(v):

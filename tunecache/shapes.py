@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad")
+OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad")
 KEYS = {
     "matmul": {
         "M": "rows of a and c",
@@ -38,7 +38,7 @@ KEYS = {
         "dtype": "float16, bfloat16 or float32",
     },
 }
-KEYS["conv2d_wgrad"] = KEYS["conv2d_fprop"]
+KEYS["conv2d_wgrad"] = KEYS["conv2d_dgrad"] = KEYS["conv2d_fprop"]
 _LAYOUTS = ("row", "col")
 
 
@@ -90,4 +90,4 @@ def canonical_problem(op: str, given: dict[str, Any]) -> dict:
     (sh, sw) = ints("stride_h", "stride_w", default=st)
     (ph, pw) = ints("pad_h", "pad_w", minimum=0, default=pd)
     p = geometry.conv(N, H, W, Ci, Co, R, S, (sh, sw), (ph, pw), dtype)
-    return p if op == "conv2d_fprop" else geometry.wgrad(p)
+    return {"conv2d_fprop": p, "conv2d_wgrad": geometry.wgrad(p), "conv2d_dgrad": geometry.dgrad(p)}[op]

@@ -47,4 +47,16 @@ SPACES = {
             "num_stages": (2, 3, 4, 5),
         }
     ),
+    # grad_x by output phase: each phase's implicit GEMM is M = its pixels (TMA im2col of
+    # grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid
+    "conv2d_dgrad": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128, 256),
+            "BLOCK_N": (64, 128, 256),
+            "BLOCK_K": (16, 32, 64),
+            "GROUP_M": (1, 8),
+            "num_warps": (4, 8),
+            "num_stages": (2, 3, 4, 5, 6),
+        }
+    ),
 }

@@ -40,4 +40,15 @@ SPACES = {
             "num_stages": (2, 3, 4),
         }
     ),
+    # grad_x by output phase (program ids phase-major): M = a phase's pixels, N = Ci, K = its taps * Co
+    "conv2d_dgrad": ConfigSpace(
+        {
+            "BLOCK_M": _BLOCKS,
+            "BLOCK_N": _BLOCKS + (256,),
+            "BLOCK_K": (16, 32, 64),
+            "GROUP_M": (8,),
+            "num_warps": (2, 4, 8),
+            "num_stages": (2, 3, 4),
+        }
+    ),
 }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tunecache.key import DeviceClass
+from tunecache_kernels import conv2d_dgrad_hopper as dgrad
 from tunecache_kernels import conv2d_fprop_hopper as fprop
 from tunecache_kernels import conv2d_wgrad_hopper as wgrad
 from tunecache_kernels import gluon_host as gh
@@ -178,6 +179,45 @@ def test_conv2d_wgrad_matches_torch(case):
     for c in configs:
         _poison(Co * R * S * gh.round_up(Ci, 8), torch.bfloat16)
         _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
+
+
+DGRAD_EXTRA = [
+    (32, 14, 14, 512, 512, 3, 3, 2, 1),  # ResNet-50's strided 3x3: four phases of 4, 2, 2, 1 taps
+    (8, 56, 56, 256, 512, 1, 1, 2, 0),  # strided 1x1: three phases no tap reaches (zeros)
+    (2, 32, 32, 3, 64, 7, 7, 2, 3),  # the stem: Ci = 3 (w's rows padded for TMA)
+    (2, 16, 16, 128, 3, 3, 3, 1, 1),  # Co = 3 (grad_out's channels padded)
+    (4, 17, 17, 160, 160, 7, 1, 1, (3, 0)),  # Inception's 7x1
+    (2, 11, 13, 24, 40, 5, 5, 3, 2),  # stride 3: nine phases, odd sizes
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA + DGRAD_EXTRA, ids=_conv_ids)
+def test_conv2d_dgrad_matches_torch(case):
+    """grad_x in one launch over every phase, w read in place, written in place: against torch's."""
+    N, H, W, Ci, Co, R, S, st, pd = case
+    torch.manual_seed(hash(case) % 1000 + 2)
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+    p = dgrad.problem(g, w, H, W, st, pd)
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+    if not dgrad.supports(p, dev):
+        pytest.skip("TMA im2col cannot walk this geometry")
+    ref = dgrad.reference(g.float(), w.float(), H, W, st, pd)
+    configs = [dgrad.default_config(p, dev)]
+    if case in CONV_EXTRA + DGRAD_EXTRA:
+        configs += [
+            {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+        ]
+    for c in configs:
+        _poison(N * H * W * Ci, torch.bfloat16)
+        _check(dgrad.launch(c, g, w, H, W, st, pd), ref.to(torch.bfloat16), 1e-2)
+        _check(dgrad.launch(c, g, w, H, W, st, pd), ref.to(torch.bfloat16), 1e-2)  # the planned launch
 
 
 @gpu

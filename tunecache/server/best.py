@@ -43,7 +43,7 @@ Shape = Optional[str]
     },
 )
 def best(
-    op: Literal["matmul", "conv2d_fprop", "conv2d_wgrad"],
+    op: Literal["matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad"],
     _: ReadToken,
     store: StoreDep,
     device: str = Query(..., max_length=40, description="the device class ARCH:SMS, e.g. sm_90:132"),

@@ -1,0 +1,640 @@
+"""Hopper (sm_90a) conv2d dgrad in Gluon: grad_x of a convolution in one launch, reading grad_out
+and w where they lie and writing grad_x in place.
+
+At stride sh x sw, grad_x's rows a::sh, columns b::sw (one output phase) are reached only by
+the filter taps r0::sh, s0::sw: each phase is a stride-1 correlation of grad_out with those
+taps, flipped, and channels swapped. The kernel is the persistent implicit GEMM of
+conv2d_fprop_hopper over the tiles of every phase at once (phase-major, tiles of a phase in
+grouped order), so no multiply-add falls on the zeros a dilated gradient would hold, and:
+
+- A, grad_out: one TMA im2col load per k-step, the same descriptor for every phase (a
+  stride-1 walk of ceil(H/sh) x ceil(W/sw) pixels with a halo of PH x PW); a phase's tap
+  shifts the load by its own offset, zeros where the window leaves grad_out.
+- B, w [Co, R, S, Ci]: tiles [BLOCK_K (Co), BLOCK_N (Ci)] of w viewed [Co, R*S*Ci] at the tap's
+  columns, given to WGMMA as an N-major operand: the flip and the transpose are addressing,
+  not copies.
+- the output: masked stores from the accumulator straight to the phase's positions of grad_x;
+  phases no tap reaches (a filter smaller than its stride) are zeroed by the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import KernelSpec, problems
+from . import gluon_hopper as ghop
+from . import gluon_host as gh
+from . import gluon_launch as direct
+from .conv2d_fprop_hopper import _next_k
+from .geometry import is_pointwise
+from .gluon_hopper import grouped_tile, wgmma_acc_layout
+from .spaces.hopper import SPACES
+
+OP, BACKEND = "conv2d_dgrad", "hopper"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_dgrad_problem
+inputs = problems.conv2d_dgrad_inputs
+reference = problems.conv2d_dgrad_reference
+flops = problems.conv2d_dgrad_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code -------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w):
+    """Phase `phase` (its first taps (kr0, ks0) = divmod(phase, PS)) -> (kr0, ks0, the grad_x row
+    and column it starts at (a, b), its taps (kr, ks), the grad_out row and column its first tap
+    reads for output (0, 0) (ca, cb), its rows and columns of grad_x)."""
+    kr0 = phase // PS
+    ks0 = phase % PS
+    a = ((kr0 - pad_h) % stride_h + stride_h) % stride_h
+    b = ((ks0 - pad_w) % stride_w + stride_w) % stride_w
+    kr = (R - kr0 + stride_h - 1) // stride_h
+    ks = (S - ks0 + stride_w - 1) // stride_w
+    ca = (a + pad_h - kr0) // stride_h
+    cb = (b + pad_w - ks0) // stride_w
+    rows = (H - a + stride_h - 1) // stride_h
+    cols = (W - b + stride_w - 1) // stride_w
+    return kr0, ks0, a, b, kr, ks, ca, cb, rows, cols
+
+
+@gluon.constexpr_function
+def store_layout(BLOCK_N, num_warps):
+    """Registers for the epilogue's stores: 8 channels (16 bytes) a thread, a warp across as
+    much of a pixel's row of channels as the tile has, so each pixel's channels are one
+    contiguous write (the WGMMA layout holds 2 channels a thread)."""
+    tpw_n = min(32, BLOCK_N // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N):
+    """This CTA's t-th tile -> (its phase, first output pixel of the phase's walk, first channel)."""
+    tile = pid + t * nprog
+    pid_m, pid_n = grouped_tile(tile % tiles_per_phase, num_pid_m, num_pid_n, GROUP_M)
+    return tile // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _producer_at(
+    t,
+    pid,
+    nprog,
+    tiles_per_phase,
+    num_pid_m,
+    num_pid_n,
+    GROUP_M,
+    PQ2,
+    Q2,
+    PS,
+    R,
+    S,
+    H,
+    W,
+    sh,
+    sw,
+    pad_h,
+    pad_w,
+    BLOCK_M,
+    BLOCK_N,
+):
+    """What the loads of this CTA's t-th tile need: (its channel, image, row and column of its
+    first pixel, its phase's first taps, tap counts and first grad_out offsets)."""
+    phase, m0, n0 = _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = _phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
+    pq = m0 % PQ2
+    return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb
+
+
+@gluon.jit
+def _issue_load(
+    step,
+    pred,
+    img,
+    p0,
+    q0,
+    n0,
+    c0,
+    t,
+    u,
+    kr0,
+    ks0,
+    ca,
+    cb,
+    S,
+    Ciw,
+    stride_h,
+    stride_w,
+    PH,
+    PW,
+    g_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    PQ2,
+    Q2,
+    STAGES: gl.constexpr,
+    IM2COL: gl.constexpr,
+):
+    """TMA-load k-step `step` (the phase's tap (t, u), Co channels c0...) of the tile at output
+    pixel (img, p0, q0), grad_x channels n0..."""
+    slot = step % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, g_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
+    if IM2COL:
+        offs = [(ca - t + PH).to(gl.int16), (cb - u + PW).to(gl.int16)]
+        tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot), pred)
+    else:  # 1x1, stride 1, no padding: grad_out is the GEMM's A as it lies, [N*P*Q, Co]
+        tma.async_load(g_desc, [(img * PQ2 + p0 * Q2 + q0), c0], bar, a_bufs.index(slot), pred)
+    col = ((kr0 + stride_h * t) * S + ks0 + stride_w * u) * Ciw + n0
+    tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot), pred)
+
+
+@gluon.jit(
+    do_not_specialize=[
+        "M2",
+        "Ci",
+        "Co",
+        "Ciw",
+        "R",
+        "S",
+        "H",
+        "W",
+        "PQ2",
+        "Q2",
+        "stride_h",
+        "stride_w",
+        "pad_h",
+        "pad_w",
+        "PH",
+        "PW",
+        "PS",
+        "n_phases",
+        "GROUP_M",
+    ]
+)
+def conv2d_dgrad_kernel(
+    g_desc,
+    w_desc,
+    y_desc,
+    gx_ptr,
+    M2,
+    Ci,
+    Co,
+    Ciw,
+    R,
+    S,
+    H,
+    W,
+    PQ2,
+    Q2,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    PH,
+    PW,
+    PS,
+    n_phases,
+    GROUP_M,
+    STAGES: gl.constexpr,
+    IM2COL: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """g_desc: im2col over grad_out [N, P, Q, Co] (a stride-1 walk of M2 = N * PQ2 pixels, PQ2 =
+    ceil(H/sh) * Q2, halo PH x PW); w_desc: tiles of w [Co, R*S*Ciw]; gx_ptr: grad_x [N, H, W, Ci]."""
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    dtype: gl.constexpr = g_desc.dtype
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # the epilogue's way from the WGMMA layout to the store layout, allocated here so that its
+    # size is the kernel's to state (smem_bytes), not the compiler's to choose
+    c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M2, BLOCK_M)
+    num_pid_n = gl.cdiv(Ci, BLOCK_N)
+    tiles_per_phase = num_pid_m * num_pid_n
+    my_tiles = gl.cdiv(n_phases * tiles_per_phase - pid, nprog)
+    c_blocks = gl.cdiv(Co, BLOCK_K)
+
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    out_layout: gl.constexpr = store_layout(BLOCK_N, num_warps)
+    rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+
+    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles
+    pt = gl.to_tensor(0)
+    pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb = _producer_at(
+        pt,
+        pid,
+        nprog,
+        tiles_per_phase,
+        num_pid_m,
+        num_pid_n,
+        GROUP_M,
+        PQ2,
+        Q2,
+        PS,
+        R,
+        S,
+        H,
+        W,
+        stride_h,
+        stride_w,
+        pad_h,
+        pad_w,
+        BLOCK_M,
+        BLOCK_N,
+    )
+    pc0 = gl.to_tensor(0)
+    ptap = gl.to_tensor(0)
+    pu = gl.to_tensor(0)
+    for i in gl.static_range(STAGES - 1):
+        _issue_load(
+            i,
+            pt < my_tiles,
+            pimg,
+            pp0,
+            pq0,
+            pn0,
+            pc0,
+            ptap,
+            pu,
+            pkr0,
+            pks0,
+            pca,
+            pcb,
+            S,
+            Ciw,
+            stride_h,
+            stride_w,
+            PH,
+            PW,
+            g_desc,
+            w_desc,
+            a_bufs,
+            b_bufs,
+            ready,
+            PQ2,
+            Q2,
+            STAGES,
+            IM2COL,
+        )
+        pc0, ptap, pu, done = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
+        if done:
+            pt += 1
+            pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb = _producer_at(
+                pt,
+                pid,
+                nprog,
+                tiles_per_phase,
+                num_pid_m,
+                num_pid_n,
+                GROUP_M,
+                PQ2,
+                Q2,
+                PS,
+                R,
+                S,
+                H,
+                W,
+                stride_h,
+                stride_w,
+                pad_h,
+                pad_w,
+                BLOCK_M,
+                BLOCK_N,
+            )
+
+    step = 0
+    for t in range(my_tiles):
+        phase, m0, n0 = _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = _phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
+        for kk in range(kr * ks * c_blocks):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kk != 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _issue_load(
+                step + STAGES - 1,
+                pt < my_tiles,
+                pimg,
+                pp0,
+                pq0,
+                pn0,
+                pc0,
+                ptap,
+                pu,
+                pkr0,
+                pks0,
+                pca,
+                pcb,
+                S,
+                Ciw,
+                stride_h,
+                stride_w,
+                PH,
+                PW,
+                g_desc,
+                w_desc,
+                a_bufs,
+                b_bufs,
+                ready,
+                PQ2,
+                Q2,
+                STAGES,
+                IM2COL,
+            )
+            pc0, ptap, pu, done = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
+            if done:
+                pt += 1
+                pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb = _producer_at(
+                    pt,
+                    pid,
+                    nprog,
+                    tiles_per_phase,
+                    num_pid_m,
+                    num_pid_n,
+                    GROUP_M,
+                    PQ2,
+                    Q2,
+                    PS,
+                    R,
+                    S,
+                    H,
+                    W,
+                    stride_h,
+                    stride_w,
+                    pad_h,
+                    pad_w,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # pixel m of the phase's walk -> grad_x[img, a + sh * pi, b + sw * pj]
+        m = m0 + rows0
+        img = m // PQ2
+        pi = (m % PQ2) // Q2
+        pj = m % Q2
+        row_ok = (m < M2) & (pi < rows) & (pj < cols)
+        base = ((img.to(gl.int64) * H + a + stride_h * pi) * W + b + stride_w * pj) * Ci
+        ci = n0 + cols0
+        mask = row_ok[:, None] & (ci < Ci)[None, :]
+        if TMA_STORE:  # one phase whose walk is grad_x's own pixels: y_desc tiles grad_x [M2, Ci]
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(dtype))
+            fence_async_shared()
+            tma.async_store(y_desc, [m0, n0], c_smem)
+        else:
+            gl.barrier()  # every thread is done reading the last tile's
+            c_smem.store(acc.to(dtype))
+            gl.barrier()
+            gl.store(gx_ptr + base[:, None] + ci[None, :], c_smem.load(out_layout), mask=mask)
+
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
+
+
+# ---- the phases' geometry (host) ---------------------------------------------------------------
+
+
+def halo(taps: int, stride: int, pad: int) -> int:
+    """Rows (or columns) of grad_out the shared im2col walk must start before output row 0 so
+    that every phase's first tap is a non-negative offset from it."""
+    need = 0
+    for kr0 in range(min(taps, stride)):
+        a = (kr0 - pad) % stride
+        kr = -(-(taps - kr0) // stride)
+        need = max(need, kr - 1 - (a + pad - kr0) // stride)
+    return need
+
+
+def walk(p: dict) -> tuple[int, int, int, int]:
+    """(rows, columns) of the walk every phase shares (the largest phase's), and its halo."""
+    sh, sw = p["stride_h"], p["stride_w"]
+    return -(-p["H"] // sh), -(-p["W"] // sw), halo(p["R"], sh, p["pad_h"]), halo(p["S"], sw, p["pad_w"])
+
+
+def n_phases(p: dict) -> int:
+    """Phases some tap reaches: the others are zeros."""
+    return min(p["R"], p["stride_h"]) * min(p["S"], p["stride_w"])
+
+
+# ---- configs -------------------------------------------------------------------------------------
+
+
+def supports(p: dict, device) -> bool:
+    if device.capability != (9, 0) or p.get("dtype") not in _DTYPES:
+        return False
+    p2, q2, ph, pw = walk(p)
+    return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
+
+
+def config_space(p: dict, device) -> list[dict]:
+    """The space, less configs that would run but cannot help on this problem. Resource limits
+    are left to prune(), which must agree with the compiler."""
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
+
+
+def resources_ok(c: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler)."""
+    return ghop.wgmma_resources_ok(c, smem_bytes(c))
+
+
+def smem_bytes(c: dict, itemsize: int = 2) -> int:
+    """The ring, its barriers and the epilogue's tile."""
+    ring = c["num_stages"] * ((c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 8)
+    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize
+
+
+def _as_fprop(p: dict) -> dict:
+    """The problem as the GEMM each phase is: Co channels reduced, Ci produced."""
+    p2, q2, _, _ = walk(p)
+    return {**p, "Ci": p["Co"], "Co": p["Ci"], "gemm_M": p["N"] * p2 * q2}
+
+
+def worth_trying(c: dict, p: dict) -> bool:
+    """The performance rule (config_space() applies it): could this config win on this problem?"""
+    if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
+        return False  # two warpgroups on a 64-row tile split N: below 128 columns each gets a sliver
+    g = _as_fprop(p)
+    if c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(g["Ci"], p["dtype"]))):
+        return False  # a k-step covers one tap: more channels than grad_out has are zeros
+    return c["BLOCK_N"] <= max(64, gh.pow2_at_least(g["Co"])) and c["BLOCK_M"] <= max(64, gh.pow2_at_least(g["gemm_M"]))
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    """Configs that fit the device, the likeliest winners first (the forward conv's order)."""
+    kept = [c for c in configs if resources_ok(c)]
+    return ghop.quick_first("conv2d_fprop", kept, _as_fprop(p), gh.sm_count_of(device))
+
+
+def default_config(p: dict, device) -> dict:
+    bk = min(64, max(16, gh.pow2_at_least(gh.padded_channels(p["Co"], p["dtype"]))))
+    if p["Ci"] >= 256:
+        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    elif p["Ci"] >= 128:
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    else:
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    if not (resources_ok(c) and worth_trying(c, p)):
+        fitting = prune(config_space(p, device), p, device)
+        if fitting:
+            c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
+    return c
+
+
+# ---- host side -----------------------------------------------------------------------------------
+
+
+def _constexprs(c: dict, im2col: bool, tma_store: bool) -> dict:
+    return {"STAGES": c["num_stages"], "IM2COL": im2col, "TMA_STORE": tma_store, "num_warps": c["num_warps"]}
+
+
+def tma_store_ok(p: dict) -> bool:
+    """Stride 1: one phase, whose walk is grad_x's own pixels, so the epilogue is a TMA store of
+    grad_x viewed [N*H*W, Ci] (its rows 16-byte aligned)."""
+    return (p["stride_h"], p["stride_w"]) == (1, 1) and p["Ci"] % gh.tma_multiple(p["dtype"]) == 0
+
+
+class _Plan:
+    """One (config, shapes, strides, dtype, stride, padding, device) launch, precomputed: see
+    gluon_launch.DirectLauncher."""
+
+    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "co", "ciw", "gx_shape", "zeros")
+
+    def run(self, grad_out: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
+        g = gh.pad_last_dim(grad_out, self.co)
+        wp = gh.pad_last_dim(w, self.ciw)
+        gx = (torch.zeros if self.zeros else torch.empty)(self.gx_shape, device=g.device, dtype=g.dtype)
+        pg, pw = g.data_ptr(), wp.data_ptr()
+        maps, ld = self.maps, self.launcher
+        gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(g)))
+        wm = maps.get((1, pw)) or maps.put((1, pw), ld.expand_desc(1, self.w_desc(wp)))
+        py = gx.data_ptr()
+        ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, self.y_desc(gx)))
+        ld(self.grid0, stream, [*gm, *wm, *ym, py, *self.tail])
+        return gx
+
+
+_PLANS = direct.PlanCache()
+
+
+def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
+    key = None
+    if direct.direct_launch_enabled():
+        st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
+        if st is not None and pd is not None:
+            dev, stream = direct.current_device_and_stream()
+            key = (direct.config_key(config), grad_out.shape, grad_out.stride(), w.shape, w.stride(), grad_out.dtype)
+            key += (w.dtype, H, W, st, pd, dev)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan.run(grad_out, w, stream)
+    return _launch_jit(config, grad_out, w, H, W, stride, padding, key)
+
+
+def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding, key):
+    (sh, sw) = problems.pair(stride, "stride", minimum=1)
+    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    N, P, Q, Co = grad_out.shape
+    _, R, S, Ci = w.shape
+    p = {"H": H, "W": W, "R": R, "S": S, "stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw}
+    p2, q2, halo_h, halo_w = walk(p)
+    co = gh.padded_channels(Co, grad_out.dtype)
+    # w's rows [R*S*Ci] must meet TMA's 16-byte stride rule: pad Ci (the extra columns are
+    # output channels past Ci, never stored)
+    ciw = Ci if (R * S * Ci) % gh.tma_multiple(w.dtype) == 0 else gh.padded_channels(Ci, w.dtype)
+    g, wp = gh.pad_last_dim(grad_out, co), gh.pad_last_dim(w, ciw)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+
+    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
+    tma_store = tma_store_ok({**p, "Ci": Ci, "dtype": problems.dtype_name(w.dtype)})
+    dummy = None if tma_store else torch.empty((bm, bn), device=w.device, dtype=w.dtype)
+
+    def g_desc_of(t):
+        if not im2col:
+            return gh.tiled_desc(t.view(N * P * Q, co), [bm, bk])
+        return gh.im2col_desc(t, [bm, bk], stride=(1, 1), padding=(halo_h, halo_w), out_hw=(p2, q2))
+
+    def y_desc_of(t):  # the pointer epilogue's stand-in keeps the descriptor's type
+        return gh.tiled_desc(t.view(N * H * W, Ci) if tma_store else dummy, [bm, bn])
+
+    def w_desc_of(t):
+        return gh.tiled_desc(t.view(Co, R * S * ciw), [bk, bn])
+
+    zeros = R < sh or S < sw  # phases no tap reaches are zeros
+    gx = (torch.zeros if zeros else torch.empty)((N, H, W, Ci), device=g.device, dtype=g.dtype)
+    phases = n_phases(p)
+    M2 = N * p2 * q2
+    tiles = phases * triton.cdiv(M2, bm) * triton.cdiv(Ci, bn)
+    grid = gh.persistent_grid(tiles, gh.num_sms(g.device))
+    ce = _constexprs(config, im2col, tma_store)
+    scalars = (M2, Ci, co, ciw, R, S, H, W, p2 * q2, q2, sh, sw, ph, pw, halo_h, halo_w, min(S, sw), phases)
+    scalars += (config["GROUP_M"],)
+    compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, *scalars, **ce)
+    if key is not None:
+        ld = direct.DirectLauncher.of(compiled)
+        if ld is not None:
+            plan = _Plan()
+            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
+            plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None, None, None, None) + scalars, ce)[4:]
+            plan.g_desc, plan.w_desc, plan.y_desc, plan.co, plan.ciw = g_desc_of, w_desc_of, y_desc_of, co, ciw
+            plan.gx_shape, plan.zeros = (N, H, W, Ci), zeros
+            _PLANS.put(key, plan)
+    return gx
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    im2col = not is_pointwise(p)
+    ce = _constexprs(config, im2col, tma_store_ok(p))
+    sig = {
+        "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
+        "w_desc": gh.desc_sig(dt, [bk, bn]),
+        "y_desc": gh.desc_sig(dt, [bm, bn]),
+        "gx_ptr": gh.ptr_sig(dt),
+    }
+    ints = ("M2", "Ci", "Co", "Ciw", "R", "S", "H", "W", "PQ2", "Q2", "stride_h", "stride_w", "pad_h", "pad_w")
+    sig.update({k: "i32" for k in ints + ("PH", "PW", "PS", "n_phases", "GROUP_M")})
+    sig.update({k: "constexpr" for k in ce})
+    return [
+        KernelSpec(
+            fn=conv2d_dgrad_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            name="conv2d_dgrad_kernel",
+        )
+    ]

@@ -1,0 +1,187 @@
+"""Portable conv2d dgrad in `triton.language` (NHWC; any stride, padding and channel count).
+
+grad_x by output phase, as conv2d_dgrad_hopper: at stride sh x sw the rows a::sh, columns b::sw
+of grad_x are reached only by the taps r0::sh, s0::sw, so each program computes one tile of
+one phase (program ids phase-major) over that phase's taps alone: M = the phase's pixels,
+N = Ci, K = its taps * Co, w read in place ([Co, R, S, Ci]: the flip and transpose are
+addressing). Phases no tap reaches are zeroed by the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import portable_rules as rules
+from . import problems
+from .spaces.portable import SPACES
+
+OP, BACKEND = "conv2d_dgrad", "portable"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_dgrad_problem
+inputs = problems.conv2d_dgrad_inputs
+reference = problems.conv2d_dgrad_reference
+flops = problems.conv2d_dgrad_flops
+
+
+@triton.jit
+def conv2d_dgrad_kernel(
+    g_ptr,
+    w_ptr,
+    gx_ptr,
+    N,
+    H,
+    W,
+    Ci,
+    Co,
+    P,
+    Q,
+    R,
+    S,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    P2,
+    Q2,
+    PS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    M2 = N * P2 * Q2
+    # plain arithmetic, not tl.cdiv (see conv2d_fprop_portable)
+    num_pid_m = (M2 + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (Ci + BLOCK_N - 1) // BLOCK_N
+    per_phase = num_pid_m * num_pid_n
+    phase = pid // per_phase
+    tile = pid % per_phase
+    group = GROUP_M * num_pid_n
+    first_m = (tile // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % group_m
+    pid_n = (tile % group) // group_m
+
+    # the phase: first taps (kr0, ks0), the grad_x row and column it starts at, its tap counts
+    kr0 = phase // PS
+    ks0 = phase % PS
+    a = ((kr0 - pad_h) % stride_h + stride_h) % stride_h
+    b = ((ks0 - pad_w) % stride_w + stride_w) % stride_w
+    kr = (R - kr0 + stride_h - 1) // stride_h
+    ks = (S - ks0 + stride_w - 1) // stride_w
+    ca = (a + pad_h - kr0) // stride_h
+    cb = (b + pad_w - ks0) // stride_w
+    rows = (H - a + stride_h - 1) // stride_h
+    cols = (W - b + stride_w - 1) // stride_w
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_K)
+    n = offs_m // (P2 * Q2)
+    i = (offs_m % (P2 * Q2)) // Q2
+    j = offs_m % Q2
+    m_ok = (offs_m < M2) & (i < rows) & (j < cols)
+    ci_ok = offs_ci < Ci
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(kr):
+        gh = i + ca - t
+        r = kr0 + stride_h * t
+        for u in range(ks):
+            gw = j + cb - u
+            s = ks0 + stride_w * u
+            pix_ok = m_ok & (gh >= 0) & (gh < P) & (gw >= 0) & (gw < Q)
+            g_row = ((n.to(tl.int64) * P + gh) * Q + gw) * Co
+            w_col = (r * S + s) * Ci + offs_ci.to(tl.int64)
+            for c0 in range(0, Co, BLOCK_K):
+                c = c0 + offs_c
+                c_ok = c < Co
+                x = tl.load(g_ptr + g_row[:, None] + c[None, :], mask=pix_ok[:, None] & c_ok[None, :], other=0.0)
+                y = tl.load(
+                    w_ptr + c[:, None].to(tl.int64) * (R * S * Ci) + w_col[None, :],
+                    mask=c_ok[:, None] & ci_ok[None, :],
+                    other=0.0,
+                )
+                if UPCAST:
+                    x, y = x.to(tl.float32), y.to(tl.float32)
+                acc = tl.dot(x, y, acc)
+    out = ((n.to(tl.int64) * H + a + stride_h * i) * W + b + stride_w * j) * Ci
+    tl.store(
+        gx_ptr + out[:, None] + offs_ci[None, :],
+        acc.to(gx_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & ci_ok[None, :],
+    )
+
+
+JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
+
+
+def supports(p: dict, device) -> bool:
+    return True
+
+
+def config_space(p: dict, device) -> list[dict]:
+    return list(SPACES[OP])
+
+
+def _sizes(p: dict) -> dict[str, int]:
+    m = p["N"] * -(-p["H"] // p["stride_h"]) * -(-p["W"] // p["stride_w"])
+    return {"BLOCK_M": m, "BLOCK_N": p["Ci"], "BLOCK_K": p["Co"]}
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    s = _sizes(p)
+    return rules.prune(configs, p, device, s, (s["BLOCK_M"], p["Ci"], p["gemm_K"]))
+
+
+def default_config(p: dict, device) -> dict:
+    if device.arch == "cpu":
+        c = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    else:
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return rules.fit(c, _sizes(p), device)
+
+
+def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
+    N, P, Q, Co = grad_out.shape
+    _, R, S, Ci = w.shape
+    (sh, sw), (ph, pw) = problems.pair(stride, "stride", minimum=1), problems.pair(padding, "padding", minimum=0)
+    P2, Q2 = triton.cdiv(H, sh), triton.cdiv(W, sw)
+    phases = min(R, sh) * min(S, sw)
+    zeros = R < sh or S < sw  # phases no tap reaches are zeros
+    gx = (torch.zeros if zeros else torch.empty)((N, H, W, Ci), device=grad_out.device, dtype=grad_out.dtype)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (phases * triton.cdiv(N * P2 * Q2, bm) * triton.cdiv(Ci, bn),)
+    conv2d_dgrad_kernel[grid](
+        grad_out,
+        w,
+        gx,
+        N,
+        H,
+        W,
+        Ci,
+        Co,
+        P,
+        Q,
+        R,
+        S,
+        sh,
+        sw,
+        ph,
+        pw,
+        P2,
+        Q2,
+        min(S, sw),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        UPCAST=rules.interpreter_upcast(grad_out),
+    )
+    return gx
