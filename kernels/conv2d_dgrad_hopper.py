@@ -215,6 +215,7 @@ def conv2d_dgrad_kernel(
     STAGES: gl.constexpr,
     IM2COL: gl.constexpr,
     TMA_STORE: gl.constexpr,
+    VEC: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """g_desc: im2col over grad_out [N, P, Q, Co] (a stride-1 walk of M2 = N * PQ2 pixels, PQ2 =
@@ -403,9 +404,13 @@ def conv2d_dgrad_kernel(
         pi = (m % PQ2) // Q2
         pj = m % Q2
         row_ok = (m < M2) & (pi < rows) & (pj < cols)
-        base = ((img.to(gl.int64) * H + a + stride_h * pi) * W + b + stride_w * pj) * Ci
+        # Ci as a multiple of VEC the compiler can see (Ci is not specialized): pixel rows start
+        # 16-byte aligned and the channel mask is constant over each VEC, so a thread's 8
+        # channels are one 16-byte store, not 8 of 2 bytes
+        ci_vec = (Ci // VEC) * VEC
+        base = ((img.to(gl.int64) * H + a + stride_h * pi) * W + b + stride_w * pj) * ci_vec
         ci = n0 + cols0
-        mask = row_ok[:, None] & (ci < Ci)[None, :]
+        mask = row_ok[:, None] & (ci < ci_vec)[None, :]
         if TMA_STORE:  # one phase whose walk is grad_x's own pixels: y_desc tiles grad_x [M2, Ci]
             tma.store_wait(pendings=0)
             c_smem.store(acc.to(dtype))
@@ -517,8 +522,23 @@ def default_config(p: dict, device) -> dict:
 # ---- host side -----------------------------------------------------------------------------------
 
 
-def _constexprs(c: dict, im2col: bool, tma_store: bool) -> dict:
-    return {"STAGES": c["num_stages"], "IM2COL": im2col, "TMA_STORE": tma_store, "num_warps": c["num_warps"]}
+def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int) -> dict:
+    return {
+        "STAGES": c["num_stages"],
+        "IM2COL": im2col,
+        "TMA_STORE": tma_store,
+        "VEC": vec,
+        "num_warps": c["num_warps"],
+    }
+
+
+def store_vec(ci: int, dtype) -> int:
+    """Channels a thread stores at once in the pointer epilogue: up to 16 bytes, as many as
+    divide a pixel's row (Ci = 4: 8-byte stores; Ci = 3: 2-byte ones)."""
+    v = gh.tma_multiple(dtype)
+    while ci % v:
+        v //= 2
+    return v
 
 
 def tma_store_ok(p: dict) -> bool:
@@ -599,7 +619,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     M2 = N * p2 * q2
     tiles = phases * triton.cdiv(M2, bm) * triton.cdiv(Ci, bn)
     grid = gh.persistent_grid(tiles, gh.num_sms(g.device))
-    ce = _constexprs(config, im2col, tma_store)
+    ce = _constexprs(config, im2col, tma_store, store_vec(Ci, w.dtype))
     scalars = (M2, Ci, co, ciw, R, S, H, W, p2 * q2, q2, sh, sw, ph, pw, halo_h, halo_w, min(S, sw), phases)
     scalars += (config["GROUP_M"],)
     compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, *scalars, **ce)
@@ -619,7 +639,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col, tma_store_ok(p))
+    ce = _constexprs(config, im2col, tma_store_ok(p), store_vec(p["Ci"], dt))
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
         "w_desc": gh.desc_sig(dt, [bk, bn]),

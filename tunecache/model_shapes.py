@@ -66,7 +66,6 @@ def entries(
     """(one entry per distinct problem, the layers tunecache leaves to torch), from one forward
     pass of `model` on the meta device with an input of (batch, *input_shape), of the model's
     dtype or `input_dtype` (e.g. int64 token ids)."""
-    from .custom_ops import dgrad_phases
     from .nn import conv_refusal, padding_pair
 
     if dtype not in DTYPES:
@@ -85,22 +84,18 @@ def entries(
             if why:
                 left.append(f"{name}: {why}")
                 return
-            x, y = args[0], _out
+            x = args[0]
             n, ci, h, w = x.shape
             pad, st = padding_pair(m), tuple(m.stride)
             r, s = m.kernel_size
             fields = dict(N=n, H=h, W=w, Ci=ci, Co=m.out_channels, R=r, S=s)
             fields.update(_geometry(st, pad), dtype=dtype)
-            keep(name, ["conv2d_fprop", "conv2d_wgrad"] if training else ["conv2d_fprop"], fields)
-            if training and x.requires_grad:  # the model's input needs no gradient
-                _, _, p, q = y.shape
-                for ph in dgrad_phases((n, h, w, ci), (m.out_channels, r, s, ci), st, pad):
-                    if 0 in ph.taps:
-                        continue
-                    (hh, ww), dpad, _ = ph.conv(p, q)
-                    fields = dict(N=n, H=hh, W=ww, Ci=m.out_channels, Co=ci, R=ph.taps[0], S=ph.taps[1])
-                    fields.update(_geometry((1, 1), dpad), dtype=dtype)
-                    keep(f"{name}_dgrad" + (f"_phase{ph.a}{ph.b}" if st != (1, 1) else ""), ["conv2d_fprop"], fields)
+            ops = ["conv2d_fprop"]
+            if training:
+                ops.append("conv2d_wgrad")
+                if x.requires_grad:  # the model's input needs no gradient
+                    ops.append("conv2d_dgrad")
+            keep(name, ops, fields)
 
         return hook
 
