@@ -149,7 +149,11 @@ def main() -> None:
     ap.add_argument("--max-candidates", type=int, default=None, help="TUNECACHE_MAX_CANDIDATES for the pre-tuning")
     ap.add_argument("--no-pretune", action="store_true", help="the store is tuned already (or tune on first use)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="only plot the loss curves of a results JSON to a PNG")
     args = ap.parse_args()
+    if args.plot:
+        print(f"plot {plot(args.plot)}")
+        return
 
     tune_s = None if args.no_pretune else pretune(args)
     data = list(batches(max(args.steps, args.warmup), args.batch, seed=1))
@@ -175,22 +179,6 @@ def main() -> None:
 
     name = args.out.stem if args.out else f"train-resnet50-b{args.batch}"
     out_dir = args.out.parent if args.out else RESULTS
-    png = out_dir / f"{name}-loss.png"
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for k, v in losses.items():
-        ax.plot(range(1, len(v) + 1), v, label=k)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss")
-    ax.set_title(f"ResNet-50, batch {args.batch}, bf16, same seed and data")
-    ax.legend()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120, bbox_inches="tight")
-
     summary = {
         "step_ratio": ms["torch"] / ms["tunecache"],
         "step_ms": ms,
@@ -201,10 +189,37 @@ def main() -> None:
     }
     print(
         f"ResNet-50 training step, batch {args.batch}: torch {ms['torch']:.1f} ms, tunecache "
-        f"{ms['tunecache']:.1f} ms ({summary['step_ratio']:.3f}x); loss curves within {gap:.3%}; plot {png}"
+        f"{ms['tunecache']:.1f} ms ({summary['step_ratio']:.3f}x); loss curves within {gap:.3%}"
     )
+    # the JSON first: a GPU host without matplotlib keeps the run (plot it elsewhere: --plot)
     path = write_results(name, {"summary": summary, "rounds_ms": rounds, "losses": losses}, out_dir)
     print(f"wrote {path}")
+    try:
+        print(f"plot {plot(path)}")
+    except ImportError:
+        print(f"no matplotlib here: plot it where there is, python {Path(__file__).name} --plot {path}")
+
+
+def plot(results: Path) -> Path:
+    """The loss curves of a results JSON, as a PNG beside it."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(results).read_text())
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, v in data["losses"].items():
+        ax.plot(range(1, len(v) + 1), v, label=k)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(f"ResNet-50, batch {data['summary']['batch']}, bf16, same seed and data")
+    ax.legend()
+    png = Path(results).with_name(Path(results).stem + "-loss.png")
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    return png
 
 
 if __name__ == "__main__":

@@ -127,6 +127,13 @@ VARIANTS = {
         {"N": 8, "H": 28, "W": 28, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
         {"N": 2, "H": 14, "W": 14, "Ci": 5, "Co": 96, "R": 3, "S": 3, "stride": 2, "padding": 1, "dtype": "bfloat16"},
     ],
+    # a pointwise 1x1 (grad_out tiled, TMA store), the stem at stride 2 (w's rows padded, 2-byte
+    # stores into the phases), 3 output channels (grad_out padded)
+    "conv2d_dgrad": [
+        {"N": 8, "H": 28, "W": 28, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+        {"N": 4, "H": 224, "W": 224, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3, "dtype": "bfloat16"},
+        {"N": 1, "H": 64, "W": 64, "Ci": 128, "Co": 3, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
+    ],
 }
 
 
