@@ -54,24 +54,6 @@ _DTYPES = ("float16", "bfloat16")
 # ---- device code -------------------------------------------------------------------------------
 
 
-@gluon.jit
-def _phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w):
-    """Phase `phase` (its first taps (kr0, ks0) = divmod(phase, PS)) -> (kr0, ks0, the grad_x row
-    and column it starts at (a, b), its taps (kr, ks), the grad_out row and column its first tap
-    reads for output (0, 0) (ca, cb), its rows and columns of grad_x)."""
-    kr0 = phase // PS
-    ks0 = phase % PS
-    a = ((kr0 - pad_h) % stride_h + stride_h) % stride_h
-    b = ((ks0 - pad_w) % stride_w + stride_w) % stride_w
-    kr = (R - kr0 + stride_h - 1) // stride_h
-    ks = (S - ks0 + stride_w - 1) // stride_w
-    ca = (a + pad_h - kr0) // stride_h
-    cb = (b + pad_w - ks0) // stride_w
-    rows = (H - a + stride_h - 1) // stride_h
-    cols = (W - b + stride_w - 1) // stride_w
-    return kr0, ks0, a, b, kr, ks, ca, cb, rows, cols
-
-
 @gluon.constexpr_function
 def store_layout(BLOCK_N, num_warps):
     """Registers for the epilogue's stores: 8 channels (16 bytes) a thread, a warp across as
@@ -115,7 +97,7 @@ def _producer_at(
     """What the loads of this CTA's t-th tile need: (its channel, image, row and column of its
     first pixel, its phase's first taps, tap counts and first grad_out offsets)."""
     phase, m0, n0 = _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
-    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = _phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
+    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
     pq = m0 % PQ2
     return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb
 
@@ -335,7 +317,9 @@ def conv2d_dgrad_kernel(
     step = 0
     for t in range(my_tiles):
         phase, m0, n0 = _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = _phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
+            phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
+        )
         for kk in range(kr * ks * c_blocks):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -430,38 +414,13 @@ def conv2d_dgrad_kernel(
 JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
 
 
-# ---- the phases' geometry (host) ---------------------------------------------------------------
-
-
-def halo(taps: int, stride: int, pad: int) -> int:
-    """Rows (or columns) of grad_out the shared im2col walk must start before output row 0 so
-    that every phase's first tap is a non-negative offset from it."""
-    need = 0
-    for kr0 in range(min(taps, stride)):
-        a = (kr0 - pad) % stride
-        kr = -(-(taps - kr0) // stride)
-        need = max(need, kr - 1 - (a + pad - kr0) // stride)
-    return need
-
-
-def walk(p: dict) -> tuple[int, int, int, int]:
-    """(rows, columns) of the walk every phase shares (the largest phase's), and its halo."""
-    sh, sw = p["stride_h"], p["stride_w"]
-    return -(-p["H"] // sh), -(-p["W"] // sw), halo(p["R"], sh, p["pad_h"]), halo(p["S"], sw, p["pad_w"])
-
-
-def n_phases(p: dict) -> int:
-    """Phases some tap reaches: the others are zeros."""
-    return min(p["R"], p["stride_h"]) * min(p["S"], p["stride_w"])
-
-
 # ---- configs -------------------------------------------------------------------------------------
 
 
 def supports(p: dict, device) -> bool:
     if device.capability != (9, 0) or p.get("dtype") not in _DTYPES:
         return False
-    p2, q2, ph, pw = walk(p)
+    p2, q2, ph, pw = gh.dgrad_walk(p)
     return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
 
 
@@ -484,7 +443,7 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
 
 def _as_fprop(p: dict) -> dict:
     """The problem as the GEMM each phase is: Co channels reduced, Ci produced."""
-    p2, q2, _, _ = walk(p)
+    p2, q2, _, _ = gh.dgrad_walk(p)
     return {**p, "Ci": p["Co"], "Co": p["Ci"], "gemm_M": p["N"] * p2 * q2}
 
 
@@ -532,21 +491,6 @@ def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int) -> dict:
     }
 
 
-def store_vec(ci: int, dtype) -> int:
-    """Channels a thread stores at once in the pointer epilogue: up to 16 bytes, as many as
-    divide a pixel's row (Ci = 4: 8-byte stores; Ci = 3: 2-byte ones)."""
-    v = gh.tma_multiple(dtype)
-    while ci % v:
-        v //= 2
-    return v
-
-
-def tma_store_ok(p: dict) -> bool:
-    """Stride 1: one phase, whose walk is grad_x's own pixels, so the epilogue is a TMA store of
-    grad_x viewed [N*H*W, Ci] (its rows 16-byte aligned)."""
-    return (p["stride_h"], p["stride_w"]) == (1, 1) and p["Ci"] % gh.tma_multiple(p["dtype"]) == 0
-
-
 class _Plan:
     """One (config, shapes, strides, dtype, stride, padding, device) launch, precomputed: see
     gluon_launch.DirectLauncher."""
@@ -590,7 +534,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     N, P, Q, Co = grad_out.shape
     _, R, S, Ci = w.shape
     p = {"H": H, "W": W, "R": R, "S": S, "stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw}
-    p2, q2, halo_h, halo_w = walk(p)
+    p2, q2, halo_h, halo_w = gh.dgrad_walk(p)
     co = gh.padded_channels(Co, grad_out.dtype)
     # w's rows [R*S*Ci] must meet TMA's 16-byte stride rule: pad Ci (the extra columns are
     # output channels past Ci, never stored)
@@ -599,7 +543,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
 
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    tma_store = tma_store_ok({**p, "Ci": Ci, "dtype": problems.dtype_name(w.dtype)})
+    tma_store = gh.dgrad_tma_store_ok({**p, "Ci": Ci, "dtype": problems.dtype_name(w.dtype)})
     dummy = None if tma_store else torch.empty((bm, bn), device=w.device, dtype=w.dtype)
 
     def g_desc_of(t):
@@ -615,11 +559,11 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
 
     zeros = R < sh or S < sw  # phases no tap reaches are zeros
     gx = (torch.zeros if zeros else torch.empty)((N, H, W, Ci), device=g.device, dtype=g.dtype)
-    phases = n_phases(p)
+    phases = gh.dgrad_phases(p)
     M2 = N * p2 * q2
     tiles = phases * triton.cdiv(M2, bm) * triton.cdiv(Ci, bn)
     grid = gh.persistent_grid(tiles, gh.num_sms(g.device))
-    ce = _constexprs(config, im2col, tma_store, store_vec(Ci, w.dtype))
+    ce = _constexprs(config, im2col, tma_store, gh.dgrad_store_vec(Ci, w.dtype))
     scalars = (M2, Ci, co, ciw, R, S, H, W, p2 * q2, q2, sh, sw, ph, pw, halo_h, halo_w, min(S, sw), phases)
     scalars += (config["GROUP_M"],)
     compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, *scalars, **ce)
@@ -639,7 +583,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col, tma_store_ok(p), store_vec(p["Ci"], dt))
+    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt))
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
         "w_desc": gh.desc_sig(dt, [bk, bn]),

@@ -4,8 +4,9 @@ TMA descriptors (tiled and im2col) and the signature strings that name them for 
 compile, channel padding for TMA's 16-byte stride rule, persistent grids, and split-K: its
 fp32 workspace and a deterministic two-pass reduction (the partials are summed in a fixed
 order, so the same inputs always give the same bits, unlike atomics), the work model that
-picks a split count, the matmul's split rules, and the wgrad's division of work (split-K and
-stream-K: WgradWork on the host, wgrad_piece walking it on the device), so that each
+picks a split count, the matmul's split rules, the wgrad's division of work (split-K and
+stream-K: WgradWork on the host, wgrad_piece walking it on the device) and the dgrad's output
+phases (dgrad_phase on the device, the shared walk and its halo on the host), so that each
 architecture's kernels schedule alike.
 
 Nothing here launches a GEMM, and nothing here serves one architecture only: what only the
@@ -477,6 +478,66 @@ def wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM: gl.constex
         k_to = gl.minimum(k_from + per, k_steps)
     rest = t // co_blocks
     return split, t, t % co_blocks, rest % ci_blocks, rest // ci_blocks, k_from, k_to
+
+
+# ---- conv dgrad by output phase: the geometry both dgrad kernels walk ----------------------------
+# At stride sh x sw, grad_x's rows a::sh, columns b::sw (one output phase) are reached only by
+# the filter taps r0::sh, s0::sw; a phase is named by its first taps (kr0, ks0), kr0 < min(R, sh).
+
+
+@gluon.jit
+def dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w):
+    """Phase `phase` (its first taps (kr0, ks0) = divmod(phase, PS)) -> (kr0, ks0, the grad_x row
+    and column it starts at (a, b), its taps (kr, ks), the grad_out row and column its first tap
+    reads for output (0, 0) (ca, cb), its rows and columns of grad_x)."""
+    kr0 = phase // PS
+    ks0 = phase % PS
+    a = ((kr0 - pad_h) % stride_h + stride_h) % stride_h
+    b = ((ks0 - pad_w) % stride_w + stride_w) % stride_w
+    kr = (R - kr0 + stride_h - 1) // stride_h
+    ks = (S - ks0 + stride_w - 1) // stride_w
+    ca = (a + pad_h - kr0) // stride_h
+    cb = (b + pad_w - ks0) // stride_w
+    rows = (H - a + stride_h - 1) // stride_h
+    cols = (W - b + stride_w - 1) // stride_w
+    return kr0, ks0, a, b, kr, ks, ca, cb, rows, cols
+
+
+def dgrad_halo(taps: int, stride: int, pad: int) -> int:
+    """Rows (or columns) of grad_out the shared im2col walk must start before output row 0 so
+    that every phase's first tap is a non-negative offset from it."""
+    need = 0
+    for kr0 in range(min(taps, stride)):
+        a = (kr0 - pad) % stride
+        kr = -(-(taps - kr0) // stride)
+        need = max(need, kr - 1 - (a + pad - kr0) // stride)
+    return need
+
+
+def dgrad_walk(p: dict) -> tuple[int, int, int, int]:
+    """(rows, columns) of the walk every phase shares (the largest phase's), and its halo."""
+    sh, sw = p["stride_h"], p["stride_w"]
+    return -(-p["H"] // sh), -(-p["W"] // sw), dgrad_halo(p["R"], sh, p["pad_h"]), dgrad_halo(p["S"], sw, p["pad_w"])
+
+
+def dgrad_phases(p: dict) -> int:
+    """Phases some tap reaches: the others are zeros."""
+    return min(p["R"], p["stride_h"]) * min(p["S"], p["stride_w"])
+
+
+def dgrad_store_vec(ci: int, dtype) -> int:
+    """Channels a thread stores at once in the pointer epilogue: up to 16 bytes, as many as
+    divide a pixel's row (Ci = 4: 8-byte stores; Ci = 3: 2-byte ones)."""
+    v = tma_multiple(dtype)
+    while ci % v:
+        v //= 2
+    return v
+
+
+def dgrad_tma_store_ok(p: dict) -> bool:
+    """Stride 1: one phase, whose walk is grad_x's own pixels, so the epilogue is a TMA store of
+    grad_x viewed [N*H*W, Ci] (its rows 16-byte aligned)."""
+    return (p["stride_h"], p["stride_w"]) == (1, 1) and p["Ci"] % tma_multiple(p["dtype"]) == 0
 
 
 # ---- candidate order ------------------------------------------------------------------------

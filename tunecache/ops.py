@@ -14,8 +14,6 @@ y = tunecache.ops.linear(x, weight, bias)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from tunecache_kernels import problems
@@ -82,8 +80,7 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> torch.Tensor:
     """grad_x[N, H, W, Ci] of conv2d_fprop, from grad_out[N, P, Q, Co] and w[Co, R, S, Ci]: one
     tuned kernel over every output phase of the stride, none of them on a dilated gradient's
-    zeros (on Blackwell, which has no dgrad kernel yet: one tuned conv2d_fprop per phase,
-    `custom_ops.dgrad`)."""
+    zeros (the phases: tunecache_kernels.gluon_host)."""
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
     grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
@@ -91,26 +88,8 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
     raw += (H, W, stride, padding)
     entry = _dgrad.memo.get(raw)
     if entry is None or entry.watch:
-        if _dgrad_by_phases(grad_out.device):
-            return _dgrad_phases(grad_out, w, H, W, stride, padding)
         entry = _dgrad.resolve(raw, (grad_out, w, H, W, stride, padding), grad_out)
     return entry.run(grad_out, w, H, W, stride, padding)
-
-
-@functools.lru_cache(maxsize=None)
-def _dgrad_by_phases(device: torch.device) -> bool:
-    """Blackwell (compute capability 10): no conv2d_dgrad kernel of its own yet, while its
-    conv2d_fprop kernel runs each phase; elsewhere the dgrad kernels (Hopper, portable)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
-
-
-def _dgrad_phases(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding) -> torch.Tensor:
-    st = problems.pair(stride, "stride", minimum=1)
-    pd = problems.pair(padding, "padding", minimum=0)
-    problems.conv2d_dgrad_problem(grad_out, w, H, W, st, pd)  # errors that name the bad argument
-    from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
-
-    return custom_ops.dgrad(grad_out, w, (grad_out.shape[0], H, W, w.shape[3]), st, pd)
 
 
 def _hashable(v):

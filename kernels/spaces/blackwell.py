@@ -69,4 +69,17 @@ SPACES = {
             "num_warps": (4,),
         }
     ),
+    # grad_x by output phase (conv2d_dgrad_hopper's schedule): M = a phase's pixels (TMA im2col
+    # of grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid
+    "conv2d_dgrad": ConfigSpace(
+        {
+            "BLOCK_M": (64, 128),
+            "BLOCK_N": (32, 64, 128, 256),
+            "BLOCK_K": (32, 64, 128),
+            "NUM_BUFFERS": _STAGES,
+            "NUM_ACC": (2,),
+            "GROUP_M": (1, 4, 8),
+            "num_warps": (4,),
+        }
+    ),
 }

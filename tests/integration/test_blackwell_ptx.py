@@ -22,7 +22,13 @@ import pytest
 pytest.importorskip("triton")
 
 from tunecache.compile import REPRESENTATIVE, canonical_problem, compile_in_fresh_processes, device_for
-from tunecache_kernels import conv2d_fprop_blackwell, conv2d_wgrad_blackwell, gluon_blackwell, matmul_blackwell
+from tunecache_kernels import (
+    conv2d_dgrad_blackwell,
+    conv2d_fprop_blackwell,
+    conv2d_wgrad_blackwell,
+    gluon_blackwell,
+    matmul_blackwell,
+)
 from tunecache_kernels import gluon_host as gh
 
 ARCH = "sm_100a"
@@ -35,6 +41,9 @@ KERNELS = {
     "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell, {}),
     "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {}),
     "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gh.STREAM_K}),
+    # stride 1: one phase, a TMA-store epilogue; stride 2: four phases stored from registers
+    "conv2d_dgrad": ("conv2d_dgrad", {}, conv2d_dgrad_blackwell, {}),
+    "conv2d_dgrad-strided": ("conv2d_dgrad", {"stride": 2}, conv2d_dgrad_blackwell, {}),
 }
 # the partitions each kernel's warp_specialize runs: (default/epilogue, MMA, load)
 PARTITIONS = {
@@ -59,6 +68,16 @@ PARTITIONS = {
         conv2d_wgrad_blackwell._mma_partition,
         conv2d_wgrad_blackwell._load_partition,
     ),
+    "conv2d_dgrad": (
+        gluon_blackwell.tma_store_epilogue,
+        conv2d_dgrad_blackwell._mma_partition,
+        conv2d_dgrad_blackwell._load_partition,
+    ),
+    "conv2d_dgrad-strided": (
+        conv2d_dgrad_blackwell._phase_store_epilogue,
+        conv2d_dgrad_blackwell._mma_partition,
+        conv2d_dgrad_blackwell._load_partition,
+    ),
 }
 # the split binary's partials and wgrad's tiles leave from registers (masked global stores)
 TMA_STORE = {
@@ -67,6 +86,8 @@ TMA_STORE = {
     "conv2d_fprop": True,
     "conv2d_wgrad": False,
     "conv2d_wgrad-stream": False,
+    "conv2d_dgrad": True,
+    "conv2d_dgrad-strided": False,
 }
 IM2COL = {k: op.startswith("conv") for k, (op, *_) in KERNELS.items()}
 
@@ -157,3 +178,10 @@ def test_stream_k_hands_partials_over_through_release_and_acquire(kernel, ptx_of
     stream = kernel.endswith("-stream")
     assert bool(re.search(r"\.release\.gpu", ptx)) == stream
     assert bool(re.search(r"\.acquire\.gpu", ptx)) == stream
+
+
+def test_the_strided_dgrad_stores_each_threads_channels_at_once(ptx_of):
+    # Ci = 256: a thread's run of a pixel's channels is 16-byte aligned and masked as a whole,
+    # so it leaves as vector stores, never one 2-byte store per channel
+    ptx = ptx_of("conv2d_dgrad-strided")
+    assert re.search(r"st\.global\.v4\.b32", ptx) and not re.search(r"st\.global\.b16", ptx)

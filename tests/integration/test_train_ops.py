@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tunecache.nn as tnn
-from tunecache import custom_ops, ops
+from tunecache import custom_ops, ops  # noqa: F401  (custom_ops registers torch.ops.tunecache.*)
 
 
 @pytest.fixture
@@ -47,9 +47,9 @@ def test_conv2d_gives_torchs_output_and_gradients(untuned, stride, padding):
     "kernel,stride,padding", [(1, 2, 0), (1, 3, 0), (3, 2, 1), (7, 2, 3), (2, 3, 0)], ids=lambda v: str(v)
 )
 def test_a_strided_convs_input_gradient_is_tunecaches_own(untuned, monkeypatch, kernel, stride, padding):
-    """Its input's gradient is one tuned forward convolution per output phase (dgrad_phases),
-    PyTorch's dgrad never called: ResNet's stem (7x7/2), its strided 3x3s and 1x1s, and a
-    filter smaller than its stride (phases no tap reaches are zeros)."""
+    """Its input's gradient is the dgrad kernel over every output phase, PyTorch's dgrad never
+    called: ResNet's stem (7x7/2), its strided 3x3s and 1x1s, and a filter smaller than its
+    stride (phases no tap reaches are zeros)."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch.nn.grad.conv2d_input was called")
@@ -197,31 +197,26 @@ def test_a_script_that_imports_triton_first_is_told_why_the_ops_run_torchs(tmp_p
     assert "Triton was imported before tunecache chose its CPU interpreter" in proc.stderr, proc.stderr[-3000:]
 
 
-def _torch_fprop(x, w, stride, padding):
-    """A forward convolution by torch, NHWC (float64 here)."""
-    y = F.conv2d(x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), stride=stride, padding=padding)
-    return y.permute(0, 2, 3, 1)
-
-
 def _pairs(lo: int, hi: int):
     return st.tuples(st.integers(lo, hi), st.integers(lo, hi))
 
 
-@settings(max_examples=150, deadline=None)
-@given(size=_pairs(1, 12), kernel=_pairs(1, 7), stride=_pairs(1, 4), padding=_pairs(0, 3))
-def test_the_phases_of_a_dgrad_add_up_to_torchs_for_any_geometry(size, kernel, stride, padding):
-    """The plan of `custom_ops.dgrad` (phases, their taps, paddings met by their larger side and
-    an output window, the assembly) in float64, each phase's convolution done by torch so that
-    the plan alone is checked: any size, filter, stride and padding a forward convolution takes."""
+@settings(max_examples=60, deadline=None)
+@given(size=_pairs(1, 9), kernel=_pairs(1, 5), stride=_pairs(1, 4), padding=_pairs(0, 3), ci=st.integers(1, 9))
+def test_the_dgrad_kernels_phases_add_up_to_torchs_for_any_geometry(size, kernel, stride, padding, ci):
+    """The phase plan every dgrad kernel walks (which taps reach which rows and columns of
+    grad_x, where each phase starts, the phases no tap reaches), run by the portable kernel on
+    the interpreter: any size, filter, stride, padding and channel count a forward convolution takes."""
+    from tunecache_kernels import conv2d_dgrad_portable as dgrad
+
     (h, w), (r, s), (sh, sw), (ph, pw) = size, kernel, stride, padding
     assume(h + 2 * ph >= r and w + 2 * pw >= s)
-    x = torch.randn(2, 3, h, w, dtype=torch.float64)
-    wt = torch.randn(4, 3, r, s, dtype=torch.float64)
+    x = torch.randn(2, ci, h, w)
+    wt = torch.randn(3, ci, r, s)
     g = torch.randn_like(F.conv2d(x, wt, stride=(sh, sw), padding=(ph, pw)))
     want = torch.nn.grad.conv2d_input(x.shape, wt, g, stride=(sh, sw), padding=(ph, pw))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(custom_ops.ops, "conv2d_fprop", _torch_fprop)
-        got = custom_ops.dgrad(
-            g.permute(0, 2, 3, 1).contiguous(), wt.permute(0, 2, 3, 1).contiguous(), (2, h, w, 3), (sh, sw), (ph, pw)
-        )
-    torch.testing.assert_close(got.permute(0, 3, 1, 2), want)
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    got = dgrad.launch(
+        config, g.permute(0, 2, 3, 1).contiguous(), wt.permute(0, 2, 3, 1).contiguous(), h, w, (sh, sw), (ph, pw)
+    )
+    torch.testing.assert_close(got.permute(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,619 @@
+"""Blackwell (sm_100a) conv2d dgrad in Gluon: grad_x of a convolution in one launch on tcgen05,
+every output phase of a strided one included, reading grad_out and w where they lie.
+
+The Hopper dgrad kernel's schedule (conv2d_dgrad_hopper: the phases, the shared im2col walk of
+grad_out, w read in place as an N-major operand; geometry in gluon_host) on the persistent,
+warp-specialized pipeline of conv2d_fprop_blackwell:
+  load partition (1 warp)   per k-step one TMA im2col load of grad_out (a tiled one for a
+                            pointwise 1x1) at the phase's tap offset, and one tile
+                            [BLOCK_K (Co), BLOCK_N (Ci)] of w viewed [Co, R*S*Ci] at the tap's
+                            columns;
+  MMA partition (1 warp)    tcgen05 MMAs into a double-buffered fp32 accumulator in tensor
+                            memory, as many k-steps as the tile's phase has taps;
+  epilogue (num_warps)      stride 1: tensor memory -> shared -> TMA store of grad_x [N*H*W, Ci];
+                            otherwise masked stores from registers into the phase's positions
+                            of grad_x, each thread's channels one store of up to 16 bytes.
+Phases no tap reaches (a filter smaller than its stride) are zeroed by the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    allocate_tensor_memory,
+    mbarrier,
+    tcgen05_commit,
+    tma,
+)
+
+from . import KernelSpec, problems
+from . import gluon_host as gh
+from .geometry import is_pointwise
+from .gluon_blackwell import (
+    TMEM_COLUMNS,
+    WORKER_REGS,
+    epilogue_width,
+    grouped_tile,
+    init_ring,
+    invalidate_ring,
+    likeliest_first,
+    mma_chain,
+    ring_slot,
+    tma_store_epilogue,
+)
+from .spaces.blackwell import SPACES
+
+OP, BACKEND = "conv2d_dgrad", "blackwell"
+KERNEL = f"{OP}.{BACKEND}"
+
+problem = problems.conv2d_dgrad_problem
+inputs = problems.conv2d_dgrad_inputs
+reference = problems.conv2d_dgrad_reference
+flops = problems.conv2d_dgrad_flops
+
+_DTYPES = ("float16", "bfloat16")
+
+
+# ---- device code ---------------------------------------------------------------------------
+
+
+@gluon.jit
+def _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile id (phase-major) -> (its phase, first pixel of the phase's walk, first channel)."""
+    pid_m, pid_n = grouped_tile(tile_id % tiles_per_phase, num_pid_m, num_pid_n, group_m)
+    return tile_id // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _load_partition(
+    g_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    num_pid_m,
+    num_pid_n,
+    group_m,
+    n_phases,
+    PS,
+    Co,
+    Ciw,
+    R,
+    S,
+    H,
+    W,
+    PQ2,
+    Q2,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    PH,
+    PW,
+    IM2COL: gl.constexpr,
+):
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    nbytes: gl.constexpr = g_desc.block_type.nbytes + w_desc.block_type.nbytes
+    c_blocks = gl.cdiv(Co, BLOCK_K)
+    tiles_per_phase = num_pid_m * num_pid_n
+    use = 0
+    for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
+        phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
+            phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
+        )
+        img = m0 // PQ2
+        pq = m0 % PQ2
+        p0 = pq // Q2
+        q0 = pq % Q2
+        for t in range(kr):
+            for u in range(ks):
+                col = ((kr0 + stride_h * t) * S + ks0 + stride_w * u) * Ciw + n0
+                for cblk in range(c_blocks):
+                    c0 = cblk * BLOCK_K
+                    slot, ring_phase = ring_slot(use, NUM_BUFFERS)
+                    mbarrier.wait(empty.index(slot), ring_phase ^ 1)
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, nbytes)
+                    if IM2COL:
+                        offs = [(ca - t + PH).to(gl.int16), (cb - u + PW).to(gl.int16)]
+                        tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot))
+                    else:  # 1x1, stride 1, no padding: grad_out is the GEMM's A as it lies
+                        tma.async_load(g_desc, [m0, c0], bar, a_bufs.index(slot))
+                    tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot))
+                    use += 1
+
+
+@gluon.jit
+def _mma_partition(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    num_pid_m,
+    num_pid_n,
+    n_phases,
+    PS,
+    Co,
+    R,
+    S,
+    stride_h,
+    stride_w,
+):
+    """The MMA warp: each tile's k-steps (its phase's taps times Co's blocks) into the next free
+    accumulator; B is w's own [BLOCK_K, BLOCK_N] tile, N-major, fed as it lies."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    c_blocks = gl.cdiv(Co, BLOCK_K)
+    tiles_per_phase = num_pid_m * num_pid_n
+    use = 0
+    acc_use = 0
+    for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
+        phase = tile_id // tiles_per_phase
+        kr0 = phase // PS
+        ks0 = phase % PS
+        k_count = ((R - kr0 + stride_h - 1) // stride_h) * ((S - ks0 + stride_w - 1) // stride_w) * c_blocks
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
+        use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_count, use, False, False)
+        tcgen05_commit(acc_ready.index(acc_slot))
+        acc_use += 1
+
+
+@gluon.jit
+def _phase_store_epilogue(
+    gx_ptr,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    num_pid_m,
+    num_pid_n,
+    group_m,
+    n_phases,
+    PS,
+    Ci,
+    R,
+    S,
+    H,
+    W,
+    M2,
+    PQ2,
+    Q2,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    VEC: gl.constexpr,
+):
+    """Each tile's accumulator, one slice at a time, from registers to grad_x[img, a + sh * i,
+    b + sw * j] for pixel (img, i, j) of the phase's walk. Ci as a multiple of VEC the compiler
+    can see (Ci is not specialized): each thread's run of a pixel's channels starts 16-byte
+    aligned and its mask is constant over each VEC, so it is one wide store, not one per channel."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
+    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
+    SLICES: gl.constexpr = BLOCK_N // EPI_N
+    slice_layout: gl.constexpr = acc_tmem.index(0).slice(0, EPI_N).get_reg_layout()
+    r = gl.arange(0, BLOCK_M, gl.SliceLayout(1, slice_layout))
+    c = gl.arange(0, EPI_N, gl.SliceLayout(0, slice_layout))
+    ci_vec = (Ci // VEC) * VEC
+    tiles_per_phase = num_pid_m * num_pid_n
+    acc_use = 0
+    for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
+        phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
+        _, _, a, b, _, _, _, _, rows, cols = gh.dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
+        m = m0 + r
+        img = m // PQ2
+        i = (m % PQ2) // Q2
+        j = m % Q2
+        row_ok = ((m < M2) & (i < rows) & (j < cols))[:, None]
+        row_ptrs = gx_ptr + (((img.to(gl.int64) * H + a + stride_h * i) * W + b + stride_w * j) * ci_vec)[:, None]
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        acc = acc_tmem.index(acc_slot)
+        for sl in gl.static_range(SLICES):
+            part = acc.slice(sl * EPI_N, EPI_N).load(slice_layout)
+            if sl == SLICES - 1:
+                mbarrier.arrive(acc_empty.index(acc_slot))  # the MMA warp may start the next tile in it
+            ci = (n0 + sl * EPI_N + c)[None, :]
+            gl.store(row_ptrs + ci, part.to(gx_ptr.dtype.element_ty), mask=row_ok & (ci < ci_vec))
+        acc_use += 1
+
+
+@gluon.jit(
+    do_not_specialize=[
+        "M2",
+        "Ci",
+        "Co",
+        "Ciw",
+        "R",
+        "S",
+        "H",
+        "W",
+        "PQ2",
+        "Q2",
+        "stride_h",
+        "stride_w",
+        "pad_h",
+        "pad_w",
+        "PH",
+        "PW",
+        "PS",
+        "n_phases",
+        "group_m",
+    ]
+)
+def conv2d_dgrad_kernel(
+    g_desc,
+    w_desc,
+    y_desc,
+    gx_ptr,
+    M2,
+    Ci,
+    Co,
+    Ciw,
+    R,
+    S,
+    H,
+    W,
+    PQ2,
+    Q2,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    PH,
+    PW,
+    PS,
+    n_phases,
+    group_m,
+    NUM_BUFFERS: gl.constexpr,
+    NUM_ACC: gl.constexpr,
+    IM2COL: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    VEC: gl.constexpr,
+):
+    """g_desc: im2col over grad_out [N, P, Q, Co] (the phases' shared stride-1 walk of M2 pixels,
+    halo PH x PW) or its tiles as [N*P*Q, Co]; w_desc: tiles of w [Co, R*S*Ciw]; y_desc: grad_x
+    as [N*H*W, Ci] in [BLOCK_M, epilogue slice] blocks (TMA_STORE: stride 1), gx_ptr grad_x."""
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    dtype: gl.constexpr = g_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], g_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(empty)
+    init_ring(acc_ready)
+    init_ring(acc_empty)
+    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
+    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
+
+    num_pid_m = gl.cdiv(M2, BLOCK_M)
+    num_pid_n = gl.cdiv(Ci, BLOCK_N)
+    # two calls, not one with the epilogue chosen before it: Gluon takes each partition's
+    # function and arguments as written in the call
+    if TMA_STORE:  # one phase, whose walk is grad_x's own pixels
+        c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+        gl.warp_specialize(
+            [
+                (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+                (
+                    _mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        acc_tmem,
+                        acc_ready,
+                        acc_empty,
+                        num_pid_m,
+                        num_pid_n,
+                        n_phases,
+                        PS,
+                        Co,
+                        R,
+                        S,
+                        stride_h,
+                        stride_w,
+                    ),
+                ),
+                (
+                    _load_partition,
+                    (
+                        g_desc,
+                        w_desc,
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        num_pid_m,
+                        num_pid_n,
+                        group_m,
+                        n_phases,
+                        PS,
+                        Co,
+                        Ciw,
+                        R,
+                        S,
+                        H,
+                        W,
+                        PQ2,
+                        Q2,
+                        stride_h,
+                        stride_w,
+                        pad_h,
+                        pad_w,
+                        PH,
+                        PW,
+                        IM2COL,
+                    ),
+                ),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _phase_store_epilogue,
+                    (
+                        gx_ptr,
+                        acc_tmem,
+                        acc_ready,
+                        acc_empty,
+                        num_pid_m,
+                        num_pid_n,
+                        group_m,
+                        n_phases,
+                        PS,
+                        Ci,
+                        R,
+                        S,
+                        H,
+                        W,
+                        M2,
+                        PQ2,
+                        Q2,
+                        stride_h,
+                        stride_w,
+                        pad_h,
+                        pad_w,
+                        VEC,
+                    ),
+                ),
+                (
+                    _mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        acc_tmem,
+                        acc_ready,
+                        acc_empty,
+                        num_pid_m,
+                        num_pid_n,
+                        n_phases,
+                        PS,
+                        Co,
+                        R,
+                        S,
+                        stride_h,
+                        stride_w,
+                    ),
+                ),
+                (
+                    _load_partition,
+                    (
+                        g_desc,
+                        w_desc,
+                        a_bufs,
+                        b_bufs,
+                        ready,
+                        empty,
+                        num_pid_m,
+                        num_pid_n,
+                        group_m,
+                        n_phases,
+                        PS,
+                        Co,
+                        Ciw,
+                        R,
+                        S,
+                        H,
+                        W,
+                        PQ2,
+                        Q2,
+                        stride_h,
+                        stride_w,
+                        pad_h,
+                        pad_w,
+                        PH,
+                        PW,
+                        IM2COL,
+                    ),
+                ),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
+
+    invalidate_ring(ready)
+    invalidate_ring(empty)
+    invalidate_ring(acc_ready)
+    invalidate_ring(acc_empty)
+
+
+JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+
+def supports(p: dict, device) -> bool:
+    cap = getattr(device, "capability", None)
+    if cap is None or cap[0] != 10 or p.get("dtype") not in _DTYPES:
+        return False
+    p2, q2, ph, pw = gh.dgrad_walk(p)
+    return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
+
+
+def config_space(p: dict, device) -> list[dict]:
+    """The space less configs that cannot help on this problem (worth_trying). Resource limits
+    are left to prune(), which must agree with the compiler."""
+    return [c for c in SPACES[OP] if worth_trying(c, p)]
+
+
+def worth_trying(c: dict, p: dict) -> bool:
+    """The performance rule: no tile far larger than the problem. A k-step covers one tap's
+    Co channels (grad_out's, padded); N is Ci; M a phase's walk."""
+    co = gh.padded_channels(p["Co"], p["dtype"])
+    p2, q2, _, _ = gh.dgrad_walk(p)
+    return (
+        c["BLOCK_K"] <= max(32, gh.pow2_at_least(co))
+        and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Ci"]))
+        and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["N"] * p2 * q2))
+    )
+
+
+def epilogue_n(c: dict) -> int:
+    return min(c["BLOCK_N"], 64)
+
+
+# bytes the compiler adds beyond the buffers (tensor-memory base address, alignment), as
+# conv2d_fprop_blackwell's; checked over the whole space by tests/integration/test_compile_targets.py
+_SMEM_OVERHEAD = 256
+
+
+def smem_bytes(c: dict, p: dict) -> int:
+    """Operand ring + barriers (+ two epilogue staging slices where the epilogue is a TMA store)."""
+    item = gh.ITEMSIZE[p["dtype"]]
+    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
+    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if gh.dgrad_tma_store_ok(p) else 0
+    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
+
+
+def tmem_columns(c: dict) -> int:
+    return c["NUM_ACC"] * c["BLOCK_N"]
+
+
+def resources_ok(c: dict, p: dict) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler)."""
+    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+
+
+def prune(configs: list[dict], p: dict, device) -> list[dict]:
+    """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
+    return likeliest_first([c for c in configs if resources_ok(c, p)])
+
+
+def default_config(p: dict, device) -> dict:
+    co = gh.padded_channels(p["Co"], p["dtype"])
+    bk = min(64, max(32, gh.pow2_at_least(co)))
+    bn = 256 if p["Ci"] >= 256 else 128 if p["Ci"] >= 128 else 64
+    c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "num_warps": 4}
+    space = config_space(p, device)
+    if c not in space or not resources_ok(c, p):
+        fitting = prune(space, p, device)
+        c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"]))
+    return c
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+
+def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int) -> dict:
+    ce = {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col}
+    return {**ce, "TMA_STORE": tma_store, "VEC": vec}
+
+
+def _blocks(c: dict):
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    return [bm, bk], [bk, bn], [bm, epilogue_n(c)]
+
+
+def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
+    (sh, sw) = problems.pair(stride, "stride", minimum=1)
+    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    N, P, Q, Co = grad_out.shape
+    _, R, S, Ci = w.shape
+    dt = problems.dtype_name(w.dtype)
+    p = {"H": H, "W": W, "R": R, "S": S, "Ci": Ci, "dtype": dt}
+    p.update({"stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw})
+    p2, q2, halo_h, halo_w = gh.dgrad_walk(p)
+    co = gh.padded_channels(Co, grad_out.dtype)
+    # w's rows [R*S*Ci] must meet TMA's 16-byte stride rule: pad Ci (never stored)
+    ciw = Ci if (R * S * Ci) % gh.tma_multiple(w.dtype) == 0 else gh.padded_channels(Ci, w.dtype)
+    g, wp = gh.pad_last_dim(grad_out, co), gh.pad_last_dim(w, ciw)
+    g_blk, w_blk, y_blk = _blocks(config)
+    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
+    tma_store = gh.dgrad_tma_store_ok(p)
+    if im2col:
+        g_desc = gh.im2col_desc(g, g_blk, stride=(1, 1), padding=(halo_h, halo_w), out_hw=(p2, q2))
+    else:
+        g_desc = gh.tiled_desc(g.view(N * P * Q, co), g_blk)
+    w_desc = gh.tiled_desc(wp.view(Co, R * S * ciw), w_blk)
+    gx = (torch.zeros if R < sh or S < sw else torch.empty)((N, H, W, Ci), device=g.device, dtype=g.dtype)
+    # the pointer epilogue's stand-in keeps the descriptor's type
+    y = gx.view(N * H * W, Ci) if tma_store else torch.empty(y_blk, device=g.device, dtype=g.dtype)
+    y_desc = gh.tiled_desc(y, y_blk)
+    phases = gh.dgrad_phases(p)
+    M2 = N * p2 * q2
+    tiles = phases * triton.cdiv(M2, config["BLOCK_M"]) * triton.cdiv(Ci, config["BLOCK_N"])
+    grid = gh.persistent_grid(tiles, gh.num_sms(g.device))
+    scalars = (M2, Ci, co, ciw, R, S, H, W, p2 * q2, q2, sh, sw, ph, pw, halo_h, halo_w, min(S, sw), phases)
+    conv2d_dgrad_kernel[grid](
+        g_desc,
+        w_desc,
+        y_desc,
+        gx,
+        *scalars,
+        config["GROUP_M"],
+        num_warps=config["num_warps"],
+        **_constexprs(config, im2col, tma_store, gh.dgrad_store_vec(Ci, w.dtype)),
+    )
+    return gx
+
+
+def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
+    dt = p["dtype"]
+    g_blk, w_blk, y_blk = _blocks(config)
+    im2col = not is_pointwise(p)
+    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt))
+    sig = {
+        "g_desc": gh.im2col_desc_sig(dt, g_blk) if im2col else gh.desc_sig(dt, g_blk),
+        "w_desc": gh.desc_sig(dt, w_blk),
+        "y_desc": gh.desc_sig(dt, y_blk),
+        "gx_ptr": gh.ptr_sig(dt),
+    }
+    ints = ("M2", "Ci", "Co", "Ciw", "R", "S", "H", "W", "PQ2", "Q2", "stride_h", "stride_w", "pad_h", "pad_w")
+    sig.update({k: "i32" for k in ints + ("PH", "PW", "PS", "n_phases", "group_m")})
+    sig.update({k: "constexpr" for k in ce})
+    return [
+        KernelSpec(
+            fn=conv2d_dgrad_kernel,
+            signature=sig,
+            constexprs=ce,
+            num_warps=config["num_warps"],
+            name="conv2d_dgrad_kernel",
+        )
+    ]
