@@ -19,7 +19,6 @@ Phases no tap reaches (a filter smaller than its stride) are zeroed by the host.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
@@ -232,29 +231,7 @@ def _phase_store_epilogue(
         acc_use += 1
 
 
-@gluon.jit(
-    do_not_specialize=[
-        "M2",
-        "Ci",
-        "Co",
-        "Ciw",
-        "R",
-        "S",
-        "H",
-        "W",
-        "PQ2",
-        "Q2",
-        "stride_h",
-        "stride_w",
-        "pad_h",
-        "pad_w",
-        "PH",
-        "PW",
-        "PS",
-        "n_phases",
-        "group_m",
-    ]
-)
+@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "group_m"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
     w_desc,
@@ -552,44 +529,24 @@ def _blocks(c: dict):
 
 
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
-    (sh, sw) = problems.pair(stride, "stride", minimum=1)
-    (ph, pw) = problems.pair(padding, "padding", minimum=0)
-    N, P, Q, Co = grad_out.shape
-    _, R, S, Ci = w.shape
-    dt = problems.dtype_name(w.dtype)
-    p = {"H": H, "W": W, "R": R, "S": S, "Ci": Ci, "dtype": dt}
-    p.update({"stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw})
-    p2, q2, halo_h, halo_w = gh.dgrad_walk(p)
-    co = gh.padded_channels(Co, grad_out.dtype)
-    # w's rows [R*S*Ci] must meet TMA's 16-byte stride rule: pad Ci (never stored)
-    ciw = Ci if (R * S * Ci) % gh.tma_multiple(w.dtype) == 0 else gh.padded_channels(Ci, w.dtype)
-    g, wp = gh.pad_last_dim(grad_out, co), gh.pad_last_dim(w, ciw)
+    st = problems.pair(stride, "stride", minimum=1)
+    pd = problems.pair(padding, "padding", minimum=0)
+    geo = gh.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype)
+    g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     g_blk, w_blk, y_blk = _blocks(config)
-    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    tma_store = gh.dgrad_tma_store_ok(p)
-    if im2col:
-        g_desc = gh.im2col_desc(g, g_blk, stride=(1, 1), padding=(halo_h, halo_w), out_hw=(p2, q2))
-    else:
-        g_desc = gh.tiled_desc(g.view(N * P * Q, co), g_blk)
-    w_desc = gh.tiled_desc(wp.view(Co, R * S * ciw), w_blk)
-    gx = (torch.zeros if R < sh or S < sw else torch.empty)((N, H, W, Ci), device=g.device, dtype=g.dtype)
+    gx = geo.new_grad_x(g)
     # the pointer epilogue's stand-in keeps the descriptor's type
-    y = gx.view(N * H * W, Ci) if tma_store else torch.empty(y_blk, device=g.device, dtype=g.dtype)
-    y_desc = gh.tiled_desc(y, y_blk)
-    phases = gh.dgrad_phases(p)
-    M2 = N * p2 * q2
-    tiles = phases * triton.cdiv(M2, config["BLOCK_M"]) * triton.cdiv(Ci, config["BLOCK_N"])
-    grid = gh.persistent_grid(tiles, gh.num_sms(g.device))
-    scalars = (M2, Ci, co, ciw, R, S, H, W, p2 * q2, q2, sh, sw, ph, pw, halo_h, halo_w, min(S, sw), phases)
+    y = gx.view(-1, geo.Ci) if geo.tma_store else torch.empty(y_blk, device=g.device, dtype=g.dtype)
+    grid = gh.persistent_grid(geo.tiles(config["BLOCK_M"], config["BLOCK_N"]), gh.num_sms(g.device))
     conv2d_dgrad_kernel[grid](
-        g_desc,
-        w_desc,
-        y_desc,
+        geo.g_desc(g, g_blk),
+        geo.w_desc(wp, w_blk),
+        gh.tiled_desc(y, y_blk),
         gx,
-        *scalars,
+        *geo.ints,
         config["GROUP_M"],
         num_warps=config["num_warps"],
-        **_constexprs(config, im2col, tma_store, gh.dgrad_store_vec(Ci, w.dtype)),
+        **_constexprs(config, geo.im2col, geo.tma_store, geo.vec),
     )
     return gx
 
@@ -605,8 +562,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "y_desc": gh.desc_sig(dt, y_blk),
         "gx_ptr": gh.ptr_sig(dt),
     }
-    ints = ("M2", "Ci", "Co", "Ciw", "R", "S", "H", "W", "PQ2", "Q2", "stride_h", "stride_w", "pad_h", "pad_w")
-    sig.update({k: "i32" for k in ints + ("PH", "PW", "PS", "n_phases", "group_m")})
+    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "group_m")})
     sig.update({k: "constexpr" for k in ce})
     return [
         KernelSpec(

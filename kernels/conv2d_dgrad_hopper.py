@@ -20,7 +20,6 @@ grouped order), so no multiply-add falls on the zeros a dilated gradient would h
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -147,29 +146,7 @@ def _issue_load(
     tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot), pred)
 
 
-@gluon.jit(
-    do_not_specialize=[
-        "M2",
-        "Ci",
-        "Co",
-        "Ciw",
-        "R",
-        "S",
-        "H",
-        "W",
-        "PQ2",
-        "Q2",
-        "stride_h",
-        "stride_w",
-        "pad_h",
-        "pad_w",
-        "PH",
-        "PW",
-        "PS",
-        "n_phases",
-        "GROUP_M",
-    ]
-)
+@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "GROUP_M"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
     w_desc,
@@ -495,12 +472,12 @@ class _Plan:
     """One (config, shapes, strides, dtype, stride, padding, device) launch, precomputed: see
     gluon_launch.DirectLauncher."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "co", "ciw", "gx_shape", "zeros")
+    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo")
 
     def run(self, grad_out: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
-        g = gh.pad_last_dim(grad_out, self.co)
-        wp = gh.pad_last_dim(w, self.ciw)
-        gx = (torch.zeros if self.zeros else torch.empty)(self.gx_shape, device=g.device, dtype=g.dtype)
+        geo = self.geo
+        g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
+        gx = geo.new_grad_x(g)
         pg, pw = g.data_ptr(), wp.data_ptr()
         maps, ld = self.maps, self.launcher
         gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(g)))
@@ -529,43 +506,26 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
 
 
 def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding, key):
-    (sh, sw) = problems.pair(stride, "stride", minimum=1)
-    (ph, pw) = problems.pair(padding, "padding", minimum=0)
-    N, P, Q, Co = grad_out.shape
-    _, R, S, Ci = w.shape
-    p = {"H": H, "W": W, "R": R, "S": S, "stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw}
-    p2, q2, halo_h, halo_w = gh.dgrad_walk(p)
-    co = gh.padded_channels(Co, grad_out.dtype)
-    # w's rows [R*S*Ci] must meet TMA's 16-byte stride rule: pad Ci (the extra columns are
-    # output channels past Ci, never stored)
-    ciw = Ci if (R * S * Ci) % gh.tma_multiple(w.dtype) == 0 else gh.padded_channels(Ci, w.dtype)
-    g, wp = gh.pad_last_dim(grad_out, co), gh.pad_last_dim(w, ciw)
+    st = problems.pair(stride, "stride", minimum=1)
+    pd = problems.pair(padding, "padding", minimum=0)
+    geo = gh.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype)
+    g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-
-    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    tma_store = gh.dgrad_tma_store_ok({**p, "Ci": Ci, "dtype": problems.dtype_name(w.dtype)})
-    dummy = None if tma_store else torch.empty((bm, bn), device=w.device, dtype=w.dtype)
+    dummy = None if geo.tma_store else torch.empty((bm, bn), device=w.device, dtype=w.dtype)
 
     def g_desc_of(t):
-        if not im2col:
-            return gh.tiled_desc(t.view(N * P * Q, co), [bm, bk])
-        return gh.im2col_desc(t, [bm, bk], stride=(1, 1), padding=(halo_h, halo_w), out_hw=(p2, q2))
-
-    def y_desc_of(t):  # the pointer epilogue's stand-in keeps the descriptor's type
-        return gh.tiled_desc(t.view(N * H * W, Ci) if tma_store else dummy, [bm, bn])
+        return geo.g_desc(t, [bm, bk])
 
     def w_desc_of(t):
-        return gh.tiled_desc(t.view(Co, R * S * ciw), [bk, bn])
+        return geo.w_desc(t, [bk, bn])
 
-    zeros = R < sh or S < sw  # phases no tap reaches are zeros
-    gx = (torch.zeros if zeros else torch.empty)((N, H, W, Ci), device=g.device, dtype=g.dtype)
-    phases = gh.dgrad_phases(p)
-    M2 = N * p2 * q2
-    tiles = phases * triton.cdiv(M2, bm) * triton.cdiv(Ci, bn)
-    grid = gh.persistent_grid(tiles, gh.num_sms(g.device))
-    ce = _constexprs(config, im2col, tma_store, gh.dgrad_store_vec(Ci, w.dtype))
-    scalars = (M2, Ci, co, ciw, R, S, H, W, p2 * q2, q2, sh, sw, ph, pw, halo_h, halo_w, min(S, sw), phases)
-    scalars += (config["GROUP_M"],)
+    def y_desc_of(t):  # the pointer epilogue's stand-in keeps the descriptor's type
+        return gh.tiled_desc(t.view(-1, geo.Ci) if geo.tma_store else dummy, [bm, bn])
+
+    gx = geo.new_grad_x(g)
+    grid = gh.persistent_grid(geo.tiles(bm, bn), gh.num_sms(g.device))
+    ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec)
+    scalars = geo.ints + (config["GROUP_M"],)
     compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, *scalars, **ce)
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
@@ -573,8 +533,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
             plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None, None, None, None) + scalars, ce)[4:]
-            plan.g_desc, plan.w_desc, plan.y_desc, plan.co, plan.ciw = g_desc_of, w_desc_of, y_desc_of, co, ciw
-            plan.gx_shape, plan.zeros = (N, H, W, Ci), zeros
+            plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
             _PLANS.put(key, plan)
     return gx
 
@@ -590,8 +549,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "y_desc": gh.desc_sig(dt, [bm, bn]),
         "gx_ptr": gh.ptr_sig(dt),
     }
-    ints = ("M2", "Ci", "Co", "Ciw", "R", "S", "H", "W", "PQ2", "Q2", "stride_h", "stride_w", "pad_h", "pad_w")
-    sig.update({k: "i32" for k in ints + ("PH", "PW", "PS", "n_phases", "GROUP_M")})
+    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "GROUP_M")})
     sig.update({k: "constexpr" for k in ce})
     return [
         KernelSpec(

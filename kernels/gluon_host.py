@@ -540,6 +540,56 @@ def dgrad_tma_store_ok(p: dict) -> bool:
     return (p["stride_h"], p["stride_w"]) == (1, 1) and p["Ci"] % tma_multiple(p["dtype"]) == 0
 
 
+# the dgrad kernels' integer arguments, in order (each backend adds its GROUP_M after them)
+DGRAD_INT_ARGS = ("M2", "Ci", "Co", "Ciw", "R", "S", "H", "W", "PQ2", "Q2", "stride_h", "stride_w")
+DGRAD_INT_ARGS += ("pad_h", "pad_w", "PH", "PW", "PS", "n_phases")
+
+
+class DgradGeometry:
+    """What a dgrad kernel's host derives from grad_out [N, P, Q, Co], w [Co, R, S, Ci] and the
+    forward call's H, W, stride and padding, the same for both Gluon backends: the channel
+    counts TMA reads (grad_out's Co padded to 16 bytes; w's Ci padded where its rows [R*S*Ci]
+    break the 16-byte rule: those extra columns are output channels past Ci, never stored),
+    the phases' shared walk, which epilogue and A operand apply, and the kernel's integers."""
+
+    def __init__(self, g_shape, w_shape, H: int, W: int, stride, padding, dtype) -> None:
+        N, P, Q, Co = (int(v) for v in g_shape)
+        _, R, S, Ci = (int(v) for v in w_shape)
+        (sh, sw), (ph, pw) = stride, padding
+        p = {"H": H, "W": W, "R": R, "S": S, "Ci": Ci, "dtype": dtype_name(dtype)}
+        p.update({"stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw})
+        self.N, self.P, self.Q, self.Co, self.R, self.S, self.Ci, self.H, self.W = N, P, Q, Co, R, S, Ci, H, W
+        self.co = padded_channels(Co, dtype)
+        self.ciw = Ci if (R * S * Ci) % tma_multiple(dtype) == 0 else padded_channels(Ci, dtype)
+        self.p2, self.q2, self.halo_h, self.halo_w = dgrad_walk(p)
+        self.im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
+        self.tma_store = dgrad_tma_store_ok(p)
+        self.vec = dgrad_store_vec(Ci, dtype)
+        self.phases = dgrad_phases(p)
+        self.zeros = R < sh or S < sw  # phases no tap reaches are zeros
+        self.m2 = N * self.p2 * self.q2
+        self.ints = (self.m2, Ci, self.co, self.ciw, R, S, H, W, self.p2 * self.q2, self.q2, sh, sw, ph, pw)
+        self.ints += (self.halo_h, self.halo_w, min(S, sw), self.phases)
+
+    def g_desc(self, g: torch.Tensor, block: Sequence[int]):
+        """grad_out (channels padded) as the A operand: the phases' im2col walk, or the plain
+        [N*P*Q, Co] matrix of a pointwise 1x1."""
+        if not self.im2col:
+            return tiled_desc(g.view(self.N * self.P * self.Q, self.co), block)
+        return im2col_desc(g, block, stride=(1, 1), padding=(self.halo_h, self.halo_w), out_hw=(self.p2, self.q2))
+
+    def w_desc(self, w: torch.Tensor, block: Sequence[int]):
+        """w (Ci padded) as [Co, R*S*Ciw], read in [BLOCK_K (Co), BLOCK_N (Ci)] tiles."""
+        return tiled_desc(w.view(self.Co, self.R * self.S * self.ciw), block)
+
+    def new_grad_x(self, like: torch.Tensor) -> torch.Tensor:
+        shape = (self.N, self.H, self.W, self.Ci)
+        return (torch.zeros if self.zeros else torch.empty)(shape, device=like.device, dtype=like.dtype)
+
+    def tiles(self, block_m: int, block_n: int) -> int:
+        return self.phases * -(-self.m2 // block_m) * -(-self.Ci // block_n)
+
+
 # ---- candidate order ------------------------------------------------------------------------
 
 

@@ -155,19 +155,10 @@ REPRESENTATIVE = {
         "padding": 1,
         "dtype": "bfloat16",
     },
-    "conv2d_dgrad": {
-        "N": 32,
-        "H": 56,
-        "W": 56,
-        "Ci": 256,
-        "Co": 256,
-        "R": 3,
-        "S": 3,
-        "stride": 1,
-        "padding": 1,
-        "dtype": "bfloat16",
-    },
 }
+
+
+REPRESENTATIVE["conv2d_dgrad"] = REPRESENTATIVE["conv2d_fprop"]  # the input gradient of that very conv
 
 
 def canonical_problem(op: str, given: dict | None = None) -> dict:

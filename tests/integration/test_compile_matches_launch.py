@@ -16,6 +16,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from tunecache.compile import arch_of, device_for, spec_source, target_of
 from tunecache_kernels import (
+    conv2d_dgrad_blackwell,
+    conv2d_dgrad_hopper,
     conv2d_fprop_blackwell,
     conv2d_fprop_hopper,
     conv2d_wgrad_blackwell,
@@ -27,8 +29,8 @@ from tunecache_kernels import (
 from tunecache_kernels import gluon_host as gh
 from tunecache_kernels import gluon_launch as direct
 
-HOPPER = (matmul_hopper, conv2d_fprop_hopper, conv2d_wgrad_hopper)
-BLACKWELL = (matmul_blackwell, conv2d_fprop_blackwell, conv2d_wgrad_blackwell)
+HOPPER = (matmul_hopper, conv2d_fprop_hopper, conv2d_wgrad_hopper, conv2d_dgrad_hopper)
+BLACKWELL = (matmul_blackwell, conv2d_fprop_blackwell, conv2d_wgrad_blackwell, conv2d_dgrad_blackwell)
 
 
 def _problems(op: str):
@@ -36,9 +38,16 @@ def _problems(op: str):
         yield problems.matmul_problem(torch.empty(256, 512), torch.empty(512, 384)) | {"dtype": "bfloat16"}
         yield problems.matmul_problem(torch.empty(77, 64), torch.empty(96, 64).t()) | {"dtype": "float16"}
         return
-    for N, H, W, Ci, Co, R, S, st, pd in [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0)]:
+    shapes = [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0)]
+    if op == "conv2d_dgrad":  # the pointwise (tiled A, TMA store), a strided 3x3, the stem (Ci = 3)
+        shapes += [(2, 8, 8, 64, 32, 1, 1, 1, 0), (2, 14, 14, 64, 64, 3, 3, 2, 1), (2, 16, 16, 3, 64, 7, 7, 2, 3)]
+    for N, H, W, Ci, Co, R, S, st, pd in shapes:
         x = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
-        if op == "conv2d_fprop":
+        if op == "conv2d_dgrad":
+            P, Q = problems.out_size(H, R, st, pd), problems.out_size(W, S, st, pd)
+            g = torch.empty(N, P, Q, Co, dtype=torch.bfloat16)
+            yield problems.conv2d_dgrad_problem(g, torch.empty(Co, R, S, Ci, dtype=torch.bfloat16), H, W, st, pd)
+        elif op == "conv2d_fprop":
             yield problems.conv2d_fprop_problem(x, torch.empty(Co, R, S, Ci, dtype=torch.bfloat16), st, pd)
         else:
             P, Q = problems.out_size(H, R, st, pd), problems.out_size(W, S, st, pd)
