@@ -13,8 +13,12 @@ grouped order), so no multiply-add falls on the zeros a dilated gradient would h
 - B, w [Co, R, S, Ci]: tiles [BLOCK_K (Co), BLOCK_N (Ci)] of w viewed [Co, R*S*Ci] at the tap's
   columns, given to WGMMA as an N-major operand: the flip and the transpose are addressing,
   not copies.
-- the output: masked stores from the accumulator straight to the phase's positions of grad_x;
-  phases no tap reaches (a filter smaller than its stride) are zeroed by the host.
+- the output, written in place: at stride 1 the walk is grad_x's own pixels, so a TMA store of
+  grad_x viewed [N*H*W, Ci] (overlapping the next tile, as conv2d_fprop_hopper's); otherwise
+  masked stores through shared memory into the phase's positions, each thread's 8 channels one
+  16-byte store (VEC). Phases no tap reaches (a filter smaller than its stride) are zeroed by
+  the host.
+A pointwise 1x1 reads grad_out as the plain [N*P*Q, Co] matrix it is (tiled TMA).
 """
 
 from __future__ import annotations

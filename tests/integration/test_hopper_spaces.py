@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tunecache.key import DeviceClass
+from tunecache_kernels import conv2d_dgrad_hopper as dgrad
 from tunecache_kernels import conv2d_fprop_hopper as fprop
 from tunecache_kernels import conv2d_wgrad_hopper as wgrad
 from tunecache_kernels import gluon_host as gh
@@ -21,7 +22,7 @@ from tunecache_kernels.spaces import space_for
 
 H100 = DeviceClass("sm_90", 132, "NVIDIA H100 80GB HBM3")
 B200 = DeviceClass("sm_100", 148, "NVIDIA B200")
-MODULES = (mm, fprop, wgrad)
+MODULES = (mm, fprop, wgrad, dgrad)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -44,6 +45,16 @@ def _problems():
         ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
         P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
         yield wgrad, problems.conv2d_wgrad_problem(x, _meta(N, P, Q, Co), R, S, st, pd)
+    # dgrad (after the others: tests pick problems by index): ResNet-50's strided 3x3, its
+    # pointwise 1x1, the stem (Ci = 3), an odd geometry at stride 3
+    for N, H, W, Ci, Co, R, S, st, pd in [
+        (32, 14, 14, 512, 512, 3, 3, 2, 1),
+        (128, 14, 14, 1024, 256, 1, 1, 1, 0),
+        (8, 224, 224, 3, 64, 7, 7, 2, 3),
+        (3, 15, 17, 5, 7, 5, 5, 3, 2),
+    ]:
+        P, Q = problems.out_size(H, R, st, pd), problems.out_size(W, S, st, pd)
+        yield dgrad, problems.conv2d_dgrad_problem(_meta(N, P, Q, Co), _meta(Co, R, S, Ci), H, W, st, pd)
 
 
 PROBLEMS = list(_problems())
