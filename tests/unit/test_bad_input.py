@@ -46,6 +46,12 @@ def test_mismatched_shapes_name_the_arguments():
         ops.conv2d_wgrad(torch.randn(1, 5, 5, 3), torch.randn(1, 5, 5, 2), 3, 3)
     with pytest.raises(ValueError, match=r"\bx\b must be 4-D"):
         ops.conv2d_fprop(torch.randn(5, 5, 3), torch.randn(2, 3, 3, 3))
+    with pytest.raises(ValueError, match=r"w has 4 output channels \(w.shape\[0\]\) but grad_out has 2"):
+        ops.conv2d_dgrad(torch.randn(1, 3, 3, 2), torch.randn(4, 3, 3, 5), 5, 5)
+    with pytest.raises(ValueError, match=r"grad_out is 5x5 .*H=5, W=5 gives 3x3.*forward call's H, W"):
+        ops.conv2d_dgrad(torch.randn(1, 5, 5, 2), torch.randn(2, 3, 3, 4), 5, 5)
+    with pytest.raises(ValueError, match=r"H \(the input's height\) must be positive"):
+        ops.conv2d_dgrad(torch.randn(1, 3, 3, 2), torch.randn(2, 3, 3, 4), 0, 5)
 
 
 def test_stride_and_padding_are_checked():
