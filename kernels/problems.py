@@ -58,6 +58,15 @@ def pair(value: Any, name: str, *, minimum: int) -> tuple[int, int]:
     return int(h), int(w)
 
 
+def _int_arg(name: str, v: Any, what: str) -> int:
+    """A size argument (R, S, H, W): a positive int, else an error naming it."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} ({what}) must be an int, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name} ({what}) must be positive, got {v}")
+    return v
+
+
 def _check_tensor(t: Any, name: str, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -196,11 +205,7 @@ def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     _same_device_dtype({"x": x, "grad_out": grad_out})
     _contiguous_nhwc(x, "x")
     _contiguous_nhwc(grad_out, "grad_out")
-    for name, v in (("R", R), ("S", S)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} (filter size) must be an int, got {v!r}")
-        if v < 1:
-            raise ValueError(f"{name} (filter size) must be positive, got {v}")
+    R, S = _int_arg("R", R, "filter size"), _int_arg("S", S, "filter size")
     st = pair(stride, "stride", minimum=1)
     pd = pair(padding, "padding", minimum=0)
     N, H, W, Ci = (int(v) for v in x.shape)
@@ -234,14 +239,6 @@ def conv2d_wgrad_reference(x, grad_out, R, S, stride=1, padding=0) -> torch.Tens
 
 
 # ---- conv2d dgrad: grad_x[N, H, W, Ci] from grad_out and w -------------------------------------
-
-
-def _int_arg(name: str, v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} ({what}) must be an int, got {v!r}")
-    if v < 1:
-        raise ValueError(f"{name} ({what}) must be positive, got {v}")
-    return v
 
 
 def conv2d_dgrad_problem(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> dict:

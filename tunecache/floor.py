@@ -89,7 +89,7 @@ def work(kernel: str, problem: Mapping[str, Any]) -> tuple[float, float] | None:
         dims = _sizes(problem, "gemm_M", "gemm_N", "gemm_K", "N", "H", "W", "Ci", "Co", "R", "S", "P", "Q")
         if dims is None:
             return None
-        gm, gn, gk, N, H, W, Ci, Co, R, S, P, Q = dims
+        _, _, _, N, H, W, Ci, Co, R, S, P, Q = dims  # gemm_M/N/K: a canonical conv problem's mark
         return 2.0 * N * P * Q * Co * R * S * Ci, float(size * (N * H * W * Ci + Co * R * S * Ci + N * P * Q * Co))
     return None
 

@@ -48,8 +48,8 @@ GRID: dict[str, list[dict]] = {
         {"N": 3, "H": 15, "W": 13, "Ci": 40, "Co": 24, "R": 3, "S": 3, "stride": 2, "padding": 0, "dtype": "bfloat16"},
         {"N": 2, "H": 8, "W": 8, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
     ],
-    # stride 2 with a 3x3 (four phases of 4, 2, 2, 1 taps), channels TMA must pad, and a strided
-    # 1x1 (three phases no tap reaches)
+    # a 3x3 at stride 1 (one phase: the TMA-store epilogue), at stride 2 over odd sizes (four
+    # phases of 4, 2, 2, 1 taps), and a strided 1x1 (three phases no tap reaches)
     "conv2d_dgrad": [
         {"N": 2, "H": 14, "W": 14, "Ci": 64, "Co": 64, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
         {"N": 3, "H": 15, "W": 13, "Ci": 40, "Co": 24, "R": 3, "S": 3, "stride": 2, "padding": 1, "dtype": "bfloat16"},
