@@ -30,7 +30,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout,
     allocate_tensor_memory,
+    fence_async_shared,
     mbarrier,
+    tcgen05_commit,
+    tcgen05_mma,
     tma,
 )
 
@@ -221,7 +224,98 @@ def conv2d_fprop_kernel(
     invalidate_ring(acc_empty)
 
 
-JIT_FUNCTIONS = (conv2d_fprop_kernel,)
+@gluon.jit
+def _packed_b_load(use, k_tiles, n0, w_desc, b_bufs, ready, done):
+    """TMA-load k-step `use`'s tile of the packed weights once the MMA that last read its slot
+    is done (no-op past the tile's k-loop)."""
+    NUM_BUFFERS: gl.constexpr = b_bufs.shape[0]
+    slot, phase = ring_slot(use, NUM_BUFFERS)
+    pred = use < k_tiles
+    mbarrier.wait(done.index(slot), phase ^ 1, pred=pred)
+    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes, pred)
+    tma.async_load(w_desc, [n0, use * w_desc.block_type.shape[1]], ready.index(slot), b_bufs.index(slot), pred)
+
+
+@gluon.jit(do_not_specialize=list(gh.PACKED_FPROP_INTS))
+def conv2d_fprop_packed_kernel(
+    x_ptr,
+    w_desc,
+    y_desc,
+    M,
+    Co,
+    Ci,
+    K,
+    SCi,
+    H,
+    W,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    GROUP_M,
+    BLOCK_M: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Few input channels (gluon_host.packs_taps), the Hopper packed kernel's schedule on
+    tcgen05: K = R*S*Ci packed, one output tile per CTA, x gathered one k-step ahead in
+    registers (gluon_host.packed_gather) into the A ring, the packed weights [Co, K] by TMA
+    (w_desc), the fp32 accumulator in tensor memory, y [M, Co] stored by TMA in slices of
+    y_desc's block width."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    EPI_N: gl.constexpr = y_desc.block_type.shape[1]
+    dtype: gl.constexpr = y_desc.dtype
+    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_K, num_warps)
+    # the A tile shares the weights' swizzle: same dtype and row length
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], w_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(done)
+    init_ring(acc_bar)
+    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+
+    pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _packed_b_load(i, k_tiles, n0, w_desc, b_bufs, ready, done)
+    base, h0, w0 = gh.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
+    a = gh.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+    for kk in range(k_tiles):
+        slot, phase = ring_slot(kk, NUM_BUFFERS)
+        mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this A slot
+        a_bufs.index(slot).store(a)
+        fence_async_shared()
+        a = gh.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+        mbarrier.wait(ready.index(slot), phase)
+        tcgen05_mma(
+            a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0, mbarriers=[done.index(slot)]
+        )
+        _packed_b_load(kk + NUM_BUFFERS - 1, k_tiles, n0, w_desc, b_bufs, ready, done)
+    tcgen05_commit(acc_bar.index(0))
+    mbarrier.wait(acc_bar.index(0), 0)
+    for j in gl.static_range(BLOCK_N // EPI_N):
+        buf = c_smem.index(j % 2)
+        part = acc.slice(j * EPI_N, EPI_N).load().to(dtype)
+        tma.store_wait(1)  # the store issued from this buffer two slices ago has read it
+        buf.store(part)
+        fence_async_shared()
+        tma.async_store(y_desc, [m0, n0 + j * EPI_N], buf)
+    tma.store_wait(0)
+    invalidate_ring(ready)
+    invalidate_ring(done)
+    invalidate_ring(acc_bar)
+
+
+JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -243,6 +337,11 @@ def worth_trying(c: dict, p: dict) -> bool:
     k-step covers one filter tap, so channel blocks beyond the (padded) Ci only read zeros; wide
     N tiles beyond Co compute padding. Whether it fits the device is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
+    if gh.packs_taps(p):
+        # the packed kernel's ring holds weights (L2-resident) and A tiles written a step ahead
+        ci = gh.packed_k(p)
+        if c["NUM_BUFFERS"] > 3:
+            return False
     return (
         c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci))
         and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
@@ -287,6 +386,8 @@ def default_config(p: dict, device) -> dict:
     bk = min(64, max(32, gh.pow2_at_least(ci)))
     bn = 256 if p["Co"] >= 256 else 128 if p["Co"] >= 128 else 64
     c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "num_warps": 4}
+    if gh.packs_taps(p):
+        c.update(BLOCK_N=min(bn, 128), BLOCK_K=32, NUM_BUFFERS=2)
     space = config_space(p, device)
     if c not in space or not resources_ok(c, p):
         fitting = prune(space, p, device)
@@ -309,15 +410,22 @@ def _blocks(c: dict):
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
     (sh, sw) = problems.pair(stride, "stride", minimum=1)
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
-    N, H, W, _ = x.shape
+    N, H, W, Ci = x.shape
     Co, R, S, _ = w.shape
     P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
-    xp, wp = gh.pad_channels(x), gh.pad_channels(w)
-    Ci = xp.shape[-1]
     M = N * P * Q
     co_pad = gh.padded_channels(Co, x.dtype)
     y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
     x_blk, w_blk, y_blk = _blocks(config)
+    if gh.packs_taps({"Ci": Ci}):
+        w_desc, y_desc = gh.tiled_desc(gh.packed_weights(w), w_blk), gh.tiled_desc(y, y_blk)
+        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"]),)
+        ints = gh.packed_fprop_ints(x.shape, w.shape, (sh, sw), (ph, pw), (P, Q), config["GROUP_M"])
+        conv2d_fprop_packed_kernel[grid](x, w_desc, y_desc, *ints, **_packed_constexprs(config))
+        y = y if co_pad == Co else y[:, :Co].contiguous()
+        return y.view(N, P, Q, Co)
+    xp, wp = gh.pad_channels(x), gh.pad_channels(w)
+    Ci = xp.shape[-1]
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
     if im2col:
         x_desc = gh.im2col_desc(xp, x_blk, stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
@@ -350,9 +458,20 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     return y.view(N, P, Q, Co)
 
 
+def _packed_constexprs(c: dict) -> dict:
+    return {"BLOCK_M": c["BLOCK_M"], "NUM_BUFFERS": c["NUM_BUFFERS"], "num_warps": c["num_warps"]}
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     x_blk, w_blk, y_blk = _blocks(config)
+    if gh.packs_taps(p):
+        ce = _packed_constexprs(config)
+        sig = {"x_ptr": gh.ptr_sig(dt), "w_desc": gh.desc_sig(dt, w_blk), "y_desc": gh.desc_sig(dt, y_blk)}
+        sig.update({k: "i32" for k in gh.PACKED_FPROP_INTS})
+        sig.update({k: "constexpr" for k in ce})
+        fn = conv2d_fprop_packed_kernel
+        return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {

@@ -275,7 +275,86 @@ def conv2d_fprop_kernel(
         mbarrier.invalidate(ready.index(i))
 
 
-JIT_FUNCTIONS = (conv2d_fprop_kernel,)
+@gluon.jit
+def _packed_b_load(step, k_tiles, n0, w_desc, b_bufs, ready, STAGES: gl.constexpr):
+    """TMA-load k-step `step`'s tile of the packed weights (no-op past the tile's k-loop)."""
+    pred = step < k_tiles
+    slot = step % STAGES
+    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes, pred)
+    tma.async_load(w_desc, [n0, step * w_desc.block_type.shape[1]], ready.index(slot), b_bufs.index(slot), pred)
+
+
+@gluon.jit(do_not_specialize=list(gh.PACKED_FPROP_INTS))
+def conv2d_fprop_packed_kernel(
+    x_ptr,
+    w_desc,
+    y_desc,
+    M,
+    Co,
+    Ci,
+    K,
+    SCi,
+    H,
+    W,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    GROUP_M,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Few input channels (gluon_host.packs_taps): K = R*S*Ci packed, one output tile per CTA.
+    x_ptr: x [N, H, W, Ci], gathered (gluon_host.packed_gather) one k-step ahead in registers
+    and stored to shared memory for the WGMMA; w_desc: tiles of the packed weights [Co, K]
+    (gluon_host.packed_weights) in a ring of STAGES; y_desc: y [M, Co]. Not persistent: the
+    gather waits on memory, and several CTAs per SM hide that where one cannot."""
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    dtype: gl.constexpr = y_desc.dtype
+    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_K, num_warps)
+
+    # the A tile shares the weights' swizzle: same dtype and row length
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], w_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    for i in gl.static_range(STAGES - 1):
+        _packed_b_load(i, k_tiles, n0, w_desc, b_bufs, ready, STAGES)
+
+    base, h0, w0 = gh.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
+    a = gh.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps))
+    for kk in range(k_tiles):
+        slot = kk % STAGES
+        # the WGMMA that last read this slot (kk - STAGES) has retired: at most one is in flight
+        a_bufs.index(slot).store(a)
+        fence_async_shared()
+        a = gh.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+        mbarrier.wait(ready.index(slot), (kk // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _packed_b_load(kk + STAGES - 1, k_tiles, n0, w_desc, b_bufs, ready, STAGES)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    c_smem.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_store(y_desc, [m0, n0], c_smem)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -292,7 +371,7 @@ def config_space(p: dict, device) -> list[dict]:
     return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
 
 
-def resources_ok(c: dict) -> bool:
+def resources_ok(c: dict, p: dict | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
     return ghop.wgmma_resources_ok(c, smem_bytes(c))
@@ -309,9 +388,13 @@ def worth_trying(c: dict, p: dict) -> bool:
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    if gh.packs_taps(p):
+        # the packed kernel's ring holds weights only (L2-resident): depth buys nothing that the
+        # occupancy its shared memory costs would not
+        if c["num_stages"] > 3 or c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.packed_k(p))):
+            return False
     # a k-step covers one filter tap: more channels than the tap has are zeros
-    if c["BLOCK_K"] > max(16, gh.pow2_at_least(ci)):
+    elif c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(p["Ci"], p["dtype"]))):
         return False
     return c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["Co"])) and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))
 
@@ -325,7 +408,12 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bk = min(64, max(16, gh.pow2_at_least(ci)))
-    if p["Co"] >= 256:
+    if gh.packs_taps(p):
+        bk = min(32, max(16, gh.pow2_at_least(gh.packed_k(p))))
+        bn = 64 if p["Co"] <= 64 else 128
+        warps = 4 if bn == 64 else 8  # the gathered tile's registers beside a 128x128 accumulator spill at 4
+        c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": 2}
+    elif p["Co"] >= 256:
         c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
     elif p["Co"] >= 128:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
@@ -380,6 +468,23 @@ class _Plan:
         return y.view(self.out_shape)
 
 
+class _PackedPlan:
+    """A packed-taps launch (conv2d_fprop_packed_kernel), precomputed as _Plan."""
+
+    __slots__ = ("launcher", "maps", "grid0", "tail", "w_blk", "y_blk", "y_shape", "Co", "co_pad", "out_shape")
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
+        wp = gh.packed_weights(w)
+        y = torch.empty(self.y_shape, device=x.device, dtype=x.dtype)
+        pw, py = wp.data_ptr(), y.data_ptr()
+        maps, ld = self.maps, self.launcher
+        wm = maps.get((0, pw)) or maps.put((0, pw), ld.expand_desc(0, gh.tiled_desc(wp, self.w_blk)))
+        ym = maps.get((1, py)) or maps.put((1, py), ld.expand_desc(1, gh.tiled_desc(y, self.y_blk)))
+        ld(self.grid0, stream, [x.data_ptr(), *wm, *ym, *self.tail])
+        y = y if self.co_pad == self.Co else y[:, : self.Co].contiguous()
+        return y.view(self.out_shape)
+
+
 _PLANS = direct.PlanCache()
 
 
@@ -399,9 +504,11 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
 def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding, key) -> torch.Tensor:
     (sh, sw) = problems.pair(stride, "stride", minimum=1)
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
-    N, H, W, _ = x.shape
+    N, H, W, Ci = x.shape
     Co, R, S, _ = w.shape
     P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    if gh.packs_taps({"Ci": Ci}):
+        return _launch_packed_jit(config, x, w, (sh, sw), (ph, pw), (P, Q), key)
     xp, wp = gh.pad_channels(x), gh.pad_channels(w)
     Ci = xp.shape[-1]
     M = N * P * Q
@@ -442,9 +549,45 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     return y.view(N, P, Q, Co)
 
 
+def _packed_constexprs(c: dict) -> dict:
+    return {"STAGES": c["num_stages"], "num_warps": c["num_warps"]}
+
+
+def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding, PQ, key) -> torch.Tensor:
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    ints = gh.packed_fprop_ints(x.shape, w.shape, stride, padding, PQ, config["GROUP_M"])
+    M, Co = ints[0], ints[1]
+    co_pad = gh.padded_channels(Co, x.dtype)
+    wp = gh.packed_weights(w)
+    y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
+    w_desc, y_desc = gh.tiled_desc(wp, [bn, bk]), gh.tiled_desc(y, [bm, bn])
+    grid = (triton.cdiv(M, bm) * triton.cdiv(Co, bn),)
+    ce = _packed_constexprs(config)
+    compiled = conv2d_fprop_packed_kernel[grid](x, w_desc, y_desc, *ints, **ce)
+    out_shape = (x.shape[0], *PQ, Co)
+    if key is not None:
+        ld = direct.DirectLauncher.of(compiled)
+        if ld is not None:
+            plan = _PackedPlan()
+            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
+            plan.tail = direct.kernel_args(conv2d_fprop_packed_kernel, (None, None, None) + ints, ce)[3:]
+            plan.w_blk, plan.y_blk, plan.y_shape = [bn, bk], [bm, bn], (M, co_pad)
+            plan.Co, plan.co_pad, plan.out_shape = Co, co_pad, out_shape
+            _PLANS.put(key, plan)
+    y = y if co_pad == Co else y[:, :Co].contiguous()
+    return y.view(out_shape)
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gh.packs_taps(p):
+        ce = _packed_constexprs(config)
+        sig = {"x_ptr": gh.ptr_sig(dt), "w_desc": gh.desc_sig(dt, [bn, bk]), "y_desc": gh.desc_sig(dt, [bm, bn])}
+        sig.update({k: "i32" for k in gh.PACKED_FPROP_INTS})
+        sig.update({k: "constexpr" for k in ce})
+        fn = conv2d_fprop_packed_kernel
+        return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {

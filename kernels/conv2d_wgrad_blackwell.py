@@ -40,8 +40,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout,
     allocate_tensor_memory,
+    fence_async_shared,
     mbarrier,
     tcgen05_commit,
+    tcgen05_mma,
     tma,
 )
 
@@ -372,7 +374,99 @@ def conv2d_wgrad_kernel(
     invalidate_ring(acc_empty)
 
 
-JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+@gluon.jit
+def _packed_a_load(use, n, k_from, co0, g_desc, a_bufs, ready, done):
+    """TMA-load the grad_out tile of this split's pixel step `use` once the MMA that last read
+    its slot is done (no-op past the split's last step)."""
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    slot, phase = ring_slot(use, NUM_BUFFERS)
+    pred = use < n
+    mbarrier.wait(done.index(slot), phase ^ 1, pred=pred)
+    mbarrier.expect(ready.index(slot), g_desc.block_type.nbytes, pred)
+    row = (k_from + use) * g_desc.block_type.shape[0]
+    tma.async_load(g_desc, [row, co0], ready.index(slot), a_bufs.index(slot), pred)
+
+
+@gluon.jit(do_not_specialize=list(gh.PACKED_WGRAD_INTS))
+def conv2d_wgrad_packed_kernel(
+    g_desc,
+    x_ptr,
+    out_ptr,
+    Co,
+    Ci,
+    K,
+    SCi,
+    H,
+    W,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    NPQ,
+    k_steps,
+    per,
+    BLOCK_N: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Few input channels (gluon_host.packs_taps), the Hopper packed wgrad's schedule on
+    tcgen05: grad_w [Co, K = R*S*Ci packed] in [BLOCK_M, BLOCK_N] tiles, one (split, tile) per
+    CTA numbered split-major; grad_out tiles by TMA (g_desc, fed transposed), x's im2col
+    gathered one pixel step ahead (gluon_host.packed_gather) into the B ring as it lies, the
+    fp32 accumulator in tensor memory; out_ptr: grad_w [Co, K] with one split, else fp32
+    partials [splits, Co, K]."""
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
+    dtype: gl.constexpr = g_desc.dtype
+    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + g_desc.block_type.shape, g_desc.layout)
+    b_layout: gl.constexpr = gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(done)
+    init_ring(acc_bar)
+    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+
+    pid = gl.program_id(0)
+    co_blocks = gl.cdiv(Co, BLOCK_M)
+    tiles = co_blocks * gl.cdiv(K, BLOCK_N)
+    split = pid // tiles
+    co0 = (pid % co_blocks) * BLOCK_M
+    n0 = (pid % tiles // co_blocks) * BLOCK_N
+    k_from = split * per
+    n = gl.minimum(per, k_steps - k_from)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, done)
+    m0 = k_from * BLOCK_K
+    base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+    b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+    for i in range(n):
+        slot, phase = ring_slot(i, NUM_BUFFERS)
+        mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this B slot
+        b_bufs.index(slot).store(b)
+        fence_async_shared()
+        m0 += BLOCK_K
+        base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+        b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+        mbarrier.wait(ready.index(slot), phase)
+        a = a_bufs.index(slot).permute((1, 0))
+        tcgen05_mma(a, b_bufs.index(slot), acc, use_acc=i > 0, mbarriers=[done.index(slot)])
+        _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, co0, g_desc, a_bufs, ready, done)
+    tcgen05_commit(acc_bar.index(0))
+    mbarrier.wait(acc_bar.index(0), 0)
+    # every split has at least one step (gluon_host.split_k_plan)
+    store_acc_masked(acc, acc_bar.index(1), out_ptr + split.to(gl.int64) * Co * K, co0, Co, K, n0, K)
+    invalidate_ring(ready)
+    invalidate_ring(done)
+    invalidate_ring(acc_bar)
+
+
+JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -398,8 +492,16 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     own; and no splitting further once the output tiles alone fill every SM twice (only adds
     reduction traffic). Whether it fits the device is resources_ok()'s question."""
     ci = gh.padded_channels(p["Ci"], p["dtype"])
+    if gh.packs_taps(p):
+        # the split count follows from the tiles (gluon_host.packed_wgrad_work); a B tile spans
+        # packed taps, a whole filter at most
+        ci = gh.packed_k(p)
+        if c["SPLIT_K"] != 0 or c["NUM_BUFFERS"] > 4:
+            return False
     if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
+    if gh.packs_taps(p):
+        return True
     w = gh.WgradWork.of(p, c, sms)
     if w.stream:
         return w.per >= c["NUM_BUFFERS"]
@@ -444,7 +546,9 @@ def default_config(p: dict, device) -> dict:
     """128 x 128 tiles, 4 stages, and the work model's split count (SPLIT_K=0) where it splits."""
     sms = gh.sm_count_of(device)
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 0, "num_warps": 4}
-    if not worth_trying(c, p, sms):
+    if gh.packs_taps(p):
+        c.update(BLOCK_M=128 if p["Co"] >= 128 else 64, BLOCK_N=64, NUM_BUFFERS=3)
+    elif not worth_trying(c, p, sms):
         c["SPLIT_K"] = 1
     space = config_space(p, device)
     if c not in space or not resources_ok(c, p):
@@ -470,10 +574,19 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gh.packs_taps({"Ci": Ci0}):
+        sms = gh.num_sms(x.device)
+        ints, ctas, splits = gh.packed_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
+        gp = gh.pad_channels(grad_out)
+        g_desc = gh.tiled_desc(gp.view(N * P * Q, gp.shape[-1]), [bk, bm])
+        out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
+        ws = out if splits == 1 else gh.split_k_workspace(splits, Co, R * S * Ci0, x.device)
+        conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, ws, *ints, **_packed_constexprs(config))
+        return out if splits == 1 else gh.split_k_reduce(ws, out)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     work = gh.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     if work.stream:
@@ -514,9 +627,25 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
 
+def _packed_constexprs(c: dict) -> dict:
+    return {"BLOCK_N": c["BLOCK_N"], "NUM_BUFFERS": c["NUM_BUFFERS"], "num_warps": c["num_warps"]}
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gh.packs_taps(p):
+        x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
+        st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
+        _, _, splits = gh.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
+        ce = _packed_constexprs(config)
+        sig = {"g_desc": gh.desc_sig(dt, [bk, bm]), "x_ptr": gh.ptr_sig(dt)}
+        sig["out_ptr"] = gh.ptr_sig(dt) if splits == 1 else "*fp32"
+        sig.update({k: "i32" for k in gh.PACKED_WGRAD_INTS})
+        sig.update({k: "constexpr" for k in ce})
+        fn = conv2d_wgrad_packed_kernel
+        specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
+        return specs + ([gh.split_k_reduce_spec(dt)] if splits > 1 else [])
     work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)

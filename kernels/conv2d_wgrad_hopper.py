@@ -24,6 +24,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -348,7 +349,96 @@ def conv2d_wgrad_kernel(
         mbarrier.invalidate(empty.index(i))
 
 
-JIT_FUNCTIONS = (conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+@gluon.jit
+def _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES: gl.constexpr):
+    """TMA-load the grad_out tile of this split's i-th pixel step (no-op past its last)."""
+    pred = i < n
+    slot = i % STAGES
+    mbarrier.expect(ready.index(slot), g_desc.block_type.nbytes, pred)
+    tma.async_load(
+        g_desc, [(k_from + i) * g_desc.block_type.shape[0], co0], ready.index(slot), a_bufs.index(slot), pred
+    )
+
+
+@gluon.jit(do_not_specialize=list(gh.PACKED_WGRAD_INTS))
+def conv2d_wgrad_packed_kernel(
+    g_desc,
+    x_ptr,
+    out_ptr,
+    Co,
+    Ci,
+    K,
+    SCi,
+    H,
+    W,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    NPQ,
+    k_steps,
+    per,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Few input channels (gluon_host.packs_taps): grad_w [Co, K = R*S*Ci packed] in
+    [BLOCK_M, BLOCK_N] tiles, one (split, tile) per CTA, numbered split-major so the CTAs
+    running together read the same pixels. g_desc: tiles of grad_out [N*P*Q, Co] (fed to
+    WGMMA transposed) in a ring of STAGES; x_ptr: x [N, H, W, Ci], its im2col gathered one
+    pixel step ahead (gluon_host.packed_gather) into a double buffer that is the WGMMA's B as
+    it lies; out_ptr: grad_w [Co, K] with one split, else fp32 partials [splits, Co, K]."""
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
+    dtype: gl.constexpr = g_desc.dtype
+    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid = gl.program_id(0)
+    co_blocks = gl.cdiv(Co, BLOCK_M)
+    tiles = co_blocks * gl.cdiv(K, BLOCK_N)
+    split = pid // tiles
+    co0 = (pid % co_blocks) * BLOCK_M
+    n0 = (pid % tiles // co_blocks) * BLOCK_N
+    k_from = split * per
+    n = gl.minimum(per, k_steps - k_from)
+    for i in gl.static_range(STAGES - 1):
+        _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES)
+
+    m0 = k_from * BLOCK_K
+    base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+    b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    for i in range(n):
+        slot = i % STAGES
+        # the WGMMA that last read this B buffer (i - 2) has retired: at most one is in flight
+        b_bufs.index(i % 2).store(b)
+        fence_async_shared()
+        m0 += BLOCK_K
+        base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+        b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _packed_a_load(i + STAGES - 1, n, k_from, co0, g_desc, a_bufs, ready, STAGES)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    rows = co0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    mask = (rows < Co)[:, None] & (cols < K)[None, :]
+    base_out = (split.to(gl.int64) * Co + rows) * K
+    gl.store(out_ptr + base_out[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -364,17 +454,21 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles, splits past what fills the GPU). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, gh.sm_count_of(device))]
+    return [c for c in SPACES[OP] if not resources_ok(c, p) or worth_trying(c, p, gh.sm_count_of(device))]
 
 
-def resources_ok(c: dict) -> bool:
+def resources_ok(c: dict, p: dict | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
-    return ghop.wgmma_resources_ok(c, smem_bytes(c))
+    return ghop.wgmma_resources_ok(c, smem_bytes(c, packed=p is not None and gh.packs_taps(p)))
 
 
-def smem_bytes(c: dict, itemsize: int = 2) -> int:
-    return c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 8 * c["num_stages"] + 1024
+def smem_bytes(c: dict, itemsize: int = 2, packed: bool = False) -> int:
+    """The ring of (grad_out, x) tiles; the packed kernel rings grad_out only and double-buffers
+    its gathered x."""
+    b_tiles = 2 if packed else c["num_stages"]
+    ring = (c["num_stages"] * c["BLOCK_M"] + b_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
+    return ring + 8 * c["num_stages"] + 1024
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
@@ -383,11 +477,15 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     # two warpgroups split a 64-row tile along N: only worth it on wide tiles
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    ci = gh.padded_channels(p["Ci"], p["dtype"])
-    if c["BLOCK_N"] > max(16, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
-        return False
     npq = p["N"] * p["P"] * p["Q"]
-    if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)):
+    if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
+        return False
+    if gh.packs_taps(p):
+        # its split count follows from the tiles (gluon_host.packed_wgrad_work); the B tile
+        # spans packed taps, a whole filter at most
+        return c["SPLIT_K"] == 0 and c["BLOCK_N"] <= max(16, gh.pow2_at_least(gh.packed_k(p)))
+    ci = gh.padded_channels(p["Ci"], p["dtype"])
+    if c["BLOCK_N"] > max(16, gh.pow2_at_least(ci)):
         return False
     w = gh.WgradWork.of(p, c, sms)
     if c["SPLIT_K"] > 0 and w.splits < c["SPLIT_K"]:
@@ -400,7 +498,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
-    kept = [c for c in configs if resources_ok(c)]
+    kept = [c for c in configs if resources_ok(c, p)]
     return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
 
 
@@ -409,9 +507,11 @@ def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bm = 128 if p["Co"] >= 128 else 64
     bn = min(128, max(16, gh.pow2_at_least(ci)))
+    if gh.packs_taps(p):
+        bn = min(64, max(16, gh.pow2_at_least(gh.packed_k(p))))
     warps = 8 if bm == 128 and bn >= 128 else 4
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": warps, "num_stages": 4}
-    if not (resources_ok(c) and worth_trying(c, p, sms)):
+    if not (resources_ok(c, p) and worth_trying(c, p, sms)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], -abs(x["SPLIT_K"])))
@@ -477,6 +577,29 @@ class _Plan:
         return out if self.ci == self.Ci0 else out[..., : self.Ci0].contiguous()
 
 
+class _PackedPlan:
+    """A packed-taps launch (conv2d_wgrad_packed_kernel and, when split, its reduction),
+    precomputed as _Plan."""
+
+    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_blk", "gc", "npq", "out_shape", "ws_shape")
+    __slots__ += ("reduce_grid0", "reduce_tail")
+
+    def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
+        gp = gh.pad_last_dim(g, self.gc)
+        out = torch.empty(self.out_shape, device=x.device, dtype=x.dtype)
+        ws = None if self.reduce is None else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
+        if (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
+            return None  # pointer arguments were specialized 16-byte aligned: the JIT path
+        pg = gp.data_ptr()
+        gm = self.maps.get(pg) or self.maps.put(
+            pg, self.launcher.expand_desc(0, gh.tiled_desc(gp.view(self.npq, self.gc), self.g_blk))
+        )
+        self.launcher(self.grid0, stream, [*gm, x.data_ptr(), out if ws is None else ws, *self.tail])
+        if ws is not None:
+            self.reduce(self.reduce_grid0, stream, (ws, out, *self.reduce_tail))
+        return out
+
+
 _PLANS = direct.PlanCache()
 
 
@@ -515,6 +638,8 @@ def _launch_jit(
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
+    if gh.packs_taps({"Ci": Ci0}):
+        return _launch_packed_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q
@@ -573,9 +698,55 @@ def _launch_jit(
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
 
+def _packed_constexprs(c: dict) -> dict:
+    return {"BLOCK_N": c["BLOCK_N"], "STAGES": c["num_stages"], "num_warps": c["num_warps"]}
+
+
+def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
+    bm, bk = config["BLOCK_M"], config["BLOCK_K"]
+    sms = gh.num_sms(x.device)
+    ints, ctas, splits = gh.packed_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
+    Co, K, npq = ints[0], ints[2], ints[12]
+    gp = gh.pad_channels(grad_out)
+    gc = gp.shape[-1]
+    out = torch.empty((Co, R, S, x.shape[-1]), device=x.device, dtype=x.dtype)
+    ws = None if splits == 1 else torch.empty((splits, Co, K), device=x.device, dtype=torch.float32)
+    ce = _packed_constexprs(config)
+    g_desc = gh.tiled_desc(gp.view(npq, gc), [bk, bm])
+    compiled = conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, out if ws is None else ws, *ints, **ce)
+    reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
+    aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
+    if key is not None and aligned:
+        ld = direct.DirectLauncher.of(compiled)
+        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        if ld is not None and (reduce is None or rd is not None):
+            plan = _PackedPlan()
+            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
+            plan.tail = direct.kernel_args(conv2d_wgrad_packed_kernel, (None,) * 3 + ints, ce)[3:]
+            plan.g_blk, plan.gc, plan.npq, plan.out_shape = [bk, bm], gc, npq, tuple(out.shape)
+            plan.ws_shape = None if ws is None else tuple(ws.shape)
+            if rd is not None:
+                plan.reduce_grid0 = gh.split_k_reduce_grid(out.numel())[0]
+                plan.reduce_tail = (out.numel(), splits) + gh.split_k_reduce_tail()
+            _PLANS.put(key, plan)
+    return out
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gh.packs_taps(p):
+        x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
+        st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
+        _, _, splits = gh.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
+        ce = _packed_constexprs(config)
+        sig = {"g_desc": gh.desc_sig(dt, [bk, bm]), "x_ptr": gh.ptr_sig(dt)}
+        sig["out_ptr"] = gh.ptr_sig(dt) if splits == 1 else "*fp32"
+        sig.update({k: "i32" for k in gh.PACKED_WGRAD_INTS})
+        sig.update({k: "constexpr" for k in ce})
+        fn = conv2d_wgrad_packed_kernel
+        specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
+        return specs + ([gh.split_k_reduce_spec(dt)] if splits > 1 else [])
     work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)

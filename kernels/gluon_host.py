@@ -333,15 +333,21 @@ def no_split_workspace(device) -> torch.Tensor:
 
 @gluon.jit(do_not_specialize=["numel", "splits"])  # one binary for every split count and size
 def split_k_reduce_kernel(ws_ptr, out_ptr, numel, splits, BLOCK: gl.constexpr, num_warps: gl.constexpr):
-    """out[i] = sum_s ws[s, i] in split order (deterministic), cast to out's dtype."""
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    """out[i] = sum_s ws[s, i] in a fixed order (deterministic), cast to out's dtype. Each
+    thread loads SPLITS_AT_ONCE splits per pass and sums them at the end: a small output split
+    hundreds of ways (the packed-taps wgrad) would otherwise wait out one load per split."""
+    SPLITS_AT_ONCE: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([SPLITS_AT_ONCE, 4], [1, 32], [1, num_warps], [1, 0])
     pid = gl.program_id(0)
-    offs = pid.to(gl.int64) * BLOCK + gl.arange(0, BLOCK, layout).to(gl.int64)
+    offs = pid.to(gl.int64) * BLOCK + gl.arange(0, BLOCK, gl.SliceLayout(0, layout)).to(gl.int64)
+    rows = gl.arange(0, SPLITS_AT_ONCE, gl.SliceLayout(1, layout))
     mask = offs < numel
-    acc = gl.zeros([BLOCK], gl.float32, layout)
-    for s in range(splits):
-        acc += gl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
-    gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    acc = gl.zeros([SPLITS_AT_ONCE, BLOCK], gl.float32, layout)
+    for s0 in range(0, splits, SPLITS_AT_ONCE):
+        s = s0 + rows
+        ok = (s < splits)[:, None] & mask[None, :]
+        acc += gl.load(ws_ptr + s.to(gl.int64)[:, None] * numel + offs[None, :], mask=ok, other=0.0)
+    gl.store(out_ptr + offs, gl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 SPLIT_K_REDUCE_BLOCK = 1024
@@ -588,6 +594,113 @@ class DgradGeometry:
 
     def tiles(self, block_m: int, block_n: int) -> int:
         return self.phases * -(-self.m2 // block_m) * -(-self.Ci // block_n)
+
+
+# ---- packed taps: the im2col of a conv with few input channels ----------------------------------
+# With Ci <= 8 a tap's channels fill at most half of WGMMA's and tcgen05's smallest k-step (16),
+# so a k-loop over taps multiplies mostly zeros (the 7x7 stem, Ci = 3 padded to 8 and walked at
+# BLOCK_K = 16, does 5.3x the work). Packing the taps makes K = R*S*Ci one dense dimension,
+# k = (r*S + s)*Ci + c; TMA cannot gather such a tile, so it is loaded through pointers (for a
+# given r, the (s, c) run is contiguous in x) and stored to shared memory for the MMA.
+
+PACKED_MAX_CI = 8
+
+
+def packs_taps(p: dict) -> bool:
+    """A conv whose im2col the Gluon kernels gather with the taps packed (see above)."""
+    return p["Ci"] <= PACKED_MAX_CI
+
+
+def packed_k(p: dict) -> int:
+    return p["R"] * p["S"] * p["Ci"]
+
+
+def packed_weights(w: torch.Tensor) -> torch.Tensor:
+    """w [Co, R, S, Ci] as the packed GEMM's [Co, K] with K padded to TMA's 16-byte rows (the
+    zeros past K meet the gather's zeros)."""
+    co = w.shape[0]
+    k = w[0].numel()
+    return pad_last_dim(w.reshape(co, k), round_up(k, tma_multiple(w.dtype)))
+
+
+@gluon.jit
+def packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The gather's rows for output pixels m0...: each one's window corner (h0, w0) and the
+    corner's offset in x [N, H, W, Ci]. Rows past M get a corner below every image (masked)."""
+    m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    pq = m % PQ
+    h0 = (pq // Q) * stride_h - pad_h
+    w0 = (pq % Q) * stride_w - pad_w
+    base = (((m // PQ).to(gl.int64) * H + h0) * W + w0) * Ci
+    return base, gl.where(m < M, h0, 1 << 28), w0
+
+
+@gluon.jit
+def packed_gather(x_ptr, base, h0, w0, k0, K, SCi, Ci, H, W, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+    """A [rows, BLOCK_K] tile of im2col(x) at packed columns k0...: zeros past K and where the
+    window overhangs the image."""
+    k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    r = k // SCi
+    rem = k - r * SCi
+    s = rem // Ci
+    r = gl.where(k < K, r, 1 << 28)  # past K: a tap below every image
+    ih = h0[:, None] + r[None, :]
+    iw = w0[:, None] + s[None, :]
+    ok = (ih < H) & (ih >= 0) & (iw >= 0) & (iw < W)
+    return gl.load(x_ptr + (base[:, None] + (r * (W * Ci) + rem)[None, :]), mask=ok, other=0.0)
+
+
+@gluon.constexpr_function
+def packed_b_layout(BLOCK_K, BLOCK_N, dtype):
+    """Shared layout of a gathered [BLOCK_K pixels, BLOCK_N packed taps] tile that is the MMA's
+    B operand as it lies (N contiguous): no descriptor carries it."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+
+
+PACKED_WGRAD_CTAS_PER_SM = 2
+
+
+def packed_wgrad_work(Co: int, K: int, npq: int, c: dict, sms: int) -> tuple[int, int, int, int]:
+    """(tiles, k_steps, splits, per) of a packed-taps wgrad: its few tiles (Co x K) leave the
+    pixel reduction to fill the GPU, so it is split until every SM runs a few CTAs (their
+    gathers hide each other's latency); SPLIT_K > 0 caps that."""
+    tiles = cdiv(Co, c["BLOCK_M"]) * cdiv(K, c["BLOCK_N"])
+    k_steps = max(1, cdiv(npq, c["BLOCK_K"]))
+    want = cdiv(PACKED_WGRAD_CTAS_PER_SM * sms, tiles)
+    splits, per = split_k_plan(k_steps, min(want, c["SPLIT_K"]) if c["SPLIT_K"] > 0 else want)
+    return tiles, k_steps, splits, per
+
+
+# the packed kernels' integer arguments, in order (both backends)
+PACKED_FPROP_INTS = ("M", "Co", "Ci", "K", "SCi", "H", "W", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w")
+PACKED_FPROP_INTS += ("GROUP_M",)
+PACKED_WGRAD_INTS = ("Co", "Ci", "K", "SCi", "H", "W", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "NPQ")
+PACKED_WGRAD_INTS += ("k_steps", "per")
+
+
+def packed_fprop_ints(x_shape, w_shape, stride, padding, PQ: tuple[int, int], group_m: int) -> tuple:
+    """A packed fprop kernel's PACKED_FPROP_INTS."""
+    N, H, W, Ci = (int(v) for v in x_shape)
+    Co, R, S, _ = (int(v) for v in w_shape)
+    P, Q = PQ
+    return (N * P * Q, Co, Ci, R * S * Ci, S * Ci, H, W, P * Q, Q, *stride, *padding, group_m)
+
+
+def packed_wgrad_ints(x_shape, g_shape, R: int, S: int, stride, padding, c: dict, sms: int) -> tuple:
+    """A packed wgrad kernel's PACKED_WGRAD_INTS, its grid and its split count."""
+    N, H, W, Ci = (int(v) for v in x_shape)
+    _, P, Q, Co = (int(v) for v in g_shape)
+    K, npq = R * S * Ci, N * P * Q
+    tiles, k_steps, splits, per = packed_wgrad_work(Co, K, npq, c, sms)
+    ints = (Co, Ci, K, S * Ci, H, W, P * Q, Q, *stride, *padding, npq, k_steps, per)
+    return ints, tiles * splits, splits
+
+
+@gluon.constexpr_function
+def packed_gather_layout(BLOCK_K, num_warps):
+    """Threads along k in runs of 8 (one 16-byte shared-memory store each), warps along rows."""
+    tpw_k = max(1, min(32, BLOCK_K // 8))
+    return gl.BlockedLayout([1, BLOCK_K // tpw_k], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
 
 
 # ---- candidate order ------------------------------------------------------------------------

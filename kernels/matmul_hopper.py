@@ -244,7 +244,7 @@ def config_space(p: dict, device) -> list[dict]:
     return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
 
 
-def resources_ok(c: dict) -> bool:
+def resources_ok(c: dict, p: dict | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
     return ghop.wgmma_resources_ok(c, smem_bytes(c))

@@ -131,6 +131,48 @@ def _conv_ids(case):
     return "x".join(str(v).replace(" ", "") for v in case)
 
 
+# few input channels (Ci <= 8): the packed-taps kernel, K = R*S*Ci gathered through pointers
+CONV_PACKED = [
+    (4, 224, 224, 3, 64, 7, 7, 2, 3),  # the ResNet stem
+    (1, 64, 64, 4, 512, 3, 3, 1, 1),  # SD VAE decoder.conv_in
+    (2, 33, 17, 1, 24, 3, 3, 1, 1),  # one channel
+    (3, 15, 17, 5, 7, 3, 3, 2, 1),  # odd everything, Co padded for TMA
+    (2, 20, 12, 8, 200, 5, 5, (1, 2), (1, 0)),  # Ci = 8: no weight padding; asymmetric
+    (2, 9, 9, 6, 13, 1, 1, 3, 0),  # strided 1x1
+    (1, 7, 7, 2, 16, 7, 7, 1, 3),  # the window as large as the image
+]
+PACKED_CONFIGS = [
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
+def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case):
+    N, H, W, Ci, Co, R, S, st, pd = case
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+
+    def data(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+        return x, w, fprop.reference(x.float(), w.float(), st, pd)
+
+    x, w, _ = data(0)
+    p = fprop.problem(x, w, st, pd)
+    assert gh.packs_taps(p)
+    configs = [fprop.default_config(p, dev)] + PACKED_CONFIGS
+    for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
+        x, w, ref = data(seed)
+        for c in configs:
+            _poison(p["gemm_M"] * gh.round_up(Co, 8), torch.bfloat16)
+            _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)
+        _no_jit(monkeypatch, fprop.conv2d_fprop_packed_kernel)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
@@ -179,6 +221,41 @@ def test_conv2d_wgrad_matches_torch(case):
     for c in configs:
         _poison(Co * R * S * gh.round_up(Ci, 8), torch.bfloat16)
         _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
+
+
+PACKED_WGRAD_CONFIGS = [
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 0, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 8, "num_stages": 3},
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
+def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case):
+    N, H, W, Ci, Co, R, S, st, pd = case
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+
+    def data(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+        return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
+
+    x, g, _ = data(0)
+    p = wgrad.problem(x, g, R, S, st, pd)
+    assert gh.packs_taps(p)
+    configs = [wgrad.default_config(p, dev)] + [c for c in PACKED_WGRAD_CONFIGS if wgrad.resources_ok(c, p)]
+    for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
+        x, g, ref = data(seed)
+        for c in configs:
+            _poison(Co * R * S * Ci, torch.bfloat16)
+            _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
+        _no_jit(monkeypatch, wgrad.conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
 
 
 DGRAD_EXTRA = [
@@ -336,7 +413,8 @@ def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
         _check(wgrad.launch(cws, x, g, R, S, st, pd), ref_w, 1e-2)
 
     check_all(*data(0))  # JIT: builds the plans
-    _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel, gh.split_k_reduce_kernel)
+    _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, fprop.conv2d_fprop_packed_kernel)
+    _no_jit(monkeypatch, wgrad.conv2d_wgrad_kernel, wgrad.conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
     for seed in (1, 2):
         check_all(*data(seed))
     # the same problem with stride given as a tuple shares the plan; a bool stride still raises

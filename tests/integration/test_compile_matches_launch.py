@@ -41,6 +41,8 @@ def _problems(op: str):
     shapes = [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0)]
     if op == "conv2d_dgrad":  # the pointwise (tiled A, TMA store), a strided 3x3, the stem (Ci = 3)
         shapes += [(2, 8, 8, 64, 32, 1, 1, 1, 0), (2, 14, 14, 64, 64, 3, 3, 2, 1), (2, 16, 16, 3, 64, 7, 7, 2, 3)]
+    else:  # few input channels: the packed-taps kernels (the stem; Ci = 4, Co padded for TMA)
+        shapes += [(2, 16, 16, 3, 64, 7, 7, 2, 3), (1, 12, 12, 4, 40, 3, 3, 1, 1)]
     for N, H, W, Ci, Co, R, S, st, pd in shapes:
         x = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
         if op == "conv2d_dgrad":

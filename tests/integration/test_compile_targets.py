@@ -77,9 +77,30 @@ def _slices():
 @pytest.mark.parametrize("op,backend,part", list(_slices()))
 def test_space_compiles_and_pruning_agrees(op, backend, part, record_property):
     mod = _module(op, backend)
-    arch = TARGETS[backend]
     configs = list(space_for(mod.KERNEL))[part * CHUNK : (part + 1) * CHUNK]
-    problem = canonical_problem(op)
+    label = f"configs {part * CHUNK}-"
+    _compile_and_check(mod, canonical_problem(op), configs, TARGETS[backend], label, record_property)
+
+
+# Few input channels take the packed-taps kernels (gluon_host.packs_taps). Every config the
+# backend would tune for a stem-like conv (Co = 256, so that no N tile is pruned as too wide)
+# is compiled, with the same two checks.
+PACKED = {"N": 32, "H": 224, "W": 224, "Ci": 3, "Co": 256, "R": 7, "S": 7, "stride": 2, "padding": 3}
+PACKED["dtype"] = "bfloat16"
+
+
+@pytest.mark.parametrize("backend", sorted(TARGETS))
+@pytest.mark.parametrize("op", ["conv2d_fprop", "conv2d_wgrad"])
+def test_packed_taps_kernels_compile_and_pruning_agrees(op, backend, record_property):
+    mod = _module(op, backend)
+    arch = TARGETS[backend]
+    problem = canonical_problem(op, PACKED)
+    configs = mod.config_space(problem, device_for(arch))
+    assert {s.name for s in mod.compile_specs(problem, configs[0], device_for(arch))} & {f"{op}_packed_kernel"}
+    _compile_and_check(mod, problem, configs, arch, "packed-taps configs ", record_property)
+
+
+def _compile_and_check(mod, problem: dict, configs: list[dict], arch: str, label: str, record_property) -> None:
     device = device_for(arch)
     t0 = time.perf_counter()
     kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, problem, device)}
@@ -94,7 +115,7 @@ def test_space_compiles_and_pruning_agrees(op, backend, part, record_property):
     record_property("distinct_kernels", compiles)
     record_property("wall_seconds", round(wall, 1))
     print(
-        f"{mod.KERNEL} for {arch}, configs {part * CHUNK}-{part * CHUNK + len(configs)}: {compiles} distinct "
+        f"{mod.KERNEL} for {arch}, {label}({len(configs)}): {compiles} distinct "
         f"kernels, {sum(not r.pruned for r in reports)} kept by prune, {sum(r.ok for r in reports)} fit, "
         f"{wall:.1f} s"
     )
