@@ -123,7 +123,7 @@ def conv2d(
         )
     from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
 
-    y = custom_ops.conv2d_nhwc(x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1), list(st), list(pd))
+    y = custom_ops.conv2d_autograd(x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1), st, pd)
     y = y.permute(0, 3, 1, 2)
     return y if bias is None else y + bias.view(1, -1, 1, 1)
 
@@ -138,5 +138,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
     from . import custom_ops  # on first use: registering the custom ops costs 0.2 s
 
-    y = custom_ops.matmul(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+    y = custom_ops.matmul_autograd(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
