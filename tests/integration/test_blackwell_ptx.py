@@ -185,3 +185,31 @@ def test_the_strided_dgrad_stores_each_threads_channels_at_once(ptx_of):
     # so it leaves as vector stores, never one 2-byte store per channel
     ptx = ptx_of("conv2d_dgrad-strided")
     assert re.search(r"st\.global\.v4\.b32", ptx) and not re.search(r"st\.global\.b16", ptx)
+
+
+# few input channels: the packed-taps kernels (one tile per CTA, no warp specialization); x is
+# gathered through pointers, the other operand comes by TMA
+PACKED_STEM = {"N": 32, "H": 224, "W": 224, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3}
+
+
+@pytest.fixture(scope="module")
+def packed_ptx():
+    device = device_for(ARCH)
+    jobs = []
+    for mod in (conv2d_fprop_blackwell, conv2d_wgrad_blackwell):
+        p = canonical_problem(mod.OP, {**PACKED_STEM, "dtype": "bfloat16"})
+        jobs.append((mod, p, mod.default_config(p, device), 0))
+    ptx = compile_in_fresh_processes(jobs, device, ARCH)
+    return {"conv2d_fprop": ptx[0]["asm"]["ptx"], "conv2d_wgrad": ptx[1]["asm"]["ptx"]}
+
+
+@pytest.mark.parametrize("op", ["conv2d_fprop", "conv2d_wgrad"])
+def test_the_packed_taps_kernels_gather_x_and_multiply_on_tcgen05(op, packed_ptx):
+    ptx = packed_ptx[op]
+    assert f".entry {op}_packed_kernel" in ptx
+    assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) and "wgmma" not in ptx
+    assert re.search(r"ld\.global(\.\w+)*\.b16", ptx), "x is not gathered through pointers"
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.(im2col\.)?mbarrier", ptx)
+    assert loads and not any(loads), "the weights / grad_out come by plain tiled TMA, no im2col"
+    # fprop's y leaves by TMA; wgrad's tiles (fp32 partials) from registers
+    assert bool(re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == (op == "conv2d_fprop")
