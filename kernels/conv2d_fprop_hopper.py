@@ -473,7 +473,9 @@ class _PackedPlan:
 
     __slots__ = ("launcher", "maps", "grid0", "tail", "w_blk", "y_blk", "y_shape", "Co", "co_pad", "out_shape")
 
-    def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor | None:
+        if x.data_ptr() & 15:
+            return None  # x_ptr was specialized 16-byte aligned: the JIT path
         wp = gh.packed_weights(w)
         y = torch.empty(self.y_shape, device=x.device, dtype=x.dtype)
         pw, py = wp.data_ptr(), y.data_ptr()
@@ -497,7 +499,9 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
             key = (direct.config_key(config), x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, st, pd, dev)
             plan = _PLANS.get(key)
             if plan is not None:
-                return plan.run(x, w, stream)
+                y = plan.run(x, w, stream)
+                if y is not None:
+                    return y
     return _launch_jit(config, x, w, stride, padding, key)
 
 
@@ -565,7 +569,7 @@ def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, p
     ce = _packed_constexprs(config)
     compiled = conv2d_fprop_packed_kernel[grid](x, w_desc, y_desc, *ints, **ce)
     out_shape = (x.shape[0], *PQ, Co)
-    if key is not None:
+    if key is not None and not x.data_ptr() & 15:  # plans are of 16-byte aligned x (_PackedPlan.run)
         ld = direct.DirectLauncher.of(compiled)
         if ld is not None:
             plan = _PackedPlan()

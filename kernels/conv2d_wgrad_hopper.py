@@ -588,7 +588,7 @@ class _PackedPlan:
         gp = gh.pad_last_dim(g, self.gc)
         out = torch.empty(self.out_shape, device=x.device, dtype=x.dtype)
         ws = None if self.reduce is None else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
-        if (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
+        if (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         pg = gp.data_ptr()
         gm = self.maps.get(pg) or self.maps.put(
@@ -715,7 +715,7 @@ def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     g_desc = gh.tiled_desc(gp.view(npq, gc), [bk, bm])
     compiled = conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, out if ws is None else ws, *ints, **ce)
     reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
-    aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
+    aligned = not (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
         ld = direct.DirectLauncher.of(compiled)
         rd = None if reduce is None else direct.DirectLauncher.of(reduce)
