@@ -1,5 +1,6 @@
 """Where a training step's time goes (issue 16): bench_train's ResNet-50, torch's and the
-converted one, after tuning (run bench_train.py first on the same store, or pass --pretune).
+converted one, tuned first: by bench_train.py on the same store, by --pretune, or else by the
+warm-up steps' first calls (the default miss policy tunes them).
 
 For each model: the step's wall time (CUDA events), the sum of its kernels' device times, the
 GPU's idle share (wall minus busy: the host not keeping up), and the kernels that cost the
@@ -47,7 +48,7 @@ def host_per_layer(batch: int, profile_python: bool = False) -> dict[str, float]
     """Host microseconds per call of one conv layer (ResNet-50's layer3 3x3, bf16,
     channels_last) down the layers of the stack: the op itself, the custom op, the module's
     forward, and the module's forward + backward, against torch.nn.Conv2d's."""
-    import tunecache
+    import tunecache.nn
     from tunecache import custom_ops, ops
 
     torch.manual_seed(0)
