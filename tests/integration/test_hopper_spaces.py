@@ -282,3 +282,45 @@ def test_plan_key_parts_reject_what_pair_must_check():
     for v in (True, [1, 2], (1,), (1, 2, 3), (1.0, 2), (True, 1), "1"):
         assert direct.int_pair_key(v) is None, v
     assert direct.config_key({"a": 1, "b": 2}) != direct.config_key({"a": 1, "b": 3})
+
+
+# ---- few input channels: the packed-taps kernels' host side ---------------------------------------
+
+
+@pytest.mark.parametrize("ci", [1, 3, 4, 8, 9, 16])
+def test_a_conv_of_at_most_8_input_channels_takes_the_packed_taps_kernels(ci):
+    x = _meta(2, 16, 16, ci)
+    p_f = problems.conv2d_fprop_problem(x, _meta(32, 3, 3, ci), 1, 1)
+    p_w = problems.conv2d_wgrad_problem(x, _meta(2, 16, 16, 32), 3, 3, 1, 1)
+    packed = ci <= 8
+    for mod, p in ((fprop, p_f), (wgrad, p_w)):
+        assert gh.packs_taps(p) == packed
+        names = {s.name for s in mod.compile_specs(p, mod.default_config(p, H100), H100)}
+        assert (f"{mod.OP}_packed_kernel" in names) == packed, names
+
+
+@pytest.mark.parametrize("ci,r", [(3, 7), (4, 3), (8, 3), (1, 1)])
+def test_packed_weights_are_the_filter_as_rows_of_k_zero_padded_to_16_bytes(ci, r):
+    w = torch.randn(5, r, r, ci, dtype=torch.bfloat16)
+    packed = gh.packed_weights(w)
+    k = r * r * ci
+    assert packed.shape == (5, gh.round_up(k, 8)) and packed.is_contiguous()
+    assert torch.equal(packed[:, :k], w.reshape(5, k)) and not packed[:, k:].any()
+    if k % 8 == 0:
+        assert packed.data_ptr() == w.data_ptr()  # already TMA-ready: no copy
+
+
+@pytest.mark.parametrize("npq", [1, 1000, 50_000, 1_605_632])
+@pytest.mark.parametrize("split_k", [0, 4])
+def test_the_packed_wgrad_splits_its_pixels_until_the_sms_are_busy_and_never_runs_an_empty_split(npq, split_k):
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split_k}
+    tiles, k_steps, splits, per = gh.packed_wgrad_work(64, 147, npq, c, 132)
+    assert tiles == 3 and k_steps == -(-npq // 64)
+    assert (splits - 1) * per < k_steps <= splits * per  # every split has at least one step
+    # as many splits as keep PACKED_WGRAD_CTAS_PER_SM CTAs on each SM (or SPLIT_K, if fewer),
+    # less no more than half by rounding the steps per split
+    cap = -(-gh.PACKED_WGRAD_CTAS_PER_SM * 132 // tiles)
+    cap = min(cap, split_k) if split_k else cap
+    assert splits <= min(k_steps, cap)
+    if k_steps >= cap:
+        assert 2 * splits > cap
