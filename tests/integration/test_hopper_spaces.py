@@ -318,7 +318,7 @@ def test_the_packed_wgrad_splits_its_pixels_until_the_sms_are_busy_and_never_run
     assert tiles == 3 and k_steps == -(-npq // 64)
     assert (splits - 1) * per < k_steps <= splits * per  # every split has at least one step
     # as many splits as keep PACKED_WGRAD_CTAS_PER_SM CTAs on each SM (or SPLIT_K, if fewer),
-    # less no more than half by rounding the steps per split
+    # (rounding the steps per split may leave fewer, never half of them or less)
     cap = -(-gh.PACKED_WGRAD_CTAS_PER_SM * 132 // tiles)
     cap = min(cap, split_k) if split_k else cap
     assert splits <= min(k_steps, cap)
