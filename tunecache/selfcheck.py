@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tunecache")
 
 # Small problems that take each kernel's distinct paths: ragged tiles, both layouts, strides,
-# paddings, 1x1 and 3x3 filters, odd channel counts (canonicalised by compile.canonical_problem).
+# paddings, 1x1 and 3x3 filters, odd channel counts, a stem's 3 input channels (the packed-taps
+# kernels of conv fprop and wgrad) (canonicalised by compile.canonical_problem).
 GRID: dict[str, list[dict]] = {
     "matmul": [
         {"M": 256, "N": 256, "K": 256, "dtype": "bfloat16"},
@@ -42,11 +43,13 @@ GRID: dict[str, list[dict]] = {
         {"N": 2, "H": 14, "W": 14, "Ci": 64, "Co": 64, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
         {"N": 3, "H": 15, "W": 13, "Ci": 40, "Co": 24, "R": 3, "S": 3, "stride": 2, "padding": 0, "dtype": "bfloat16"},
         {"N": 2, "H": 8, "W": 8, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+        {"N": 2, "H": 20, "W": 18, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3, "dtype": "bfloat16"},
     ],
     "conv2d_wgrad": [
         {"N": 2, "H": 14, "W": 14, "Ci": 64, "Co": 64, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
         {"N": 3, "H": 15, "W": 13, "Ci": 40, "Co": 24, "R": 3, "S": 3, "stride": 2, "padding": 0, "dtype": "bfloat16"},
         {"N": 2, "H": 8, "W": 8, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
+        {"N": 2, "H": 20, "W": 18, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3, "dtype": "bfloat16"},
     ],
     # a 3x3 at stride 1 (one phase: the TMA-store epilogue), at stride 2 over odd sizes (four
     # phases of 4, 2, 2, 1 taps), and a strided 1x1 (three phases no tap reaches)
