@@ -34,10 +34,14 @@ def _operand(t: Tensor) -> Tensor:
     return t
 
 
+def _tuned_matmul(a: Tensor, b: Tensor) -> Tensor:
+    return ops.matmul(_operand(a), _operand(b))
+
+
 @torch.library.custom_op("tunecache::matmul", mutates_args=())
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b of 2-D tensors, tuned (`tunecache.ops.matmul`)."""
-    return ops.matmul(_operand(a), _operand(b))
+    return _tuned_matmul(a, b)
 
 
 @matmul.register_fake
@@ -51,11 +55,13 @@ def _matmul_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
+def _matmul_grads(mm, a: Tensor, b: Tensor, grad: Tensor, needs) -> tuple:
+    """(grad_a, grad_b) of a @ b by `mm`: matmuls of transposed views, read in place."""
+    return (mm(grad, b.t()) if needs[0] else None, mm(a.t(), grad) if needs[1] else None)
+
+
 def _matmul_backward(ctx, grad: Tensor):
-    a, b = ctx.saved_tensors
-    grad_a = matmul(grad, b.t()) if ctx.needs_input_grad[0] else None
-    grad_b = matmul(a.t(), grad) if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b
+    return _matmul_grads(matmul, *ctx.saved_tensors, grad, ctx.needs_input_grad)
 
 
 matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
@@ -113,16 +119,18 @@ def _conv_setup(ctx, inputs, output) -> None:
     ctx.stride, ctx.padding = list(stride), list(padding)
 
 
+def _conv_grads(dgrad, wgrad, x: Tensor, w: Tensor, grad: Tensor, stride, padding, needs) -> tuple:
+    """(grad_x, grad_w, None, None) of conv2d_nhwc by `dgrad` and `wgrad`."""
+    grad = grad.contiguous()
+    grad_x = dgrad(grad, w, x.shape[1], x.shape[2], stride, padding) if needs[0] else None
+    grad_w = wgrad(x, grad, w.shape[1], w.shape[2], stride, padding) if needs[1] else None
+    return grad_x, grad_w, None, None
+
+
 def _conv_backward(ctx, grad: Tensor):
     x, w = ctx.saved_tensors
-    grad = grad.contiguous()
-    grad_x = (
-        conv2d_dgrad_nhwc(grad, w, x.shape[1], x.shape[2], ctx.stride, ctx.padding) if ctx.needs_input_grad[0] else None
-    )
-    grad_w = (
-        conv2d_wgrad_nhwc(x, grad, w.shape[1], w.shape[2], ctx.stride, ctx.padding) if ctx.needs_input_grad[1] else None
-    )
-    return grad_x, grad_w, None, None
+    dgrad, wgrad = conv2d_dgrad_nhwc, conv2d_wgrad_nhwc
+    return _conv_grads(dgrad, wgrad, x, w, grad, ctx.stride, ctx.padding, ctx.needs_input_grad)
 
 
 conv2d_nhwc.register_autograd(_conv_backward, setup_context=_conv_setup)
@@ -147,25 +155,19 @@ class _Conv2dNHWC(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, w = ctx.saved_tensors
-        grad = grad.contiguous()
-        st, pd = ctx.stride, ctx.padding
-        grad_x = ops.conv2d_dgrad(grad, w, x.shape[1], x.shape[2], st, pd) if ctx.needs_input_grad[0] else None
-        grad_w = ops.conv2d_wgrad(x, grad, w.shape[1], w.shape[2], st, pd) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        dgrad, wgrad = ops.conv2d_dgrad, ops.conv2d_wgrad
+        return _conv_grads(dgrad, wgrad, x, w, grad, ctx.stride, ctx.padding, ctx.needs_input_grad)
 
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
         ctx.save_for_backward(a, b)
-        return ops.matmul(_operand(a), _operand(b))
+        return _tuned_matmul(a, b)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        a, b = ctx.saved_tensors
-        grad_a = ops.matmul(_operand(grad), _operand(b.t())) if ctx.needs_input_grad[0] else None
-        grad_b = ops.matmul(_operand(a.t()), _operand(grad)) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
+        return _matmul_grads(_tuned_matmul, *ctx.saved_tensors, grad, ctx.needs_input_grad)
 
 
 def conv2d_autograd(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
