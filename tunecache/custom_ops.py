@@ -140,45 +140,94 @@ conv2d_nhwc.register_autograd(_conv_backward, setup_context=_conv_setup)
 # A torch.library custom op costs ~80 us of host time per call on an H100 host (its dispatch,
 # the autograd wrapper's pytree work, the alias check), three of them per convolution trained:
 # ResNet-50's step waited 27 ms on the host (0.65x torch). Outside torch.compile the same ops
-# and backward run through a plain autograd.Function; under torch.compile the custom ops are
-# what the graph captures.
+# and backward run through plain autograd.Functions that take the layers' own tensors (NCHW,
+# the weight as the module holds it) and do the permutes, reshapes and bias inside: autograd
+# records one node per layer, not five (each view and the bias add were nodes of their own).
 
 
-class _Conv2dNHWC(torch.autograd.Function):
+def _conv2d_forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple, padding: tuple):
+    """(y NCHW, x NHWC, w NHWC): NHWC views of channels_last tensors, copies of others."""
+    xn, wn = x.permute(0, 2, 3, 1).contiguous(), w.permute(0, 2, 3, 1).contiguous()
+    y = ops.conv2d_fprop(xn, wn, stride, padding)
+    if bias is not None:
+        y += bias
+    return y.permute(0, 3, 1, 2), xn, wn
+
+
+class _Conv2d(torch.autograd.Function):
+    """conv2d of NCHW x and weight (read as NHWC: channels_last tensors in place), + bias."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, stride: tuple, padding: tuple) -> Tensor:
-        x, w = x.contiguous(), w.contiguous()  # NHWC views of channels_last tensors: no copies
-        ctx.save_for_backward(x, w)
-        ctx.stride, ctx.padding = stride, padding
-        return ops.conv2d_fprop(x, w, stride, padding)
+    def forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple, padding: tuple) -> Tensor:
+        y, xn, wn = _conv2d_forward(x, w, bias, stride, padding)
+        ctx.save_for_backward(xn, wn)
+        ctx.stride, ctx.padding, ctx.has_bias = stride, padding, bias is not None
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, w = ctx.saved_tensors
+        xn, wn = ctx.saved_tensors
+        gn = grad.permute(0, 2, 3, 1)
+        needs = ctx.needs_input_grad
         dgrad, wgrad = ops.conv2d_dgrad, ops.conv2d_wgrad
-        return _conv_grads(dgrad, wgrad, x, w, grad, ctx.stride, ctx.padding, ctx.needs_input_grad)
+        gx, gw, _, _ = _conv_grads(dgrad, wgrad, xn, wn, gn, ctx.stride, ctx.padding, needs[:2])
+        gb = grad.sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
+        gx = None if gx is None else gx.permute(0, 3, 1, 2)
+        gw = None if gw is None else gw.permute(0, 3, 1, 2)
+        return gx, gw, gb, None, None
 
 
-class _Matmul(torch.autograd.Function):
+def _linear_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(y, x as 2-D)."""
+    a = x.reshape(-1, x.shape[-1])
+    y = _tuned_matmul(a, w.t())
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], w.shape[0]), a
+
+
+class _Linear(torch.autograd.Function):
+    """x @ weight.T + bias for x of any leading dims (the weight read transposed in place)."""
+
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b)
-        return _tuned_matmul(a, b)
+    def forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        y, a = _linear_forward(x, w, bias)
+        ctx.save_for_backward(a, w)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _matmul_grads(_tuned_matmul, *ctx.saved_tensors, grad, ctx.needs_input_grad)
+        a, w = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        needs = ctx.needs_input_grad
+        ga = _tuned_matmul(g, w).view(ctx.x_shape) if needs[0] else None
+        gw = _tuned_matmul(g.t(), a) if needs[1] else None  # [out, in], as the weight lies
+        gb = g.sum(0) if ctx.has_bias and needs[2] else None
+        return ga, gw, gb
 
 
-def conv2d_autograd(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
-    """conv2d_nhwc with autograd: the custom op under torch.compile, the eager path otherwise."""
+def _tracked(*ts: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def conv2d(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
+    """conv2d of NCHW tensors with autograd: the custom op under torch.compile, the eager path
+    otherwise (without autograd's bookkeeping where no gradient is wanted)."""
     if torch.compiler.is_compiling():
-        return conv2d_nhwc(x, w, list(stride), list(padding))
-    return _Conv2dNHWC.apply(x, w, tuple(stride), tuple(padding))
+        y = conv2d_nhwc(x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1), list(stride), list(padding))
+        y = y.permute(0, 3, 1, 2)
+        return y if bias is None else y + bias.view(1, -1, 1, 1)
+    if _tracked(x, w, bias):
+        return _Conv2d.apply(x, w, bias, stride, padding)
+    return _conv2d_forward(x, w, bias, stride, padding)[0]
 
 
-def matmul_autograd(a: Tensor, b: Tensor) -> Tensor:
-    """matmul with autograd: the custom op under torch.compile, the eager path otherwise."""
+def linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ w.T + bias with autograd: the custom op under torch.compile, the eager path otherwise."""
     if torch.compiler.is_compiling():
-        return matmul(a, b)
-    return _Matmul.apply(a, b)
+        y = matmul(x.reshape(-1, x.shape[-1]), w.t()).reshape(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
+    if _tracked(x, w, bias):
+        return _Linear.apply(x, w, bias)
+    return _linear_forward(x, w, bias)[0]

@@ -181,6 +181,22 @@ def test_eager_training_skips_the_custom_ops_dispatch(untuned, monkeypatch):
         torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-4)
 
 
+def test_an_eager_layer_is_one_autograd_node(untuned):
+    """A converted conv or linear layer records one node (its permutes, reshapes and bias run
+    inside it: each view or add would be a node of its own for the backward pass to visit), whose
+    inputs are the layer's parameters and input themselves."""
+    torch.manual_seed(0)
+    conv = tnn.convert(torch.nn.Conv2d(3, 4, 3, padding=1)).to(memory_format=torch.channels_last)
+    lin = tnn.convert(torch.nn.Linear(6, 5))
+    x = torch.randn(2, 3, 6, 6, requires_grad=True).to(memory_format=torch.channels_last)
+    for layer, inp in ((conv, x), (lin, torch.randn(2, 7, 6, requires_grad=True))):
+        node = layer(inp).grad_fn
+        inputs = [fn for fn, _ in node.next_functions]
+        leaves = [getattr(fn, "variable", None) for fn in inputs]
+        assert leaves[1] is layer.weight and leaves[2] is layer.bias, [type(fn).__name__ for fn in inputs]
+        assert inputs[0] is inp.grad_fn or leaves[0] is inp, [type(fn).__name__ for fn in inputs]
+
+
 TRAIN_SCRIPT = """
 import torch
 import tunecache.nn
