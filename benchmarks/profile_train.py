@@ -3,7 +3,8 @@ converted one, tuned first: by bench_train.py on the same store, by --pretune, o
 warm-up steps' first calls (the default miss policy tunes them).
 
 For each model: the step's wall time (CUDA events), the sum of its kernels' device times, the
-GPU's idle share (wall minus busy: the host not keeping up), and the kernels that cost the
+GPU's idle share (wall minus busy: the host not keeping up), the step time when steps run back
+to back (no wait between them: the larger of host and GPU time), and the kernels that cost the
 most device time per step, by name, with their count (torch.profiler).
 
     python benchmarks/profile_train.py [--batch 128] [--steps 5] [--top 15]
@@ -44,6 +45,32 @@ def kernels_per_step(model, opt, data, steps: int) -> tuple[dict[str, tuple[floa
     return out, sum(t for t, _ in out.values())
 
 
+def pipelined_ms_per_step(model, opt, data, steps: int, profile_python: bool = False) -> float:
+    """Milliseconds per step of `steps` steps run back to back, as a training loop that does not
+    wait for each step runs them: the host queues a step while the GPU runs the one before, so
+    this is the larger of the two. With `profile_python`, also print where the host's time goes
+    (cProfile; a call that waits for a full launch queue shows as its own time)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile() if profile_python else None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    if prof:
+        prof.enable()
+    for x, y in data[:steps]:
+        step(model, opt, x, y)
+    if prof:
+        prof.disable()
+    end.record()
+    end.synchronize()
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    return start.elapsed_time(end) / steps
+
+
 def host_per_layer(batch: int, profile_python: bool = False) -> dict[str, float]:
     """Host microseconds per call of one conv layer (ResNet-50's layer3 3x3, bf16,
     channels_last) down the layers of the stack: the op itself, the custom op, the module's
@@ -78,10 +105,26 @@ def host_per_layer(batch: int, profile_python: bool = False) -> dict[str, float]
         "nn.Conv2d forward (no grad)": lambda: ours(x),
         "nn.Conv2d forward + backward": fwd_bwd(ours),
         "torch forward + backward": fwd_bwd(ref),
+        "torch forward (no grad)": lambda: ref(x),
     }
+    # the floor under ops.conv2d_fprop: its plan's launch alone, and the parts of that
+    ops.conv2d_fprop(xn, wn, (1, 1), (1, 1))
+    entry = ops.OP_LAUNCHERS["conv2d_fprop"].memo.get(
+        (xn.shape, xn.stride(), xn.dtype, xn.device, wn.shape, wn.stride(), wn.dtype, wn.device, (1, 1), (1, 1))
+    )
+    plan = getattr(getattr(entry, "run", None), "plan", None)
+    if plan is not None:
+        from tunecache_kernels import gluon_launch
+
+        stream = torch.cuda.current_stream().cuda_stream
+        shape = (xn.shape[0] * 14 * 14, 256)
+        paths["fprop plan.run"] = lambda: plan.run(xn, wn, stream)
+        paths["current_device_and_stream"] = gluon_launch.current_device_and_stream
+        paths["direct_launch_enabled"] = gluon_launch.direct_launch_enabled
+        paths["x.new_empty (the output)"] = lambda: xn.new_empty(shape)
     out = {}
     for name, fn in paths.items():
-        with torch.no_grad() if "no grad" in name else torch.enable_grad():
+        with torch.enable_grad() if "backward" in name else torch.no_grad():
             for _ in range(3):
                 fn()
             out[name] = host_us(fn, calls=30)
@@ -121,12 +164,20 @@ def main() -> None:
             step(model, opt, x, y)
         wall = time_steps(model, opt, data, args.steps) * 1e3
         kernels, busy = kernels_per_step(model, opt, data, args.steps)
-        summary[name] = {"step_us": wall, "busy_us": busy, "idle_us": wall - busy}
-        print(f"{name:10s} step {wall / 1e3:7.2f} ms, kernels {busy / 1e3:7.2f} ms, idle {(wall - busy) / 1e3:6.2f} ms")
+        piped = pipelined_ms_per_step(model, opt, data, args.steps)
+        summary[name] = {"step_us": wall, "busy_us": busy, "idle_us": wall - busy, "pipelined_step_us": piped * 1e3}
+        print(
+            f"{name:10s} step {wall / 1e3:7.2f} ms, kernels {busy / 1e3:7.2f} ms, idle {(wall - busy) / 1e3:6.2f} ms, "
+            f"back to back {piped:6.2f} ms"
+        )
+        if args.cprofile and name == "tunecache":
+            pipelined_ms_per_step(model, opt, data, args.steps, profile_python=True)
         for k, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]:
             print(f"    {us / 1e3:7.3f} ms  x{n:<4d} {k[:110]}")
             rows.append({"model": name, "kernel": k, "us_per_step": us, "launches_per_step": n})
     summary["step_ratio"] = summary["torch"]["step_us"] / summary["tunecache"]["step_us"]
+    t, o = summary["torch"]["pipelined_step_us"], summary["tunecache"]["pipelined_step_us"]
+    summary["pipelined_step_ratio"] = t / o
     print("one layer's host time per call:")
     summary["host_us_per_call"] = host_per_layer(args.batch, args.cprofile)
     summary["device"] = device_info()["device"]

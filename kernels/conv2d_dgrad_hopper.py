@@ -495,17 +495,26 @@ class _Plan:
 _PLANS = direct.PlanCache()
 
 
+def _plan_key(dev: int, config: dict, g: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
+    st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
+    if st is None or pd is None:
+        return None
+    return (direct.config_key(config), g.shape, g.stride(), w.shape, w.stride(), g.dtype, w.dtype, H, W, st, pd, dev)
+
+
+def plan_for(config: dict, *args):
+    """(plan, device) of a call whose first launch made one, else None: gluon_launch.plan_for."""
+    return direct.plan_for(_PLANS, _plan_key, config, args)
+
+
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
     key = None
     if direct.direct_launch_enabled():
-        st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
-        if st is not None and pd is not None:
-            dev, stream = direct.current_device_and_stream()
-            key = (direct.config_key(config), grad_out.shape, grad_out.stride(), w.shape, w.stride(), grad_out.dtype)
-            key += (w.dtype, H, W, st, pd, dev)
-            plan = _PLANS.get(key)
-            if plan is not None:
-                return plan.run(grad_out, w, stream)
+        dev, stream = direct.current_device_and_stream()
+        key = _plan_key(dev, config, grad_out, w, H, W, stride, padding)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None:
+            return plan.run(grad_out, w, stream)
     return _launch_jit(config, grad_out, w, H, W, stride, padding, key)
 
 

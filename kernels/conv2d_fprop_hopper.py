@@ -457,7 +457,7 @@ class _Plan:
     def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
         xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
         wp = gh.pad_last_dim(w, self.ci) if self.pad_w else w
-        y = torch.empty(self.y_shape, device=x.device, dtype=x.dtype)
+        y = x.new_empty(self.y_shape)
         px, pw, py = xp.data_ptr(), wp.data_ptr(), y.data_ptr()
         maps, ld = self.maps, self.launcher
         xm = maps.get((0, px)) or maps.put((0, px), ld.expand_desc(0, self.x_desc(xp)))
@@ -477,7 +477,7 @@ class _PackedPlan:
         if x.data_ptr() & 15:
             return None  # x_ptr was specialized 16-byte aligned: the JIT path
         wp = gh.packed_weights(w)
-        y = torch.empty(self.y_shape, device=x.device, dtype=x.dtype)
+        y = x.new_empty(self.y_shape)
         pw, py = wp.data_ptr(), y.data_ptr()
         maps, ld = self.maps, self.launcher
         wm = maps.get((0, pw)) or maps.put((0, pw), ld.expand_desc(0, gh.tiled_desc(wp, self.w_blk)))
@@ -490,18 +490,28 @@ class _PackedPlan:
 _PLANS = direct.PlanCache()
 
 
+def _plan_key(dev: int, config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> tuple | None:
+    st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
+    if st is None or pd is None:
+        return None
+    return (direct.config_key(config), x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, st, pd, dev)
+
+
+def plan_for(config: dict, *args):
+    """(plan, device) of a call whose first launch made one, else None: gluon_launch.plan_for."""
+    return direct.plan_for(_PLANS, _plan_key, config, args)
+
+
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
     key = None
     if direct.direct_launch_enabled():
-        st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
-        if st is not None and pd is not None:
-            dev, stream = direct.current_device_and_stream()
-            key = (direct.config_key(config), x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, st, pd, dev)
-            plan = _PLANS.get(key)
-            if plan is not None:
-                y = plan.run(x, w, stream)
-                if y is not None:
-                    return y
+        dev, stream = direct.current_device_and_stream()
+        key = _plan_key(dev, config, x, w, stride, padding)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None:
+            y = plan.run(x, w, stream)
+            if y is not None:
+                return y
     return _launch_jit(config, x, w, stride, padding, key)
 
 

@@ -557,9 +557,9 @@ class _Plan:
     def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
         xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
         gp = gh.pad_last_dim(g, self.ci_g) if self.pad_g else g
-        out = torch.empty(self.out_shape, device=x.device, dtype=x.dtype)
+        out = x.new_empty(self.out_shape)
         mode = self.mode  # "direct", "split" or "stream"
-        ws = None if mode == "direct" else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
+        ws = None if mode == "direct" else x.new_empty(self.ws_shape, dtype=torch.float32)
         if (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         px, pg = xp.data_ptr(), gp.data_ptr()
@@ -586,8 +586,8 @@ class _PackedPlan:
 
     def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
         gp = gh.pad_last_dim(g, self.gc)
-        out = torch.empty(self.out_shape, device=x.device, dtype=x.dtype)
-        ws = None if self.reduce is None else torch.empty(self.ws_shape, device=x.device, dtype=torch.float32)
+        out = x.new_empty(self.out_shape)
+        ws = None if self.reduce is None else x.new_empty(self.ws_shape, dtype=torch.float32)
         if (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         pg = gp.data_ptr()
@@ -603,31 +603,28 @@ class _PackedPlan:
 _PLANS = direct.PlanCache()
 
 
+def _plan_key(dev: int, config: dict, x: torch.Tensor, g: torch.Tensor, R: int, S: int, stride=1, padding=0):
+    st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
+    if st is None or pd is None or type(R) is not int or type(S) is not int:
+        return None
+    return (direct.config_key(config), x.shape, x.stride(), g.shape, g.stride(), x.dtype, g.dtype, R, S, st, pd, dev)
+
+
+def plan_for(config: dict, *args):
+    """(plan, device) of a call whose first launch made one, else None: gluon_launch.plan_for."""
+    return direct.plan_for(_PLANS, _plan_key, config, args)
+
+
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
     key = None
-    if direct.direct_launch_enabled() and type(R) is int and type(S) is int:
-        st, pd = direct.int_pair_key(stride), direct.int_pair_key(padding)
-        if st is not None and pd is not None:
-            dev, stream = direct.current_device_and_stream()
-            key = (
-                direct.config_key(config),
-                x.shape,
-                x.stride(),
-                grad_out.shape,
-                grad_out.stride(),
-                x.dtype,
-                grad_out.dtype,
-                R,
-                S,
-                st,
-                pd,
-                dev,
-            )
-            plan = _PLANS.get(key)
-            if plan is not None:
-                out = plan.run(x, grad_out, stream)
-                if out is not None:
-                    return out
+    if direct.direct_launch_enabled():
+        dev, stream = direct.current_device_and_stream()
+        key = _plan_key(dev, config, x, grad_out, R, S, stride, padding)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None:
+            out = plan.run(x, grad_out, stream)
+            if out is not None:
+                return out
     return _launch_jit(config, x, grad_out, R, S, stride, padding, key)
 
 

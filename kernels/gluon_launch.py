@@ -58,11 +58,44 @@ def _hook_idle(h) -> bool:
 
 def current_device_and_stream() -> tuple[int, int]:
     """(device index, raw stream handle), as JITFunction.run picks them."""
+    fns = _DEVICE_FNS or _device_fns()
+    dev = fns[0]()
+    return dev, fns[1](dev)
+
+
+_DEVICE_FNS: tuple | None = None
+
+
+def _device_fns() -> tuple:
+    """The active Triton driver's (current device, current stream) functions; with PyTorch's,
+    the current device without torch.cuda.current_device's lazy-init check (a plan launches only
+    after a JIT launch has initialized CUDA): a plan's launch is this host's hot path."""
+    global _DEVICE_FNS
     from triton.runtime import driver
 
     d = driver.active
-    dev = d.get_current_device()
-    return dev, d.get_current_stream(dev)
+    dev_fn, stream_fn = d.get_current_device, d.get_current_stream
+    try:
+        import torch
+
+        if dev_fn is torch.cuda.current_device and torch.cuda.is_initialized():
+            dev_fn = torch._C._cuda_getDevice
+    except (ImportError, AttributeError):
+        pass
+    _DEVICE_FNS = (dev_fn, stream_fn)
+    return _DEVICE_FNS
+
+
+def plan_for(plans: "PlanCache", plan_key, config: dict, args: tuple):
+    """(plan, device index) of the call `args` under `config`, once its first launch made one;
+    else None. A memo entry (tunecache.launcher) keeps it: its key fixes everything the plan
+    depends on but the device, which the entry checks per call."""
+    if not direct_launch_enabled():
+        return None
+    dev, _ = current_device_and_stream()
+    key = plan_key(dev, config, *args)
+    plan = None if key is None else plans.get(key)
+    return None if plan is None else (plan, dev)
 
 
 class DirectLauncher:

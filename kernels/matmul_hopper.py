@@ -351,13 +351,9 @@ class _Plan:
         if not (self.b_ok and not pb & 15):
             bv = gh.tma_ready(bv)
             pb = bv.data_ptr()
-        c = torch.empty(self.c_shape, device=a.device, dtype=a.dtype)
+        c = a.new_empty(self.c_shape)
         pc = c.data_ptr()
-        ws = (
-            gh.no_split_workspace(a.device)
-            if self.reduce is None
-            else torch.empty(self.ws_shape, device=a.device, dtype=torch.float32)
-        )
+        ws = gh.no_split_workspace(a.device) if self.reduce is None else a.new_empty(self.ws_shape, dtype=torch.float32)
         if (pc | ws.data_ptr()) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         maps, ld = self.maps, self.launcher
@@ -373,11 +369,20 @@ class _Plan:
 _PLANS = direct.PlanCache()
 
 
+def _plan_key(dev: int, config: dict, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return (direct.config_key(config), a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, dev)
+
+
+def plan_for(config: dict, *args):
+    """(plan, device) of a call whose first launch made one, else None: gluon_launch.plan_for."""
+    return direct.plan_for(_PLANS, _plan_key, config, args)
+
+
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    key = stream = None
+    key = None
     if direct.direct_launch_enabled():
         dev, stream = direct.current_device_and_stream()
-        key = (direct.config_key(config), a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, dev)
+        key = _plan_key(dev, config, a, b)
         plan = _PLANS.get(key)
         if plan is not None:
             c = plan.run(a, b, stream)

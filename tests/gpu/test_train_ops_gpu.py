@@ -64,3 +64,49 @@ def test_a_cuda_graph_captures_a_tuned_call(untuned):
     torch.testing.assert_close(
         y.float(), torch.nn.functional.conv2d(x.float(), w.float(), padding=1), rtol=2e-2, atol=2e-1
     )
+
+
+@pytest.mark.gpu
+def test_a_calls_later_launches_run_the_plan_its_first_made_on_any_stream(untuned):
+    """The memo entry keeps the backend's direct-launch plan (tunecache.launcher._Launch): the
+    second call on runs it, with new data, on another stream, and gives torch's answer."""
+    ops.clear_memo()
+    dt, cl = torch.bfloat16, torch.channels_last
+    x = torch.randn(4, 32, 12, 12, device="cuda", dtype=dt).to(memory_format=cl)
+    w = torch.randn(48, 32, 3, 3, device="cuda", dtype=dt).to(memory_format=cl)
+    a, b = torch.randn(256, 96, device="cuda", dtype=dt), torch.randn(96, 160, device="cuda", dtype=dt)
+    xn, wn = x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1)
+    g = torch.randn(4, 6, 6, 48, device="cuda", dtype=dt)
+    calls = {
+        "conv2d_fprop": (
+            lambda: ops.conv2d_fprop(xn, wn, 2, 1),
+            lambda: torch.nn.functional.conv2d(x.float(), w.float(), stride=2, padding=1).permute(0, 2, 3, 1),
+        ),
+        "conv2d_dgrad": (
+            lambda: ops.conv2d_dgrad(g, wn, 12, 12, 2, 1),
+            lambda: torch.nn.grad.conv2d_input(
+                x.shape, w.float(), g.permute(0, 3, 1, 2).float(), stride=2, padding=1
+            ).permute(0, 2, 3, 1),
+        ),
+        "conv2d_wgrad": (
+            lambda: ops.conv2d_wgrad(xn, g, 3, 3, 2, 1),
+            lambda: torch.nn.grad.conv2d_weight(
+                x.float(), w.shape, g.permute(0, 3, 1, 2).float(), stride=2, padding=1
+            ).permute(0, 2, 3, 1),
+        ),
+        "matmul": (lambda: ops.matmul(a, b), lambda: a.float() @ b.float()),
+    }
+    side = torch.cuda.Stream()
+    for name, (ours, torchs) in calls.items():
+        ours(), ours()
+        (entry,) = ops.OP_LAUNCHERS[name].memo.values()
+        assert entry.kernel.endswith(".hopper"), entry.kernel
+        assert entry.run.plan is not None, f"{name}: no plan kept after two launches"
+        for t in (x, g, a):
+            t.normal_()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = ours()
+        side.synchronize()
+        want = torchs()
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1 * want.abs().max().item() / 10)
