@@ -104,11 +104,11 @@ def entries(
             x = args[0]
             tokens = x.numel() // x.shape[-1]
             fin, fout = m.in_features, m.out_features
-            # y = x @ W.T (W read transposed in place); dx = dy @ W; dW.T = x.T @ dy
+            # y = x @ W.T (W read transposed in place); dx = dy @ W; dW = dy.T @ x (dy read transposed)
             keep(f"{name}_fwd", ["matmul"], dict(M=tokens, N=fout, K=fin, dtype=dtype, b_layout="col"))
             if training:
                 keep(f"{name}_dgrad", ["matmul"], dict(M=tokens, N=fin, K=fout, dtype=dtype))
-                keep(f"{name}_wgrad", ["matmul"], dict(M=fin, N=fout, K=tokens, dtype=dtype, a_layout="col"))
+                keep(f"{name}_wgrad", ["matmul"], dict(M=fout, N=fin, K=tokens, dtype=dtype, a_layout="col"))
 
         return hook
 
