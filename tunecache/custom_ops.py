@@ -207,8 +207,11 @@ class _Linear(torch.autograd.Function):
         return ga, gw, gb
 
 
-def _tracked(*ts: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+def _tracked(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
+    """Whether autograd must record this call (spelled out: a layer's hot path)."""
+    if not torch.is_grad_enabled():
+        return False
+    return a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
 
 
 def conv2d(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:

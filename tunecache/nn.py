@@ -94,7 +94,7 @@ def _input_refusal(x: torch.Tensor, ndim: int | None) -> str | None:
         return f"dtype {x.dtype} (the kernels take float16, bfloat16 and float32)"
     if ndim is not None and x.dim() != ndim:
         return f"a {x.dim()}-D input (a batch of NCHW images is 4-D)"
-    if x.device.type not in ("cuda", "cpu"):
+    if not (x.is_cuda or x.is_cpu):
         return f"device {x.device}"
     if x.numel() == 0:
         return "an empty input"
