@@ -41,7 +41,7 @@ from .binaries import Binary
 from .errors import short
 from .job_queue import ClaimedJob
 from .key import DeviceClass, TuneKey
-from .records import ConfigRecord, TrialRecord
+from .records import MAX_STATUS_DIGESTS, ConfigRecord, TrialRecord
 
 log = logging.getLogger("tunecache.client")
 
@@ -669,7 +669,25 @@ class FleetClient:
         return None if res is None or res[0] != 200 else res[1]
 
     def job_statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
-        """{digest: status} for these digests (one request per digest; for progress bars)."""
+        """{digest: status} for these digests (for progress bars): a request per thousand digests
+        (POST /v1/jobs/statuses), not one per digest, which a manifest of a few dozen shapes polled
+        each second would spend the token's rate limit on; a service older than that endpoint
+        (404 or 405) is asked one digest at a time."""
+        digests = list(digests)
+        out: dict[str, str] = {}
+        for i in range(0, len(digests), MAX_STATUS_DIGESTS):
+            res = self._call(
+                "POST", f"{API}/jobs/statuses", _statuses, json={"digests": digests[i : i + MAX_STATUS_DIGESTS]}
+            )
+            if res is None:
+                return None
+            if res[0] in (404, 405):
+                return self._job_statuses_one_by_one(digests)
+            if res[0] == 200:
+                out.update(res[1])
+        return out
+
+    def _job_statuses_one_by_one(self, digests: list[str]) -> dict[str, str] | None:
         out: dict[str, str] = {}
         for d in digests:
             res = self._call("GET", f"{API}/jobs/{d}", lambda b: str(b["status"]))
@@ -678,6 +696,13 @@ class FleetClient:
             if res[0] == 200:
                 out[d] = res[1]
         return out
+
+
+def _statuses(body: Any) -> dict[str, str]:
+    got = body["statuses"]
+    if not isinstance(got, dict):
+        raise ValueError("expected statuses: an object of digest -> status")
+    return {str(d): str(st) for d, st in got.items()}
 
 
 def _expect(*fields: str) -> Callable[[Any], dict]:

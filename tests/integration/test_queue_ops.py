@@ -462,3 +462,31 @@ def test_the_worker_holds_its_lease_by_the_secret(any_fleet, tmp_path):
         assert c.get(f"/v1/configs/{k.digest}").json()["source"] == "worker"
         too_long = start_worker(env, tmp_path / "w2.log", "--burst", "--lease-s", "3600")
         assert too_long.wait(60) == 2 and "at most 600 s" in " ".join((tmp_path / "w2.log").read_text().split())
+
+
+def test_a_pretunes_progress_polls_a_large_manifest_inside_the_rate_limit(any_fleet):
+    """`tunecache pretune` asks the status of every job of its manifest each poll: through the
+    fleet that is one POST /v1/jobs/statuses per thousand digests, so ten polls of 1500 shapes
+    are 20 requests. One GET per digest (15,000) ran into the token's rate limit (200 per 4 s)
+    with a few dozen shapes polled each second, which opened the pretune's and its worker's
+    circuit breakers and failed the run."""
+    from tunecache.client import FleetClient
+    from tunecache.job_queue import FleetQueue
+    from tunecache.key import TuneKey
+    from tunecache.store import Store
+
+    store = Store(any_fleet.db_url)
+    keys = [TuneKey.from_fields(key(M)) for M in range(1, 1501)]
+    for k in keys[:1200]:
+        store.enqueue(k)
+    store.close()
+    client = FleetClient(any_fleet.url, any_fleet.tokens["read"], timeout_s=20)
+    digests = [k.digest for k in keys]
+    for _ in range(10):
+        assert FleetQueue(client).statuses(digests) == {k.digest: "queued" for k in keys[:1200]}
+    client.close()
+    with httpx.Client(base_url=any_fleet.url, headers={"Authorization": f"Bearer {any_fleet.tokens['read']}"}) as api:
+        too_many = api.post("/v1/jobs/statuses", json={"digests": digests[:1] * 1001})
+        assert too_many.status_code == 422, too_many.text
+        not_a_digest = api.post("/v1/jobs/statuses", json={"digests": ["../../etc"]})
+        assert not_a_digest.status_code == 422, not_a_digest.text

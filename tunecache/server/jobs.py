@@ -27,6 +27,8 @@ from .schemas import (
     LeaseIn,
     QueueOut,
     ReleaseIn,
+    StatusesIn,
+    StatusesOut,
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -114,6 +116,17 @@ def stats(
     sm_count: Optional[int] = Query(None, ge=0, le=100_000),
 ) -> QueueOut:
     return QueueOut(**store.job_counts(arch=arch, sm_count=sm_count))
+
+
+@router.post(
+    "/statuses",
+    response_model=StatusesOut,
+    summary="The status of many keys' jobs",
+    description="One request for what would be a GET per digest: a progress bar over a whole manifest "
+    "(`tunecache pretune`) stays inside the rate limit however many shapes it tunes.",
+)
+def job_statuses(body: StatusesIn, _: ReadToken, store: StoreDep) -> StatusesOut:
+    return StatusesOut(statuses=store.job_statuses(body.digests))
 
 
 @router.get("/{digest}", response_model=JobOut, responses={404: {"model": ErrorOut}}, summary="The job of a key")

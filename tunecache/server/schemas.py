@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
-from ..records import MAX_BACKOFF_S, MAX_LEASE_S
+from ..records import MAX_BACKOFF_S, MAX_LEASE_S, MAX_STATUS_DIGESTS
 
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
@@ -323,6 +323,14 @@ class JobOut(KeyOut):
         False,
         description="a re-timing: the key has a winner and a submission claimed to beat it; a worker tunes it even so",
     )
+
+
+class StatusesIn(Model):
+    digests: list[Digest] = Field(max_length=MAX_STATUS_DIGESTS, description="the keys' digests")
+
+
+class StatusesOut(BaseModel):
+    statuses: dict[str, str] = Field(description="{digest: its job's status}; a digest with no job is absent")
 
 
 class QueueOut(BaseModel):
