@@ -3,7 +3,8 @@
 For each layer (bench_models' suite, by name), after its first call (tuning at default
 settings): the do_bench time of `ops.conv2d_dgrad` and of cuDNN's dgrad in the same run; the
 host's time per call (calls queued behind a GPU sleep, so the host never waits on the GPU);
-and the kernels one call runs, with their device times (torch.profiler).
+the kernels one call runs (and the vendor's), with their device times (torch.profiler), and the
+config the cache chose.
 
     python benchmarks/profile_dgrad.py [--layers resnet50-b32/layer4.conv2_first,...]
 
@@ -90,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             t_ours = statistics.median(time_ms(ours, True) for _ in range(3))
             t_vendor = statistics.median(time_ms(vendor, True) for _ in range(3))
-            ks = kernels_of(ours)
+            ks, vks = kernels_of(ours), kernels_of(vendor)
+            from tunecache.ops import OP_LAUNCHERS
+
+            entry = list(OP_LAUNCHERS[op].memo.values())[-1] if OP_LAUNCHERS[op].memo else None
             row = {
                 "layer": name,
                 "op": op,
@@ -100,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                 "host_us_ours": host_us(ours),
                 "host_us_vendor": host_us(vendor),
                 "device_us_ours": sum(k["us"] for k in ks),
-                "device_us_vendor": sum(k["us"] for k in kernels_of(vendor)),
+                "device_us_vendor": sum(k["us"] for k in vks),
                 "kernels": ks,
+                "vendor_kernels": vks,
+                "kernel": getattr(entry, "kernel", None),
+                "config": getattr(entry, "config", None),
             }
             rows.append(row)
             print(
@@ -110,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['device_us_ours']:7.1f} us (vendor {row['device_us_vendor']:6.1f}), {len(ks)} kernels",
                 flush=True,
             )
+            print(f"    ours: {row['kernel']} {row['config']}")
             for k in ks:
                 print(f"    {k['us']:8.1f} us  {k['name']}")
+            for k in vks:
+                print(f"    {k['us']:8.1f} us  vendor: {k['name']}")
     info = device_info()
     summary = {
         "device": info.get("device"),

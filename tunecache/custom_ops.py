@@ -214,9 +214,31 @@ def _tracked(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
     return a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
 
 
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple:
+    """The tensors as autocast hands them to torch's conv2d and linear where it is on (mixed
+    precision training: fp32 parameters, the layers in its lower precision), else as they are.
+    A custom Function is outside autocast's op lists: without this, an AMP model's layers ran in
+    fp32 and gave fp32 where torch's give bf16 or fp16. The casts are autograd's own: the fp32
+    parameters get fp32 gradients."""
+    dev = "cuda" if x.is_cuda else x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return x, w, bias
+    dt = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        return t if t is None or t.dtype == dt or t.dtype not in _AUTOCAST_CASTS else t.to(dt)
+
+    return cast(x), cast(w), cast(bias)
+
+
 def conv2d(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
     """conv2d of NCHW tensors with autograd: the custom op under torch.compile, the eager path
-    otherwise (without autograd's bookkeeping where no gradient is wanted)."""
+    otherwise (without autograd's bookkeeping where no gradient is wanted); in autocast's
+    precision where it is on."""
+    x, w, bias = _autocast(x, w, bias)
     if torch.compiler.is_compiling():
         y = conv2d_nhwc(x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1), list(stride), list(padding))
         y = y.permute(0, 3, 1, 2)
@@ -227,7 +249,9 @@ def conv2d(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], p
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ w.T + bias with autograd: the custom op under torch.compile, the eager path otherwise."""
+    """x @ w.T + bias with autograd: the custom op under torch.compile, the eager path otherwise;
+    in autocast's precision where it is on."""
+    x, w, bias = _autocast(x, w, bias)
     if torch.compiler.is_compiling():
         y = matmul(x.reshape(-1, x.shape[-1]), w.t()).reshape(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias

@@ -197,6 +197,31 @@ def test_an_eager_layer_is_one_autograd_node(untuned):
         assert inputs[0] is inp.grad_fn or leaves[0] is inp, [type(fn).__name__ for fn in inputs]
 
 
+def test_under_autocast_the_layers_run_in_its_precision_as_torchs_do(untuned):
+    """Mixed precision training (fp32 parameters, `torch.autocast`): a converted model's conv and
+    linear layers take autocast's dtype as torch's do, and the parameters get fp32 gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, stride=2, padding=1), torch.nn.Flatten(), torch.nn.Linear(8 * 3 * 3, 5)
+    )
+    x = torch.randn(2, 4, 6, 6)
+
+    def run(m):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = [m[0](x), m(x)]
+            outs[1].float().square().sum().backward()
+        return outs, [p.grad for p in m.parameters()]
+
+    (t_conv, t_out), t_grads = run(model)
+    (o_conv, o_out), o_grads = run(tnn.convert(model))
+    assert (o_conv.dtype, o_out.dtype) == (t_conv.dtype, t_out.dtype) == (torch.bfloat16, torch.bfloat16)
+    torch.testing.assert_close(o_out, t_out, rtol=2e-2, atol=2e-2)
+    for o, t in zip(o_grads, t_grads, strict=True):
+        assert o.dtype == t.dtype == torch.float32
+        torch.testing.assert_close(o, t, rtol=5e-2, atol=5e-2)
+
+
 TRAIN_SCRIPT = """
 import torch
 import tunecache.nn
