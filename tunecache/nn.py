@@ -1,8 +1,8 @@
 """torch.nn layers on tunecache's kernels: `Conv2d`, `Linear`, and `convert(model)`.
 
 They are `torch.nn.Conv2d` and `torch.nn.Linear` (subclasses: the same arguments, parameters,
-state dict, hooks and `isinstance`), whose forward runs `tunecache.ops.conv2d` / `linear`
-(tuned, with autograd and torch.compile). What the kernels do not take runs torch's own
+state dict, hooks and `isinstance`), whose forward runs what `tunecache.ops.conv2d` / `linear`
+run (tuned, with autograd, torch.compile and autocast). What the kernels do not take runs torch's own
 forward with one warning that says why: groups, dilation, a padding mode other than zeros,
 float64, an unbatched input. Activations are fastest channels_last
 (`model.to(memory_format=torch.channels_last)`): the kernels are NHWC, and other inputs are
