@@ -223,8 +223,8 @@ def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple:
     A custom Function is outside autocast's op lists: without this, an AMP model's layers ran in
     fp32 and gave fp32 where torch's give bf16 or fp16. The casts are autograd's own: the fp32
     parameters get fp32 gradients."""
-    dev = "cuda" if x.is_cuda else x.device.type
-    if not torch.is_autocast_enabled(dev):
+    dev = "cuda" if x.is_cuda else "cpu" if x.is_cpu else None  # the kernels' devices
+    if dev is None or not torch.is_autocast_enabled(dev):
         return x, w, bias
     dt = torch.get_autocast_dtype(dev)
 
