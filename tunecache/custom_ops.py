@@ -183,7 +183,7 @@ def _linear_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, 
     y = _tuned_matmul(a, w.t())
     if bias is not None:
         y += bias
-    return y.view(*x.shape[:-1], w.shape[0]), a
+    return y.reshape(*x.shape[:-1], w.shape[0]), a
 
 
 class _Linear(torch.autograd.Function):
@@ -201,7 +201,7 @@ class _Linear(torch.autograd.Function):
         a, w = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         needs = ctx.needs_input_grad
-        ga = _tuned_matmul(g, w).view(ctx.x_shape) if needs[0] else None
+        ga = _tuned_matmul(g, w).reshape(ctx.x_shape) if needs[0] else None
         gw = _tuned_matmul(g.t(), a) if needs[1] else None  # [out, in], as the weight lies
         gb = g.sum(0) if ctx.has_bias and needs[2] else None
         return ga, gw, gb
