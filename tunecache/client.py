@@ -41,7 +41,7 @@ from .binaries import Binary
 from .errors import short
 from .job_queue import ClaimedJob
 from .key import DeviceClass, TuneKey
-from .records import MAX_STATUS_DIGESTS, ConfigRecord, TrialRecord
+from .records import MAX_ENQUEUE_BATCH, MAX_STATUS_DIGESTS, ConfigRecord, TrialRecord
 
 log = logging.getLogger("tunecache.client")
 
@@ -571,6 +571,34 @@ class FleetClient:
         )
         return None if res is None else res[1]
 
+    def enqueue_missing(self, keys: list[TuneKey], priority: int = 0, max_attempts: int = 3) -> set[str] | None:
+        """Enqueue, in order, the keys the fleet has no tuned config for; the digests of those it
+        has. A request per hundred keys (POST /v1/jobs/batch): a lookup and an enqueue per key ran
+        a pretune of a hundred shapes into its token's rate limit. A service older than that
+        endpoint (404 or 405) is asked key by key. None if the fleet could not be reached or
+        refused (the caller cannot tell what is queued)."""
+        tuned: set[str] = set()
+        for i in range(0, len(keys), MAX_ENQUEUE_BATCH):
+            chunk = keys[i : i + MAX_ENQUEUE_BATCH]
+            body = {"jobs": [{**k.fields(), "priority": priority, "max_attempts": max_attempts} for k in chunk]}
+            res = self._call("POST", f"{API}/jobs/batch", _tuned_digests, json=body)
+            if res is not None and res[0] in (404, 405):
+                return self._enqueue_missing_one_by_one(keys, priority, max_attempts)
+            if res is None or res[0] != 200:
+                return None
+            tuned |= res[1]
+        return tuned
+
+    def _enqueue_missing_one_by_one(self, keys: list[TuneKey], priority: int, max_attempts: int) -> set[str] | None:
+        tuned: set[str] = set()
+        for k in keys:
+            found, _ = self.fetch(k)
+            if found == "hit":
+                tuned.add(k.digest)
+            elif found == "unavailable" or self.enqueue(k, priority, max_attempts) is None:
+                return None
+        return tuned
+
     # ---- the worker's calls -------------------------------------------------------------
 
     def claim(
@@ -696,6 +724,13 @@ class FleetClient:
             if res[0] == 200:
                 out[d] = res[1]
         return out
+
+
+def _tuned_digests(body: Any) -> set[str]:
+    got = body["tuned"]
+    if not isinstance(got, list) or not isinstance(body["queued"], list):
+        raise ValueError("expected tuned and queued: lists of digests")
+    return {str(d) for d in got}
 
 
 def _statuses(body: Any) -> dict[str, str]:

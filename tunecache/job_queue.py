@@ -58,6 +58,7 @@ class JobQueue(Protocol):
     # hosts and pretune
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> Any | None: ...
     def lookup(self, key: TuneKey) -> ConfigRecord | None: ...
+    def enqueue_missing(self, keys: list[TuneKey], priority: int = 0) -> set[str] | None: ...
     def statuses(self, digests: Iterable[str]) -> dict[str, str] | None: ...
     def active(self, device: DeviceClass) -> int | None: ...
 
@@ -107,6 +108,14 @@ class StoreQueue:
 
     def lookup(self, key: TuneKey) -> ConfigRecord | None:
         return self.store.get_config(key.digest)
+
+    def enqueue_missing(self, keys: list[TuneKey], priority: int = 0) -> set[str] | None:
+        """Enqueue, in order, the keys without a tuned config; the digests of those with one."""
+        tuned = {k.digest for k in keys if self.store.get_config(k.digest) is not None}
+        for k in keys:
+            if k.digest not in tuned:
+                self.store.enqueue(k, priority=priority)
+        return tuned
 
     def statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
         return self.store.job_statuses(digests)
@@ -200,6 +209,9 @@ class FleetQueue:
 
     def lookup(self, key: TuneKey) -> ConfigRecord | None:
         return self.client.lookup(key)
+
+    def enqueue_missing(self, keys: list[TuneKey], priority: int = 0) -> set[str] | None:
+        return self.client.enqueue_missing(keys, priority=priority)
 
     def statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
         return self.client.job_statuses(digests)

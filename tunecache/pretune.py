@@ -267,16 +267,17 @@ def pretune(
     device, _ = worker_device(gpus[0] if gpus else 0)
     queue = queue or default_queue()
     planned = plan(manifest, device)
-    todo = [p for p in planned if queue.lookup(p.key) is None]
+    # the shapes without a config are enqueued, longest tunes first; the others are done
+    tuned = queue.enqueue_missing([p.key for p in longest_first(planned, device)], priority=priority)
+    if tuned is None:
+        raise RuntimeError(f"cannot enqueue into {queue.where}: the service is unreachable or refused")
+    todo = [p for p in planned if p.key.digest not in tuned]
     report = Report(total=len(planned), already=len(planned) - len(todo))
     if on_plan:
         on_plan(len(planned), len(todo))
     if not todo:
         report.seconds = time.perf_counter() - t0
         return report
-    for p in longest_first(todo, device):
-        if queue.enqueue(p.key, priority=priority) is None:
-            raise RuntimeError(f"cannot enqueue into {queue.where}: the service is unreachable")
     digests = [p.key.digest for p in todo]
     forkserver.ensure_server(env, wait_s=60.0)
     workers = {g: _spawn_worker(g, lease_s, poll_s, log_dir, env) for g in (gpus or [0])}

@@ -22,6 +22,7 @@ from .key import TuneKey
 # 422; the store clamps to them). A client must not park a job for a day.
 MAX_LEASE_S = 600.0
 MAX_STATUS_DIGESTS = 1000  # digests per POST /v1/jobs/statuses (a pretune of a large model asks in a few)
+MAX_ENQUEUE_BATCH = 100  # keys per POST /v1/jobs/batch (each a write: well inside a request's deadline)
 MAX_BACKOFF_S = 3600.0
 # quarantined: the row cannot be read (a claim met it); never claimed, kept for operators
 JOB_STATUSES = ("queued", "running", "done", "failed", "quarantined")

@@ -490,3 +490,27 @@ def test_a_pretunes_progress_polls_a_large_manifest_inside_the_rate_limit(any_fl
         assert too_many.status_code == 422, too_many.text
         not_a_digest = api.post("/v1/jobs/statuses", json={"digests": ["../../etc"]})
         assert not_a_digest.status_code == 422, not_a_digest.text
+
+
+def test_a_pretune_of_hundreds_of_shapes_enqueues_them_inside_the_rate_limit(queue, any_fleet):
+    """Before its workers start, `tunecache pretune` skips the shapes that have a tuned config and
+    enqueues the others, longest first. Through the fleet that is one POST /v1/jobs/batch per
+    hundred shapes: 300 shapes are 3 requests, where a lookup and an enqueue per shape (600) ran
+    into the token's rate limit (200 per 4 s) and failed the pretune as unreachable."""
+    from tunecache.key import TuneKey
+    from tunecache.records import ConfigRecord
+    from tunecache.store import Store
+    from tunecache_kernels.spaces import space_for
+
+    keys = [TuneKey.from_fields(key(M)) for M in range(1, 301)]
+    store = Store(any_fleet.db_url)
+    config = next(iter(space_for(KEY["kernel"])))
+    for k in keys[::7]:
+        store.put_config(ConfigRecord(k, config, 1.0))
+    tuned = {k.digest for k in keys[::7]}
+    assert queue.enqueue_missing(keys, priority=3) == tuned
+    assert queue.enqueue_missing(keys, priority=3) == tuned  # again: the same jobs, none added
+    jobs = store.list_jobs(limit=1000)
+    assert sorted(j.digest for j in jobs) == sorted(k.digest for k in keys if k.digest not in tuned)
+    assert {j.status for j in jobs} == {"queued"} and {j.priority for j in jobs} == {3}
+    store.close()

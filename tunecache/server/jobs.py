@@ -19,6 +19,8 @@ from .schemas import (
     CompleteIn,
     DeleteOut,
     EnqueueIn,
+    EnqueueManyIn,
+    EnqueueManyOut,
     ErrorOut,
     FailIn,
     JobOut,
@@ -94,6 +96,36 @@ def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsD
         raise HTTPException(422, str(e)) from None
     metrics.enqueued.inc()
     return job_out(store.enqueue(key_of(body), priority=body.priority, max_attempts=body.max_attempts))
+
+
+@router.post(
+    "/batch",
+    response_model=EnqueueManyOut,
+    summary="Enqueue the keys that have no tuned config",
+    description="What `tunecache pretune` asks of the fleet before its workers start: for each key, in "
+    "order, a tuned config means nothing to do; otherwise its job is enqueued (one active job per digest, "
+    "as POST /v1/jobs). One request per hundred keys, where a lookup and an enqueue per key spent a "
+    "token's rate limit on a manifest of a hundred shapes. A kernel outside the registry is a 422 that "
+    "names it, and nothing is enqueued.",
+)
+def enqueue_missing(body: EnqueueManyIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> EnqueueManyOut:
+    from tunecache_kernels.spaces import UnknownKernel, space_for
+
+    for i, job in enumerate(body.jobs):
+        try:
+            space_for(job.kernel)
+        except UnknownKernel as e:
+            raise HTTPException(422, f"jobs[{i}]: {e}") from None
+    out = EnqueueManyOut(tuned=[], queued=[])
+    for job in body.jobs:
+        key = key_of(job)
+        if store.get_config(key.digest) is not None:
+            out.tuned.append(key.digest)
+            continue
+        store.enqueue(key, priority=job.priority, max_attempts=job.max_attempts)
+        metrics.enqueued.inc()
+        out.queued.append(key.digest)
+    return out
 
 
 @router.get("", response_model=list[JobOut], summary="List jobs")

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
-from ..records import MAX_BACKOFF_S, MAX_LEASE_S, MAX_STATUS_DIGESTS
+from ..records import MAX_BACKOFF_S, MAX_ENQUEUE_BATCH, MAX_LEASE_S, MAX_STATUS_DIGESTS
 
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
@@ -299,6 +299,15 @@ class ImportOut(BaseModel):
 class EnqueueIn(KeyIn):
     priority: Annotated[int, Field(strict=True, ge=-1000, le=1000)] = 0
     max_attempts: Annotated[int, Field(strict=True, ge=1, le=100)] = 3
+
+
+class EnqueueManyIn(Model):
+    jobs: list[EnqueueIn] = Field(max_length=MAX_ENQUEUE_BATCH, description="the keys to tune, in queue order")
+
+
+class EnqueueManyOut(BaseModel):
+    tuned: list[str] = Field(description="digests the fleet has a tuned config for: not enqueued")
+    queued: list[str] = Field(description="digests enqueued (or whose job was already queued or running)")
 
 
 class JobOut(KeyOut):
