@@ -513,4 +513,8 @@ def test_a_pretune_of_hundreds_of_shapes_enqueues_them_inside_the_rate_limit(que
     jobs = store.list_jobs(limit=1000)
     assert sorted(j.digest for j in jobs) == sorted(k.digest for k in keys if k.digest not in tuned)
     assert {j.status for j in jobs} == {"queued"} and {j.priority for j in jobs} == {3}
+    with httpx.Client(base_url=any_fleet.url, headers={"Authorization": f"Bearer {any_fleet.tokens['admin']}"}) as api:
+        bad = api.post("/v1/jobs/batch", json={"jobs": [key(999), key(998, kernel="matmul.nosuch")]})
+        assert bad.status_code == 422 and "jobs[1]" in bad.text and "matmul.nosuch" in bad.text, bad.text
+    assert len(store.list_jobs(limit=1000)) == len(jobs)  # nothing of a refused batch is enqueued
     store.close()

@@ -62,6 +62,16 @@ def job_out(job: JobRecord) -> JobOut:
     )
 
 
+def _known_kernel(kernel: str, where: str = "") -> None:
+    """A 422 that names a kernel outside the registry (a worker could never claim its job)."""
+    from tunecache_kernels.spaces import UnknownKernel, space_for
+
+    try:
+        space_for(kernel)
+    except UnknownKernel as e:
+        raise HTTPException(422, f"{where}{e}") from None
+
+
 def _secret(job_id: int, body: LeaseHeldIn) -> str:
     if not body.lease_secret:
         raise HTTPException(
@@ -88,12 +98,7 @@ def _lost(job_id: int) -> HTTPException:
     description="One active job per digest: enqueueing a queued or running key returns its job.",
 )
 def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> JobOut:
-    from tunecache_kernels.spaces import UnknownKernel, space_for
-
-    try:
-        space_for(body.kernel)
-    except UnknownKernel as e:
-        raise HTTPException(422, str(e)) from None
+    _known_kernel(body.kernel)
     metrics.enqueued.inc()
     return job_out(store.enqueue(key_of(body), priority=body.priority, max_attempts=body.max_attempts))
 
@@ -109,13 +114,8 @@ def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsD
     "names it, and nothing is enqueued.",
 )
 def enqueue_missing(body: EnqueueManyIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> EnqueueManyOut:
-    from tunecache_kernels.spaces import UnknownKernel, space_for
-
     for i, job in enumerate(body.jobs):
-        try:
-            space_for(job.kernel)
-        except UnknownKernel as e:
-            raise HTTPException(422, f"jobs[{i}]: {e}") from None
+        _known_kernel(job.kernel, f"jobs[{i}]: ")
     out = EnqueueManyOut(tuned=[], queued=[])
     for job in body.jobs:
         key = key_of(job)
