@@ -41,7 +41,7 @@ class Conv2d(torch.nn.Conv2d):
         if why:
             _warn_once(f"{type(self).__name__}{tuple(self.weight.shape)}: {why}")
             return super().forward(x)
-        return _autograd().conv2d(x, self.weight, self.bias, tuple(self.stride), padding_pair(self))
+        return ops.conv2d(x, self.weight, self.bias, self.stride, padding_pair(self))
 
 
 class Linear(torch.nn.Linear):
@@ -52,16 +52,7 @@ class Linear(torch.nn.Linear):
         if why:
             _warn_once(f"{type(self).__name__}({self.in_features}, {self.out_features}): {why}")
             return super().forward(x)
-        if self.weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != self.in_features:
-            return ops.linear(x, self.weight, self.bias)  # raises the error that names the bad input
-        return _autograd().linear(x, self.weight, self.bias)
-
-
-def _autograd():
-    """tunecache.custom_ops (imported on first use: registering the custom ops costs 0.2 s)."""
-    from . import custom_ops
-
-    return custom_ops
+        return ops.linear(x, self.weight, self.bias)
 
 
 def conv_refusal(m: torch.nn.Conv2d) -> str | None:
