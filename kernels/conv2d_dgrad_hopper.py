@@ -510,9 +510,7 @@ def plan_for(config: dict, *args):
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
     key = None
     if direct.direct_launch_enabled():
-        dev, stream = direct.current_device_and_stream()
-        key = _plan_key(dev, config, grad_out, w, H, W, stride, padding)
-        plan = None if key is None else _PLANS.get(key)
+        key, plan, _, stream = direct.look_up(_PLANS, _plan_key, config, (grad_out, w, H, W, stride, padding))
         if plan is not None:
             return plan.run(grad_out, w, stream)
     return _launch_jit(config, grad_out, w, H, W, stride, padding, key)

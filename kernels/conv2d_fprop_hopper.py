@@ -505,9 +505,7 @@ def plan_for(config: dict, *args):
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
     key = None
     if direct.direct_launch_enabled():
-        dev, stream = direct.current_device_and_stream()
-        key = _plan_key(dev, config, x, w, stride, padding)
-        plan = None if key is None else _PLANS.get(key)
+        key, plan, _, stream = direct.look_up(_PLANS, _plan_key, config, (x, w, stride, padding))
         if plan is not None:
             y = plan.run(x, w, stream)
             if y is not None:

@@ -618,9 +618,7 @@ def plan_for(config: dict, *args):
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
     key = None
     if direct.direct_launch_enabled():
-        dev, stream = direct.current_device_and_stream()
-        key = _plan_key(dev, config, x, grad_out, R, S, stride, padding)
-        plan = None if key is None else _PLANS.get(key)
+        key, plan, _, stream = direct.look_up(_PLANS, _plan_key, config, (x, grad_out, R, S, stride, padding))
         if plan is not None:
             out = plan.run(x, grad_out, stream)
             if out is not None:

@@ -86,15 +86,21 @@ def _device_fns() -> tuple:
     return _DEVICE_FNS
 
 
+def look_up(plans: "PlanCache", plan_key, config: dict, args: tuple) -> tuple:
+    """(plan key, plan or None, device index, stream) of the call `args` under `config`: a
+    backend's launch asks this first; the key is None where the arguments cannot key a plan."""
+    dev, stream = current_device_and_stream()
+    key = plan_key(dev, config, *args)
+    return key, None if key is None else plans.get(key), dev, stream
+
+
 def plan_for(plans: "PlanCache", plan_key, config: dict, args: tuple):
     """(plan, device index) of the call `args` under `config`, once its first launch made one;
     else None. A memo entry (tunecache.launcher) keeps it: its key fixes everything the plan
     depends on but the device, which the entry checks per call."""
     if not direct_launch_enabled():
         return None
-    dev, _ = current_device_and_stream()
-    key = plan_key(dev, config, *args)
-    plan = None if key is None else plans.get(key)
+    _, plan, dev, _ = look_up(plans, plan_key, config, args)
     return None if plan is None else (plan, dev)
 
 

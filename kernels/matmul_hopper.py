@@ -381,9 +381,7 @@ def plan_for(config: dict, *args):
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     key = None
     if direct.direct_launch_enabled():
-        dev, stream = direct.current_device_and_stream()
-        key = _plan_key(dev, config, a, b)
-        plan = _PLANS.get(key)
+        key, plan, _, stream = direct.look_up(_PLANS, _plan_key, config, (a, b))
         if plan is not None:
             c = plan.run(a, b, stream)
             if c is not None:
