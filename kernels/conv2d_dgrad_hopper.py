@@ -408,7 +408,8 @@ def supports(p: dict, device) -> bool:
 def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem. Resource limits
     are left to prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
 
 
 def resources_ok(c: dict, p: dict | None = None) -> bool:
@@ -428,14 +429,33 @@ def _as_fprop(p: dict) -> dict:
     return {**p, "Ci": p["Co"], "Co": p["Ci"], "gemm_M": p["N"] * p2 * q2}
 
 
-def worth_trying(c: dict, p: dict) -> bool:
+def ctas_per_sm(c: dict) -> int:
+    return c.get("CTAS_PER_SM", 1)
+
+
+def _two_fit(c: dict) -> bool:
+    """Two CTAs fit one SM: twice the shared memory, and registers for twice the threads (an
+    accumulator of at most 64 fp32 values a thread leaves room for the rest under 128)."""
+    return 2 * smem_bytes(c) <= gh.SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 64
+
+
+def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
     """The performance rule (config_space() applies it): could this config win on this problem?"""
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False  # two warpgroups on a 64-row tile split N: below 128 columns each gets a sliver
+    if ctas_per_sm(c) == 2 and not (_two_fit(c) and _tiles(p, c) > sms):
+        return False  # the second CTA would wait for the first, or the grid is the one-CTA launch
     g = _as_fprop(p)
     if c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(g["Ci"], p["dtype"]))):
         return False  # a k-step covers one tap: more channels than grad_out has are zeros
+    if c["BLOCK_N"] == 32 and p["Ci"] > 32 and p["Ci"] % 64 == 0:
+        return False  # 64 columns divide Ci: the narrow tile only halves each MMA
     return c["BLOCK_N"] <= max(64, gh.pow2_at_least(g["Co"])) and c["BLOCK_M"] <= max(64, gh.pow2_at_least(g["gemm_M"]))
+
+
+def _tiles(p: dict, c: dict) -> int:
+    p2, q2, _, _ = gh.dgrad_walk(p)
+    return gh.dgrad_phases(p) * gh.cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * gh.cdiv(p["Ci"], c["BLOCK_N"])
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -446,13 +466,14 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 def default_config(p: dict, device) -> dict:
     bk = min(64, max(16, gh.pow2_at_least(gh.padded_channels(p["Co"], p["dtype"]))))
+    one = {"GROUP_M": 8, "CTAS_PER_SM": 1}
     if p["Ci"] >= 256:
-        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, **one, "num_warps": 8, "num_stages": 3}
     elif p["Ci"] >= 128:
-        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, **one, "num_warps": 8, "num_stages": 4}
     else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    if not (resources_ok(c) and worth_trying(c, p)):
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, **one, "num_warps": 4, "num_stages": 4}
+    if not (resources_ok(c) and worth_trying(c, p, gh.sm_count_of(device))):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
@@ -534,7 +555,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
         return gh.tiled_desc(t.view(-1, geo.Ci) if geo.tma_store else dummy, [bm, bn])
 
     gx = geo.new_grad_x(g)
-    grid = gh.persistent_grid(geo.tiles(bm, bn), gh.num_sms(g.device))
+    grid = gh.persistent_grid(geo.tiles(bm, bn), gh.num_sms(g.device), ctas_per_sm(config))
     ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec)
     scalars = geo.ints + (config["GROUP_M"],)
     compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, *scalars, **ce)

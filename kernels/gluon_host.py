@@ -77,9 +77,17 @@ def pad_last_dim(t: torch.Tensor, size: int) -> torch.Tensor:
     contiguous with that size). The zeros make padded channels add nothing to a GEMM."""
     if t.shape[-1] == size and t.is_contiguous():
         return t
+    if size > t.shape[-1]:  # one launch (cat), not a fill and a copy: a small layer's padding is launch-bound
+        zero = _ZERO.get((t.device, t.dtype))
+        if zero is None:
+            zero = _ZERO[(t.device, t.dtype)] = torch.zeros((), device=t.device, dtype=t.dtype)
+        return torch.cat([t, zero.expand(*t.shape[:-1], size - t.shape[-1])], dim=-1)
     out = t.new_zeros((*t.shape[:-1], size))
     out[..., : t.shape[-1]] = t
     return out
+
+
+_ZERO: dict = {}
 
 
 def pad_channels(t: torch.Tensor) -> torch.Tensor:

@@ -48,13 +48,18 @@ SPACES = {
         }
     ),
     # grad_x by output phase: each phase's implicit GEMM is M = its pixels (TMA im2col of
-    # grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid
+    # grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid of
+    # CTAS_PER_SM CTAs per SM: at 2, one CTA's epilogue runs beside the other's WGMMAs (the
+    # kernel is not warp-specialized; a strided dgrad's phases have a few k-steps per tile, so
+    # its epilogues are a large share of the time). BLOCK_N 32: few input channels (an image
+    # layer's 3 or 4) or Ci in 32s.
     "conv2d_dgrad": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
-            "BLOCK_N": (64, 128, 256),
+            "BLOCK_N": (32, 64, 128, 256),
             "BLOCK_K": (16, 32, 64),
             "GROUP_M": (1, 8),
+            "CTAS_PER_SM": (1, 2),
             "num_warps": (4, 8),
             "num_stages": (2, 3, 4, 5, 6),
         }

@@ -296,6 +296,11 @@ def test_conv2d_dgrad_matches_torch(case):
         configs += [
             {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
             {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+            # a narrow tile, two CTAs per SM (every CTA's epilogue beside another's WGMMAs)
+            {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "CTAS_PER_SM": 2, "num_warps": 4}
+            | {"num_stages": 3},
+            {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "CTAS_PER_SM": 2, "num_warps": 4}
+            | {"num_stages": 3},
         ]
     for c in configs:
         _poison(N * H * W * Ci, torch.bfloat16)
