@@ -67,11 +67,34 @@ def store_layout(BLOCK_N, num_warps):
 
 
 @gluon.jit
-def _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N):
-    """This CTA's t-th tile -> (its phase, first output pixel of the phase's walk, first channel)."""
-    tile = pid + t * nprog
+def _unit(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT: gl.constexpr):
+    """This CTA's t-th work unit -> (its phase, first output pixel of the phase's walk, first
+    channel, split): a tile, or with SPLIT a (tile, split) pair, the splits of a tile adjacent."""
+    u = pid + t * nprog
+    if SPLIT:
+        tile = u // SPLITS
+        split = u % SPLITS
+    else:
+        tile = u
+        split = u * 0
     pid_m, pid_n = grouped_tile(tile % tiles_per_phase, num_pid_m, num_pid_n, GROUP_M)
-    return tile // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N
+    return tile // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N, split
+
+
+@gluon.jit
+def _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
+    """A unit's k-steps: (count, and the first one's channel block, tap row, tap column). A
+    split runs K_PER k-steps of its tile's kr * ks * c_blocks (the last one what is left)."""
+    total = kr * ks * c_blocks
+    if SPLIT:
+        lo = split * K_PER
+        cnt = gl.minimum(K_PER, total - lo)
+        tap = lo // c_blocks
+        c0 = (lo - tap * c_blocks) * BLOCK_K
+        t = tap // ks
+        return cnt, c0, t, tap - t * ks
+    else:
+        return total, total * 0, total * 0, total * 0
 
 
 @gluon.jit
@@ -94,15 +117,24 @@ def _producer_at(
     sw,
     pad_h,
     pad_w,
+    c_blocks,
+    SPLITS,
+    K_PER,
     BLOCK_M,
     BLOCK_N,
+    BLOCK_K: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
-    """What the loads of this CTA's t-th tile need: (its channel, image, row and column of its
-    first pixel, its phase's first taps, tap counts and first grad_out offsets)."""
-    phase, m0, n0 = _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+    """What the loads of this CTA's t-th unit need: (its channel, image, row and column of its
+    first pixel, its phase's first taps, tap counts and first grad_out offsets, its k-steps and
+    the first one's channel block and tap)."""
+    phase, m0, n0, split = _unit(
+        t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
+    )
     kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
+    cnt, c0, tap, u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
     pq = m0 % PQ2
-    return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb
+    return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u
 
 
 @gluon.jit
@@ -150,12 +182,13 @@ def _issue_load(
     tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot), pred)
 
 
-@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "GROUP_M"])  # one binary for every shape
+@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
     w_desc,
     y_desc,
     gx_ptr,
+    ws_ptr,
     M2,
     Ci,
     Co,
@@ -175,14 +208,20 @@ def conv2d_dgrad_kernel(
     PS,
     n_phases,
     GROUP_M,
+    SPLITS,
+    K_PER,
     STAGES: gl.constexpr,
     IM2COL: gl.constexpr,
     TMA_STORE: gl.constexpr,
     VEC: gl.constexpr,
+    SPLIT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """g_desc: im2col over grad_out [N, P, Q, Co] (a stride-1 walk of M2 = N * PQ2 pixels, PQ2 =
-    ceil(H/sh) * Q2, halo PH x PW); w_desc: tiles of w [Co, R*S*Ciw]; gx_ptr: grad_x [N, H, W, Ci]."""
+    ceil(H/sh) * Q2, halo PH x PW); w_desc: tiles of w [Co, R*S*Ciw]; gx_ptr: grad_x [N, H, W, Ci].
+    SPLIT (stride 1, one phase, whose walk is grad_x's pixels): ws_ptr [SPLITS, M2, Ci] fp32
+    receives each split's partial (K_PER k-steps of the tile's), summed by split_k_reduce; the
+    unsplit binary is the kernel without split-K."""
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
@@ -202,7 +241,10 @@ def conv2d_dgrad_kernel(
     num_pid_m = gl.cdiv(M2, BLOCK_M)
     num_pid_n = gl.cdiv(Ci, BLOCK_N)
     tiles_per_phase = num_pid_m * num_pid_n
-    my_tiles = gl.cdiv(n_phases * tiles_per_phase - pid, nprog)
+    if SPLIT:
+        my_tiles = gl.cdiv(n_phases * tiles_per_phase * SPLITS - pid, nprog)
+    else:
+        my_tiles = gl.cdiv(n_phases * tiles_per_phase - pid, nprog)
     c_blocks = gl.cdiv(Co, BLOCK_K)
 
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
@@ -211,97 +253,37 @@ def conv2d_dgrad_kernel(
     rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
 
-    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles
+    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across units;
+    # `at` names what _producer_at needs besides the unit's index
+    at = (pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, PQ2, Q2, PS, R, S, H, W)
+    at += (stride_h, stride_w, pad_h, pad_w, c_blocks, SPLITS, K_PER)
     pt = gl.to_tensor(0)
-    pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb = _producer_at(
-        pt,
-        pid,
-        nprog,
-        tiles_per_phase,
-        num_pid_m,
-        num_pid_n,
-        GROUP_M,
-        PQ2,
-        Q2,
-        PS,
-        R,
-        S,
-        H,
-        W,
-        stride_h,
-        stride_w,
-        pad_h,
-        pad_w,
-        BLOCK_M,
-        BLOCK_N,
+    pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb, pcnt, pc0, ptap, pu = _producer_at(
+        pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
     )
-    pc0 = gl.to_tensor(0)
-    ptap = gl.to_tensor(0)
-    pu = gl.to_tensor(0)
+    pk = gl.to_tensor(0)
+    loads = (S, Ciw, stride_h, stride_w, PH, PW, g_desc, w_desc, a_bufs, b_bufs, ready, PQ2, Q2)
     for i in gl.static_range(STAGES - 1):
-        _issue_load(
-            i,
-            pt < my_tiles,
-            pimg,
-            pp0,
-            pq0,
-            pn0,
-            pc0,
-            ptap,
-            pu,
-            pkr0,
-            pks0,
-            pca,
-            pcb,
-            S,
-            Ciw,
-            stride_h,
-            stride_w,
-            PH,
-            PW,
-            g_desc,
-            w_desc,
-            a_bufs,
-            b_bufs,
-            ready,
-            PQ2,
-            Q2,
-            STAGES,
-            IM2COL,
-        )
-        pc0, ptap, pu, done = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
-        if done:
+        _issue_load(i, pt < my_tiles, pimg, pp0, pq0, pn0, pc0, ptap, pu, pkr0, pks0, pca, pcb, *loads, STAGES, IM2COL)
+        pc0, ptap, pu, wrapped = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
+        pk += 1
+        if pk == pcnt:
             pt += 1
-            pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb = _producer_at(
-                pt,
-                pid,
-                nprog,
-                tiles_per_phase,
-                num_pid_m,
-                num_pid_n,
-                GROUP_M,
-                PQ2,
-                Q2,
-                PS,
-                R,
-                S,
-                H,
-                W,
-                stride_h,
-                stride_w,
-                pad_h,
-                pad_w,
-                BLOCK_M,
-                BLOCK_N,
+            pk = 0
+            pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb, pcnt, pc0, ptap, pu = _producer_at(
+                pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
             )
 
     step = 0
     for t in range(my_tiles):
-        phase, m0, n0 = _tile(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        phase, m0, n0, split = _unit(
+            t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
+        )
         kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
         )
-        for kk in range(kr * ks * c_blocks):
+        cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
+        for kk in range(cnt):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kk != 0, is_async=True)
@@ -320,46 +302,17 @@ def conv2d_dgrad_kernel(
                 pks0,
                 pca,
                 pcb,
-                S,
-                Ciw,
-                stride_h,
-                stride_w,
-                PH,
-                PW,
-                g_desc,
-                w_desc,
-                a_bufs,
-                b_bufs,
-                ready,
-                PQ2,
-                Q2,
+                *loads,
                 STAGES,
                 IM2COL,
             )
-            pc0, ptap, pu, done = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
-            if done:
+            pc0, ptap, pu, wrapped = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
+            pk += 1
+            if pk == pcnt:
                 pt += 1
-                pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb = _producer_at(
-                    pt,
-                    pid,
-                    nprog,
-                    tiles_per_phase,
-                    num_pid_m,
-                    num_pid_n,
-                    GROUP_M,
-                    PQ2,
-                    Q2,
-                    PS,
-                    R,
-                    S,
-                    H,
-                    W,
-                    stride_h,
-                    stride_w,
-                    pad_h,
-                    pad_w,
-                    BLOCK_M,
-                    BLOCK_N,
+                pk = 0
+                pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb, pcnt, pc0, ptap, pu = _producer_at(
+                    pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
                 )
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -376,7 +329,12 @@ def conv2d_dgrad_kernel(
         base = ((img.to(gl.int64) * H + a + stride_h * pi) * W + b + stride_w * pj) * ci_vec
         ci = n0 + cols0
         mask = row_ok[:, None] & (ci < ci_vec)[None, :]
-        if TMA_STORE:  # one phase whose walk is grad_x's own pixels: y_desc tiles grad_x [M2, Ci]
+        if SPLIT:  # stride 1: the walk is grad_x's pixels; the partial goes to ws[split] [M2, Ci]
+            pr = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            pc = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            offs = (split.to(gl.int64) * M2 + pr.to(gl.int64))[:, None] * Ci + pc[None, :]
+            gl.store(ws_ptr + offs, acc, mask=(pr < M2)[:, None] & (pc < Ci)[None, :])
+        elif TMA_STORE:  # one phase whose walk is grad_x's own pixels: y_desc tiles grad_x [M2, Ci]
             tma.store_wait(pendings=0)
             c_smem.store(acc.to(dtype))
             fence_async_shared()
@@ -392,7 +350,7 @@ def conv2d_dgrad_kernel(
         mbarrier.invalidate(ready.index(i))
 
 
-JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
+JIT_FUNCTIONS = (conv2d_dgrad_kernel, gh.split_k_reduce_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -445,6 +403,8 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
         return False  # two warpgroups on a 64-row tile split N: below 128 columns each gets a sliver
     if ctas_per_sm(c) == 2 and not (_two_fit(c) and _tiles(p, c) > sms):
         return False  # the second CTA would wait for the first, or the grid is the one-CTA launch
+    if c.get("SPLIT_K", 1) == 0 and _splits_of(p, c, sms)[0] == 1:
+        return False  # the model does not split: the unsplit launch
     g = _as_fprop(p)
     if c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(g["Ci"], p["dtype"]))):
         return False  # a k-step covers one tap: more channels than grad_out has are zeros
@@ -458,6 +418,21 @@ def _tiles(p: dict, c: dict) -> int:
     return gh.dgrad_phases(p) * gh.cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * gh.cdiv(p["Ci"], c["BLOCK_N"])
 
 
+def splits(c: dict, stride, tiles: int, k_steps: int, out_elems: int, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of config c's launch: SPLIT_K 0 takes the work model's count
+    (gluon_host.auto_splits: the tiles leave SMs idle); only a stride-1 dgrad splits, its one
+    phase's walk being grad_x's own pixels (the partials' layout)."""
+    if c.get("SPLIT_K", 1) != 0 or tuple(stride) != (1, 1):
+        return 1, k_steps
+    return gh.split_k_plan(k_steps, gh.auto_splits(tiles, k_steps, sms, out_elems, c))
+
+
+def _splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    k_steps = p["R"] * p["S"] * gh.cdiv(gh.padded_channels(p["Co"], p["dtype"]), c["BLOCK_K"])
+    st = (p["stride_h"], p["stride_w"])
+    return splits(c, st, _tiles(p, c), k_steps, p["N"] * p["H"] * p["W"] * p["Ci"], sms)
+
+
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first (the forward conv's order)."""
     kept = [c for c in configs if resources_ok(c)]
@@ -466,7 +441,7 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 
 def default_config(p: dict, device) -> dict:
     bk = min(64, max(16, gh.pow2_at_least(gh.padded_channels(p["Co"], p["dtype"]))))
-    one = {"GROUP_M": 8, "CTAS_PER_SM": 1}
+    one = {"GROUP_M": 8, "CTAS_PER_SM": 1, "SPLIT_K": 0}
     if p["Ci"] >= 256:
         c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, **one, "num_warps": 8, "num_stages": 3}
     elif p["Ci"] >= 128:
@@ -483,12 +458,13 @@ def default_config(p: dict, device) -> dict:
 # ---- host side -----------------------------------------------------------------------------------
 
 
-def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int) -> dict:
+def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int, split: bool) -> dict:
     return {
         "STAGES": c["num_stages"],
         "IM2COL": im2col,
         "TMA_STORE": tma_store,
         "VEC": vec,
+        "SPLIT": split,
         "num_warps": c["num_warps"],
     }
 
@@ -497,7 +473,8 @@ class _Plan:
     """One (config, shapes, strides, dtype, stride, padding, device) launch, precomputed: see
     gluon_launch.DirectLauncher."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo")
+    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo", "ws_shape", "reduce")
+    __slots__ += ("reduce_grid0", "reduce_tail")
 
     def run(self, grad_out: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
         geo = self.geo
@@ -509,7 +486,12 @@ class _Plan:
         wm = maps.get((1, pw)) or maps.put((1, pw), ld.expand_desc(1, self.w_desc(wp)))
         py = gx.data_ptr()
         ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, self.y_desc(gx)))
-        ld(self.grid0, stream, [*gm, *wm, *ym, py, *self.tail])
+        if self.reduce is None:
+            ld(self.grid0, stream, [*gm, *wm, *ym, py, gh.no_split_workspace(g.device), *self.tail])
+        else:
+            ws = g.new_empty(self.ws_shape, dtype=torch.float32)
+            ld(self.grid0, stream, [*gm, *wm, *ym, py, ws, *self.tail])
+            self.reduce(self.reduce_grid0, stream, (ws, gx, *self.reduce_tail))
         return gx
 
 
@@ -555,17 +537,29 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
         return gh.tiled_desc(t.view(-1, geo.Ci) if geo.tma_store else dummy, [bm, bn])
 
     gx = geo.new_grad_x(g)
-    grid = gh.persistent_grid(geo.tiles(bm, bn), gh.num_sms(g.device), ctas_per_sm(config))
-    ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec)
-    scalars = geo.ints + (config["GROUP_M"],)
-    compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, *scalars, **ce)
+    sms = gh.num_sms(g.device)
+    tiles = geo.tiles(bm, bn)
+    n_split, per = splits(config, st, tiles, geo.R * geo.S * gh.cdiv(geo.co, bk), gx.numel(), sms)
+    split = n_split > 1
+    grid = gh.persistent_grid(tiles * n_split, sms, ctas_per_sm(config))
+    ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec, split)
+    scalars = geo.ints + (config["GROUP_M"], n_split, per)
+    ws_shape = (n_split, geo.m2, geo.Ci)
+    ws = g.new_empty(ws_shape, dtype=torch.float32) if split else gh.no_split_workspace(g.device)
+    compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, ws, *scalars, **ce)
+    reduce = gh.split_k_reduce_jit(ws, gx) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
-        if ld is not None:
+        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None, None, None, None) + scalars, ce)[4:]
+            plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None,) * 5 + scalars, ce)[5:]
             plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
+            plan.ws_shape, plan.reduce = ws_shape, rd
+            if rd is not None:
+                plan.reduce_grid0 = gh.split_k_reduce_grid(gx.numel())[0]
+                plan.reduce_tail = (gx.numel(), n_split) + gh.split_k_reduce_tail()
             _PLANS.put(key, plan)
     return gx
 
@@ -574,21 +568,18 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt))
+    split = _splits_of(p, config, gh.sm_count_of(device))[0] > 1
+    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt), split)
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
         "w_desc": gh.desc_sig(dt, [bk, bn]),
         "y_desc": gh.desc_sig(dt, [bm, bn]),
         "gx_ptr": gh.ptr_sig(dt),
+        "ws_ptr": "*fp32",
     }
-    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "GROUP_M")})
+    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER")})
     sig.update({k: "constexpr" for k in ce})
-    return [
-        KernelSpec(
-            fn=conv2d_dgrad_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="conv2d_dgrad_kernel",
-        )
-    ]
+    spec = KernelSpec(
+        fn=conv2d_dgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_dgrad_kernel"
+    )
+    return [spec, gh.split_k_reduce_spec(dt)] if split else [spec]

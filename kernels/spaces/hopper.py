@@ -52,7 +52,9 @@ SPACES = {
     # CTAS_PER_SM CTAs per SM: at 2, one CTA's epilogue runs beside the other's WGMMAs (the
     # kernel is not warp-specialized; a strided dgrad's phases have a few k-steps per tile, so
     # its epilogues are a large share of the time). BLOCK_N 32: few input channels (an image
-    # layer's 3 or 4) or Ci in 32s.
+    # layer's 3 or 4) or Ci in 32s. SPLIT_K 0: where the tiles leave SMs idle, a stride-1
+    # dgrad's k-steps split the work model's number of ways into fp32 partials summed by a
+    # deterministic second pass (1 never splits).
     "conv2d_dgrad": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
@@ -60,6 +62,7 @@ SPACES = {
             "BLOCK_K": (16, 32, 64),
             "GROUP_M": (1, 8),
             "CTAS_PER_SM": (1, 2),
+            "SPLIT_K": (0, 1),
             "num_warps": (4, 8),
             "num_stages": (2, 3, 4, 5, 6),
         }

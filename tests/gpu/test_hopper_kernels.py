@@ -271,6 +271,8 @@ DGRAD_EXTRA = [
     (2, 16, 16, 128, 3, 3, 3, 1, 1),  # Co = 3 (grad_out's channels padded)
     (4, 17, 17, 160, 160, 7, 1, 1, (3, 0)),  # Inception's 7x1
     (2, 11, 13, 24, 40, 5, 5, 3, 2),  # stride 3: nine phases, odd sizes
+    (1, 64, 64, 4, 512, 3, 3, 1, 1),  # the SD VAE decoder's conv_in: 32 tiles, K = 4608: split-K
+    (2, 7, 7, 200, 512, 3, 3, 1, 1),  # 7x7 images, odd Ci: split-K over 32-wide tiles
 ]
 
 
@@ -301,6 +303,11 @@ def test_conv2d_dgrad_matches_torch(case):
             | {"num_stages": 3},
             {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "CTAS_PER_SM": 2, "num_warps": 4}
             | {"num_stages": 3},
+            # split-K where the model splits (stride 1 and few tiles; otherwise the unsplit launch)
+            {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4}
+            | {"num_stages": 4},
+            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 0, "num_warps": 8}
+            | {"num_stages": 4},
         ]
     for c in configs:
         _poison(N * H * W * Ci, torch.bfloat16)
