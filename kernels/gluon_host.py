@@ -566,7 +566,7 @@ class DgradGeometry:
     break the 16-byte rule: those extra columns are output channels past Ci, never stored),
     the phases' shared walk, which epilogue and A operand apply, and the kernel's integers."""
 
-    def __init__(self, g_shape, w_shape, H: int, W: int, stride, padding, dtype) -> None:
+    def __init__(self, g_shape, w_shape, H: int, W: int, stride, padding, dtype, zero_phases: bool = False) -> None:
         N, P, Q, Co = (int(v) for v in g_shape)
         _, R, S, Ci = (int(v) for v in w_shape)
         (sh, sw), (ph, pw) = stride, padding
@@ -579,11 +579,14 @@ class DgradGeometry:
         self.im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
         self.tma_store = dgrad_tma_store_ok(p)
         self.vec = dgrad_store_vec(Ci, dtype)
-        self.phases = dgrad_phases(p)
-        self.zeros = R < sh or S < sw  # phases no tap reaches are zeros
+        # phases no tap reaches (a filter smaller than its stride) are zeros: written by the host
+        # before the launch, or with zero_phases by the kernel, which then walks every phase
+        unreached = R < sh or S < sw
+        self.zeros = unreached and not zero_phases
+        self.phases, ps = (sh * sw, sw) if unreached and zero_phases else (dgrad_phases(p), min(S, sw))
         self.m2 = N * self.p2 * self.q2
         self.ints = (self.m2, Ci, self.co, self.ciw, R, S, H, W, self.p2 * self.q2, self.q2, sh, sw, ph, pw)
-        self.ints += (self.halo_h, self.halo_w, min(S, sw), self.phases)
+        self.ints += (self.halo_h, self.halo_w, ps, self.phases)
 
     def g_desc(self, g: torch.Tensor, block: Sequence[int]):
         """grad_out (channels padded) as the A operand: the phases' im2col walk, or the plain
