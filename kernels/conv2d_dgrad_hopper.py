@@ -406,9 +406,11 @@ def ctas_per_sm(c: dict) -> int:
 
 
 def _two_fit(c: dict) -> bool:
-    """Two CTAs fit one SM: twice the shared memory, and registers for twice the threads (an
-    accumulator of at most 64 fp32 values a thread leaves room for the rest under 128)."""
-    return 2 * smem_bytes(c) <= gh.SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 64
+    """Two CTAs fit one SM: twice the shared memory (and the 1 KB each CTA reserves) within an
+    SM's 228 KB, and registers for twice the threads (65536 a SM: one warpgroup's 128-value
+    accumulator fits, two warpgroups' only at 64 values, leaving room for the rest under 128)."""
+    acc = c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])
+    return 2 * (smem_bytes(c) + 1024) <= 228 * 1024 and (c["num_warps"] == 4 or acc <= 64)
 
 
 def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:

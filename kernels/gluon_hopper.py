@@ -61,12 +61,14 @@ def _warps_fit(c: dict) -> bool:
 
 def _k_step_first(c: dict) -> bool:
     """K steps a capped tune times first: 64, and per tile the step that keeps one stage of the
-    ring between 24 and 48 KB: 128 for tiles of M + N <= 192 (its ring still 4 or more deep),
-    32 for M + N >= 384 (a stage of 64 is 48 KB or more there: 3 deep at most; 32 holds the same
-    K in twice the stages). H100: 128x256x32 six-stage won ResNet-50's 512-channel 3x3 fprop at
-    7x7, 64x128x128 its 1x1 wgrad at 14x14, both past the cap of the 64-only subset."""
-    width = c["BLOCK_M"] + c["BLOCK_N"]
-    return c["BLOCK_K"] == 64 or (c["BLOCK_K"] == 128 and width <= 192) or (c["BLOCK_K"] == 32 and width >= 384)
+    ring between 24 and 48 KB, halved where two CTAs share an SM (CTAS_PER_SM): 128 for tiles of
+    M + N <= 192 (its ring still 4 or more deep), 32 for M + N >= 384 (a stage of 64 is 48 KB or
+    more there: 3 deep at most; 32 holds the same K in twice the stages). H100: 128x256x32
+    six-stage won ResNet-50's 512-channel 3x3 fprop at 7x7, 64x128x128 its 1x1 wgrad at 14x14,
+    both past the cap of the 64-only subset; H200: 128x128x32 two CTAs a SM its strided dgrads."""
+    stage_kb = (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 / 1024
+    per_cta = c.get("CTAS_PER_SM", 1)
+    return c["BLOCK_K"] == 64 or 24 / per_cta <= stage_kb <= 48 / per_cta
 
 
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
