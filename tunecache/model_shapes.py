@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from tunecache_kernels.geometry import dgrad_runs_as_matmul
 from tunecache_kernels.problems import DTYPES
 
 
@@ -93,7 +94,9 @@ def entries(
             ops = ["conv2d_fprop"]
             if training:
                 ops.append("conv2d_wgrad")
-                if x.requires_grad:  # the model's input needs no gradient
+                if x.requires_grad and dgrad_runs_as_matmul(r, s, st, pad):  # the matmul it is
+                    keep(f"{name}_dgrad", ["matmul"], dict(M=n * h * w, N=ci, K=m.out_channels, dtype=dtype))
+                elif x.requires_grad:  # the model's input needs no gradient
                     ops.append("conv2d_dgrad")
             keep(name, ops, fields)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tunecache_kernels import problems
+from tunecache_kernels.geometry import dgrad_runs_as_matmul
 
 from .key import use_interpreter_without_gpu
 from .launcher import Op
@@ -80,10 +81,15 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> torch.Tensor:
     """grad_x[N, H, W, Ci] of conv2d_fprop, from grad_out[N, P, Q, Co] and w[Co, R, S, Ci]: one
     tuned kernel over every output phase of the stride, none of them on a dilated gradient's
-    zeros (the phases: tunecache_kernels.gluon_host)."""
+    zeros (the phases: tunecache_kernels.gluon_host); a pointwise conv's, the matmul it is
+    (geometry.dgrad_runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
     grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
+    if w.dim() == 4 == grad_out.dim() and dgrad_runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
+        n, p, q, co = grad_out.shape
+        if (p, q) == (H, W) and w.shape[0] == co:  # else the dgrad's checks say what is wrong
+            return matmul(grad_out.view(n * p * q, co), w.view(co, w.shape[3])).view(n, p, q, w.shape[3])
     raw = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, w.shape, w.stride(), w.dtype, w.device)
     raw += (H, W, stride, padding)
     entry = _dgrad.memo.get(raw)
