@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from tunecache_kernels.geometry import dgrad_runs_as_matmul
+from tunecache_kernels.geometry import runs_as_matmul
 from tunecache_kernels.problems import DTYPES
 
 
@@ -91,14 +91,18 @@ def entries(
             r, s = m.kernel_size
             fields = dict(N=n, H=h, W=w, Ci=ci, Co=m.out_channels, R=r, S=s)
             fields.update(_geometry(st, pad), dtype=dtype)
-            ops = ["conv2d_fprop"]
+            co, gemm = m.out_channels, runs_as_matmul(r, s, st, pad)  # a pointwise conv's fprop and dgrad
+            ops = [] if gemm else ["conv2d_fprop"]
+            if gemm:  # y = x @ w.T (w read transposed in place); dx = dy @ w
+                keep(f"{name}_fwd", ["matmul"], dict(M=n * h * w, N=co, K=ci, dtype=dtype, b_layout="col"))
             if training:
                 ops.append("conv2d_wgrad")
-                if x.requires_grad and dgrad_runs_as_matmul(r, s, st, pad):  # the matmul it is
-                    keep(f"{name}_dgrad", ["matmul"], dict(M=n * h * w, N=ci, K=m.out_channels, dtype=dtype))
+                if x.requires_grad and gemm:
+                    keep(f"{name}_dgrad", ["matmul"], dict(M=n * h * w, N=ci, K=co, dtype=dtype))
                 elif x.requires_grad:  # the model's input needs no gradient
                     ops.append("conv2d_dgrad")
-            keep(name, ops, fields)
+            if ops:
+                keep(name, ops, fields)
 
         return hook
 

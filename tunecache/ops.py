@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tunecache_kernels import problems
-from tunecache_kernels.geometry import dgrad_runs_as_matmul
+from tunecache_kernels.geometry import runs_as_matmul
 
 from .key import use_interpreter_without_gpu
 from .launcher import Op
@@ -44,9 +44,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
-    """y[N, P, Q, Co] = conv2d(x[N, H, W, Ci], w[Co, R, S, Ci]); stride/padding: int or (h, w)."""
+    """y[N, P, Q, Co] = conv2d(x[N, H, W, Ci], w[Co, R, S, Ci]); stride/padding: int or (h, w).
+    A pointwise conv runs as the matmul it is (geometry.runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:  # lists cannot key the memo
         stride, padding = _hashable(stride), _hashable(padding)
+    if w.dim() == 4 == x.dim() and runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
+        n, h, wd, ci = x.shape
+        if w.shape[3] == ci and x.is_contiguous() and w.is_contiguous():  # else the conv's checks or copies
+            return matmul(x.view(n * h * wd, ci), w.view(w.shape[0], ci).t()).view(n, h, wd, w.shape[0])
     raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
     entry = _fprop.memo.get(raw)
     if entry is None or entry.watch:
@@ -82,11 +87,11 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
     """grad_x[N, H, W, Ci] of conv2d_fprop, from grad_out[N, P, Q, Co] and w[Co, R, S, Ci]: one
     tuned kernel over every output phase of the stride, none of them on a dilated gradient's
     zeros (the phases: tunecache_kernels.gluon_host); a pointwise conv's, the matmul it is
-    (geometry.dgrad_runs_as_matmul)."""
+    (geometry.runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
     grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
-    if w.dim() == 4 == grad_out.dim() and dgrad_runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
+    if w.dim() == 4 == grad_out.dim() and runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
         n, p, q, co = grad_out.shape
         if (p, q) == (H, W) and w.shape[0] == co:  # else the dgrad's checks say what is wrong
             return matmul(grad_out.view(n * p * q, co), w.view(co, w.shape[3])).view(n, p, q, w.shape[3])
