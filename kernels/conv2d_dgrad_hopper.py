@@ -435,12 +435,11 @@ def _tiles(p: dict, c: dict) -> int:
 
 
 def splits(c: dict, stride, tiles: int, k_steps: int, out_elems: int, sms: int) -> tuple[int, int]:
-    """(splits, k-steps per split) of config c's launch: SPLIT_K 0 takes the work model's count
-    (gluon_host.auto_splits: the tiles leave SMs idle); only a stride-1 dgrad splits, its one
-    phase's walk being grad_x's own pixels (the partials' layout)."""
-    if c.get("SPLIT_K", 1) != 0 or tuple(stride) != (1, 1):
+    """(splits, k-steps per split) of config c's launch (gluon_host.modeled_splits); only a
+    stride-1 dgrad splits, its one phase's walk being grad_x's own pixels (the partials' layout)."""
+    if tuple(stride) != (1, 1):
         return 1, k_steps
-    return gh.split_k_plan(k_steps, gh.auto_splits(tiles, k_steps, sms, out_elems, c))
+    return gh.modeled_splits(c, tiles, k_steps, out_elems, sms)
 
 
 def _splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:

@@ -49,7 +49,7 @@ _DTYPES = ("float16", "bfloat16")
 
 
 @gluon.jit
-def _tile_origin(
+def _unit_origin(
     t,
     pid,
     nprog,
@@ -62,21 +62,48 @@ def _tile_origin(
     stride_w,
     pad_h,
     pad_w,
+    ci_blocks,
+    k_tiles,
+    S,
+    SPLITS,
+    K_PER,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
-    """This CTA's t-th tile -> (first output pixel, first output channel, and the pixel's window
-    corner in the input: image, row, column). Divisions: once per tile, not per k-step."""
-    pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
+    """This CTA's t-th work unit (a tile, or with SPLIT a (tile, split) pair, a tile's splits
+    adjacent) -> (first output pixel, first output channel, the pixel's window corner in the
+    input: image, row, column; the unit's k-steps, the first one's channel block and tap (r, s);
+    its split). Divisions: once per unit, not per k-step."""
+    u = pid + t * nprog
+    if SPLIT:
+        tile = u // SPLITS
+        split = u % SPLITS
+        lo = split * K_PER
+        cnt = gl.minimum(K_PER, k_tiles - lo)
+        tap = lo // ci_blocks
+        c0 = (lo - tap * ci_blocks) * BLOCK_K
+        r = tap // S
+        s = tap - r * S
+    else:
+        tile = u
+        split = u * 0
+        cnt = k_tiles + u * 0
+        c0 = split
+        r = split
+        s = split
+    pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
     m0 = pid_m * BLOCK_M
     pq = m0 % PQ
-    return m0, pid_n * BLOCK_N, m0 // PQ, (pq // Q) * stride_h - pad_h, (pq % Q) * stride_w - pad_w
+    h0 = (pq // Q) * stride_h - pad_h
+    return m0, pid_n * BLOCK_N, m0 // PQ, h0, (pq % Q) * stride_w - pad_w, cnt, c0, r, s, split
 
 
 @gluon.jit
 def _issue_load(
     step,
-    total,
+    pred,
     m0,
     n0,
     img,
@@ -95,8 +122,7 @@ def _issue_load(
     STAGES: gl.constexpr,
     IM2COL: gl.constexpr,
 ):
-    """TMA-load k-step `step` (filter tap (r, s), channels c0...) of the tile at (m0, n0)."""
-    pred = step < total
+    """TMA-load k-step `step` (filter tap (r, s), channels c0...) of the tile at (m0, n0), if pred."""
     slot = step % STAGES
     bar = ready.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
@@ -126,12 +152,16 @@ def _next_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit(
-    do_not_specialize=["GROUP_M", "M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w"]
+    do_not_specialize=[
+        *("GROUP_M", "M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w"),
+        *("SPLITS", "K_PER", "LDW"),
+    ]
 )
 def conv2d_fprop_kernel(
     x_desc,
     w_desc,
     y_desc,
+    ws_ptr,
     M,
     Co,
     Ci,
@@ -144,13 +174,20 @@ def conv2d_fprop_kernel(
     pad_h,
     pad_w,
     GROUP_M,
+    SPLITS,
+    K_PER,
+    LDW,
     STAGES: gl.constexpr,
     IM2COL: gl.constexpr,
+    SPLIT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """x_desc: im2col over x [N, H, W, Ci] (IM2COL) or tiles of x as [N*H*W, Ci] (a 1x1, stride-1,
     unpadded conv, where TMA's plain tiled mode is the cheaper way to the same tile);
-    w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co]."""
+    w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co]. SPLIT (the tiles leave SMs idle: batch 1,
+    few output channels): ws_ptr [SPLITS, M, LDW] fp32 (LDW: y's row, Co padded) receives each split's partial
+    (K_PER k-steps of the tile's), summed by split_k_reduce; the unsplit binary is the kernel
+    without split-K."""
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -169,106 +206,60 @@ def conv2d_fprop_kernel(
     num_pid_n = gl.cdiv(Co, BLOCK_N)
     ci_blocks = gl.cdiv(Ci, BLOCK_K)
     k_tiles = R * S * ci_blocks
-    my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
-    total = my_tiles * k_tiles
+    if SPLIT:
+        my_units = gl.cdiv(num_pid_m * num_pid_n * SPLITS - pid, nprog)
+    else:
+        my_units = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
 
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
 
-    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across tiles
+    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across units
+    at = (pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w, ci_blocks, k_tiles)
+    at += (S, SPLITS, K_PER)
     pt = gl.to_tensor(0)
-    pm0, pn0, pimg, ph0, pw0 = _tile_origin(
-        0, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N
-    )
-    pc0 = gl.to_tensor(0)
-    pr = gl.to_tensor(0)
-    ps = gl.to_tensor(0)
+    pm0, pn0, pimg, ph0, pw0, pcnt, pc0, pr, ps, _ = _unit_origin(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
+    pk = gl.to_tensor(0)
+    loads = (Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready)
     for i in gl.static_range(STAGES - 1):
-        _issue_load(
-            i,
-            total,
-            pm0,
-            pn0,
-            pimg,
-            ph0,
-            pw0,
-            pc0,
-            pr,
-            ps,
-            Ci,
-            S,
-            x_desc,
-            w_desc,
-            a_bufs,
-            b_bufs,
-            ready,
-            STAGES,
-            IM2COL,
-        )
-        pc0, pr, ps, done = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
-        if done:
+        _issue_load(i, pt < my_units, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, *loads, STAGES, IM2COL)
+        pc0, pr, ps, wrapped = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
+        pk += 1
+        if pk == pcnt:
+            pk = 0
             pt += 1
-            pm0, pn0, pimg, ph0, pw0 = _tile_origin(
-                pt, pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_M, BLOCK_N
-            )
+            pm0, pn0, pimg, ph0, pw0, pcnt, pc0, pr, ps, _ = _unit_origin(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
 
     step = 0
-    for t in range(my_tiles):
-        for kk in range(k_tiles):
+    for t in range(my_units):
+        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(t, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
+        for kk in range(cnt):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             acc = warpgroup_mma(
                 a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True
             )
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _issue_load(
-                step + STAGES - 1,
-                total,
-                pm0,
-                pn0,
-                pimg,
-                ph0,
-                pw0,
-                pc0,
-                pr,
-                ps,
-                Ci,
-                S,
-                x_desc,
-                w_desc,
-                a_bufs,
-                b_bufs,
-                ready,
-                STAGES,
-                IM2COL,
-            )
-            pc0, pr, ps, done = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
-            if done:
+            _issue_load(step + STAGES - 1, pt < my_units, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, *loads, STAGES, IM2COL)
+            pc0, pr, ps, wrapped = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
+            pk += 1
+            if pk == pcnt:
+                pk = 0
                 pt += 1
-                pm0, pn0, pimg, ph0, pw0 = _tile_origin(
-                    pt,
-                    pid,
-                    nprog,
-                    num_pid_m,
-                    num_pid_n,
-                    GROUP_M,
-                    PQ,
-                    Q,
-                    stride_h,
-                    stride_w,
-                    pad_h,
-                    pad_w,
-                    BLOCK_M,
-                    BLOCK_N,
-                )
+                pm0, pn0, pimg, ph0, pw0, pcnt, pc0, pr, ps, _ = _unit_origin(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        pid_m, pid_n = grouped_tile(pid + t * nprog, num_pid_m, num_pid_n, GROUP_M)
-        out = acc.to(dtype)
-        tma.store_wait(pendings=0)
-        c_smem.store(out)
-        fence_async_shared()
-        tma.async_store(y_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+        if SPLIT:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            offs = (split.to(gl.int64) * M + rows.to(gl.int64))[:, None] * LDW + cols[None, :]
+            gl.store(ws_ptr + offs, acc, mask=(rows < M)[:, None] & (cols < LDW)[None, :])
+        else:
+            out = acc.to(dtype)
+            tma.store_wait(pendings=0)
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_store(y_desc, [m0, n0], c_smem)
 
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
@@ -368,7 +359,8 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p)]
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
 
 
 def resources_ok(c: dict, p: dict | None = None) -> bool:
@@ -382,12 +374,14 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
     return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
 
 
-def worth_trying(c: dict, p: dict) -> bool:
+def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
     """The performance rule (config_space() applies it): could this config win on this problem?
     Whether it fits the device is resources_ok()'s question."""
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
+    if c.get("SPLIT_K", 1) == 0 and _splits_of(p, c, sms)[0] == 1:
+        return False  # the model does not split (or the packed kernel): the unsplit launch
     if gh.packs_taps(p):
         # the packed kernel's ring holds weights only (L2-resident): depth buys nothing that the
         # occupancy its shared memory costs would not
@@ -412,14 +406,17 @@ def default_config(p: dict, device) -> dict:
         bk = min(32, max(16, gh.pow2_at_least(gh.packed_k(p))))
         bn = 64 if p["Co"] <= 64 else 128
         warps = 4 if bn == 64 else 8  # the gathered tile's registers beside a 128x128 accumulator spill at 4
-        c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": 2}
+        c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": warps}
+        c["num_stages"] = 2
     elif p["Co"] >= 256:
-        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 8, "num_stages": 3}
     elif p["Co"] >= 128:
-        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
     else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    if not (resources_ok(c) and worth_trying(c, p)):
+        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}
+    if c["SPLIT_K"] == 0 and _splits_of(p, c, gh.sm_count_of(device))[0] == 1:
+        c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
+    if not (resources_ok(c) and worth_trying(c, p, gh.sm_count_of(device))):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
@@ -429,8 +426,18 @@ def default_config(p: dict, device) -> dict:
 # ---- host side -----------------------------------------------------------------------------------
 
 
-def _constexprs(c: dict, im2col: bool) -> dict:
-    return {"STAGES": c["num_stages"], "IM2COL": im2col, "num_warps": c["num_warps"]}
+def _constexprs(c: dict, im2col: bool, split: bool) -> dict:
+    return {"STAGES": c["num_stages"], "IM2COL": im2col, "SPLIT": split, "num_warps": c["num_warps"]}
+
+
+def _splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of config c on problem p (gluon_host.modeled_splits); the
+    packed-taps kernel never splits."""
+    k_steps = p["R"] * p["S"] * gh.cdiv(gh.padded_channels(p["Ci"], p["dtype"]), c["BLOCK_K"])
+    if gh.packs_taps(p):
+        return 1, k_steps
+    tiles = gh.cdiv(p["gemm_M"], c["BLOCK_M"]) * gh.cdiv(p["Co"], c["BLOCK_N"])
+    return gh.modeled_splits(c, tiles, k_steps, p["gemm_M"] * gh.padded_channels(p["Co"], p["dtype"]), sms)
 
 
 class _Plan:
@@ -452,6 +459,10 @@ class _Plan:
         "Co",
         "co_pad",
         "out_shape",
+        "ws_shape",
+        "reduce",
+        "reduce_grid0",
+        "reduce_tail",
     )
 
     def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
@@ -463,7 +474,12 @@ class _Plan:
         xm = maps.get((0, px)) or maps.put((0, px), ld.expand_desc(0, self.x_desc(xp)))
         wm = maps.get((1, pw)) or maps.put((1, pw), ld.expand_desc(1, self.w_desc(wp)))
         ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, gh.tiled_desc(y, self.y_blk)))
-        ld(self.grid0, stream, [*xm, *wm, *ym, *self.tail])
+        if self.reduce is None:
+            ld(self.grid0, stream, [*xm, *wm, *ym, gh.no_split_workspace(x.device), *self.tail])
+        else:
+            ws = x.new_empty(self.ws_shape, dtype=torch.float32)
+            ld(self.grid0, stream, [*xm, *wm, *ym, ws, *self.tail])
+            self.reduce(self.reduce_grid0, stream, (ws, y, *self.reduce_tail))
         y = y if self.co_pad == self.Co else y[:, : self.Co].contiguous()
         return y.view(self.out_shape)
 
@@ -543,19 +559,30 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     x_desc, w_desc = x_desc_of(xp), w_desc_of(wp)
     y_desc = gh.tiled_desc(y, [bm, bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(Co, bn)
-    grid = gh.persistent_grid(tiles, gh.num_sms(x.device))
-    ce = _constexprs(config, im2col)
-    scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"])
-    compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, *scalars, **ce)
+    sms = gh.num_sms(x.device)
+    n_split, per = gh.modeled_splits(config, tiles, R * S * triton.cdiv(Ci, bk), M * co_pad, sms)
+    split = n_split > 1
+    grid = gh.persistent_grid(tiles * n_split, sms)
+    ce = _constexprs(config, im2col, split)
+    scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"], n_split, per, co_pad)
+    ws_shape = (n_split, M, co_pad)
+    ws = x.new_empty(ws_shape, dtype=torch.float32) if split else gh.no_split_workspace(x.device)
+    compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, ws, *scalars, **ce)
+    reduce = gh.split_k_reduce_jit(ws, y) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
-        if ld is not None:
+        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_fprop_kernel, (None, None, None) + scalars, ce)[3:]
+            plan.tail = direct.kernel_args(conv2d_fprop_kernel, (None,) * 4 + scalars, ce)[4:]
             plan.x_desc, plan.w_desc, plan.y_blk = x_desc_of, w_desc_of, [bm, bn]
             plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
             plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
+            plan.ws_shape, plan.reduce = ws_shape, rd
+            if rd is not None:
+                plan.reduce_grid0 = gh.split_k_reduce_grid(y.numel())[0]
+                plan.reduce_tail = (y.numel(), n_split) + gh.split_k_reduce_tail()
             _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
@@ -601,22 +628,18 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         fn = conv2d_fprop_packed_kernel
         return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col)
+    split = _splits_of(p, config, gh.sm_count_of(device))[0] > 1
+    ce = _constexprs(config, im2col, split)
     sig = {
         "x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
         "w_desc": gh.desc_sig(dt, [bn, bk]),
         "y_desc": gh.desc_sig(dt, [bm, bn]),
+        "ws_ptr": "*fp32",
     }
-    sig.update(
-        {k: "i32" for k in ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "GROUP_M")}
-    )
+    ints = ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "GROUP_M")
+    sig.update({k: "i32" for k in (*ints, "SPLITS", "K_PER", "LDW")})
     sig.update({k: "constexpr" for k in ce})
-    return [
-        KernelSpec(
-            fn=conv2d_fprop_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="conv2d_fprop_kernel",
-        )
-    ]
+    spec = KernelSpec(
+        fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_fprop_kernel"
+    )
+    return [spec, gh.split_k_reduce_spec(dt)] if split else [spec]

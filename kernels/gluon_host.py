@@ -292,6 +292,14 @@ def auto_splits(tiles: int, k_steps: int, sms: int, out_elems: int, c: dict) -> 
     return min(s for s, t in costs.items() if t <= 1.02 * best)
 
 
+def modeled_splits(c: dict, tiles: int, k_steps: int, out_elems: int, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of an implicit-GEMM conv launch whose space has SPLIT_K 0 (the
+    work model's count, auto_splits: where the tiles leave SMs idle) and 1 (never split)."""
+    if c.get("SPLIT_K", 1) != 0:
+        return 1, k_steps
+    return split_k_plan(k_steps, auto_splits(tiles, k_steps, sms, out_elems, c))
+
+
 # ---- split-K of a matmul: the rules both Gluon matmuls follow ---------------------------------
 
 

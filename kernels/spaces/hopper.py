@@ -21,13 +21,17 @@ SPACES = {
             "num_stages": (2, 3, 4, 5, 6),
         }
     ),
-    # implicit GEMM: M = N*P*Q output pixels (TMA im2col), N = Co, K = R*S*Ci
+    # implicit GEMM: M = N*P*Q output pixels (TMA im2col), N = Co, K = R*S*Ci. SPLIT_K 0: where
+    # the tiles leave SMs idle (batch 1, few output channels), the k-steps split the work
+    # model's number of ways into fp32 partials summed by a deterministic second pass (1 never
+    # splits; the packed-taps kernel never does)
     "conv2d_fprop": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
             "BLOCK_N": (64, 128, 256),
             "BLOCK_K": (16, 32, 64),
             "GROUP_M": (1, 8),
+            "SPLIT_K": (0, 1),
             "num_warps": (4, 8),
             "num_stages": (2, 3, 4, 5, 6),
         }

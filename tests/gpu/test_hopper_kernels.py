@@ -124,6 +124,8 @@ CONV_EXTRA = [
     (16, 2, 2, 512, 768, 2, 2, (2, 2), 0),  # small spatial
     (2, 9, 9, 3, 13, 5, 5, 1, 1),  # 5x5 over 3 channels
     (128, 14, 14, 1024, 256, 1, 1, 1, 0),  # 1x1 pointwise (tiled, no im2col)
+    (1, 7, 7, 512, 512, 3, 3, 1, 1),  # ResNet-50 layer4 at batch 1: 49 pixels, split-K
+    (1, 64, 64, 512, 8, 3, 3, 1, 1),  # a VAE's conv_out: 8 channels out (padded for TMA), split-K
 ]
 
 
@@ -197,12 +199,16 @@ def test_conv2d_fprop_matches_torch(case):
             for c in (
                 {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
                 {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+                # split-K where the model splits (few tiles; otherwise the unsplit launch)
+                {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4}
+                | {"num_stages": 4},
             )
             if fprop.resources_ok(c)
         ]
     for c in configs:
         _poison(p["gemm_M"] * gh.round_up(Co, 8), torch.bfloat16)
         _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)
+        _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)  # the planned launch
 
 
 @gpu

@@ -156,7 +156,8 @@ def test_a_capped_tune_sees_the_k_step_that_keeps_a_wide_or_narrow_tile_deep():
     n = settings.max_candidates()
     x = _meta(128, 7, 7, 512)
     p = problems.conv2d_fprop_problem(x, _meta(512, 3, 3, 512), 1, 1)
-    wide = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 6}
+    wide = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8}
+    wide["num_stages"] = 6
     assert wide in fprop.prune(fprop.config_space(p, H100), p, H100)[:n]
     x, g = _meta(128, 14, 14, 1024), _meta(128, 14, 14, 256)
     p = problems.conv2d_wgrad_problem(x, g, 1, 1, 1, 0)
