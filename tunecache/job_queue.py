@@ -111,11 +111,8 @@ class StoreQueue:
 
     def enqueue_missing(self, keys: list[TuneKey], priority: int = 0) -> set[str] | None:
         """Enqueue, in order, the keys without a tuned config; the digests of those with one."""
-        tuned = {k.digest for k in keys if self.store.get_config(k.digest) is not None}
-        for k in keys:
-            if k.digest not in tuned:
-                self.store.enqueue(k, priority=priority)
-        return tuned
+        tuned, _ = self.store.enqueue_missing((k, priority, None) for k in keys)
+        return set(tuned)
 
     def statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
         return self.store.job_statuses(digests)

@@ -532,6 +532,22 @@ class Store:
         with self._read() as s:
             return s.execute(select(self._now_sql())).scalar_one()
 
+    def enqueue_missing(self, jobs: Iterable[tuple[TuneKey, int, int | None]]) -> tuple[list[str], list[str]]:
+        """Enqueue, in order, the (key, priority, max_attempts or None for enqueue's default) jobs
+        whose key has no tuned config: (the digests found tuned, the digests queued). What a
+        pretune asks before its workers start, of a store queue or the service's POST
+        /v1/jobs/batch."""
+        tuned: list[str] = []
+        queued: list[str] = []
+        for key, priority, max_attempts in jobs:
+            if self.get_config(key.digest) is not None:
+                tuned.append(key.digest)
+                continue
+            attempts = {} if max_attempts is None else {"max_attempts": max_attempts}
+            self.enqueue(key, priority=priority, **attempts)
+            queued.append(key.digest)
+        return tuned, queued
+
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> JobRecord:
         """One active job per digest: a queued or running job is returned as it is. A done job
         whose winner is gone, or a quarantined one, is queued again (the key's fields are

@@ -116,16 +116,9 @@ def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsD
 def enqueue_missing(body: EnqueueManyIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> EnqueueManyOut:
     for i, job in enumerate(body.jobs):
         _known_kernel(job.kernel, f"jobs[{i}]: ")
-    out = EnqueueManyOut(tuned=[], queued=[])
-    for job in body.jobs:
-        key = key_of(job)
-        if store.get_config(key.digest) is not None:
-            out.tuned.append(key.digest)
-            continue
-        store.enqueue(key, priority=job.priority, max_attempts=job.max_attempts)
-        metrics.enqueued.inc()
-        out.queued.append(key.digest)
-    return out
+    tuned, queued = store.enqueue_missing((key_of(j), j.priority, j.max_attempts) for j in body.jobs)
+    metrics.enqueued.inc(len(queued))
+    return EnqueueManyOut(tuned=tuned, queued=queued)
 
 
 @router.get("", response_model=list[JobOut], summary="List jobs")
