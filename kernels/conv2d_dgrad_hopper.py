@@ -16,9 +16,15 @@ grouped order), so no multiply-add falls on the zeros a dilated gradient would h
 - the output, written in place: at stride 1 the walk is grad_x's own pixels, so a TMA store of
   grad_x viewed [N*H*W, Ci] (overlapping the next tile, as conv2d_fprop_hopper's); otherwise
   masked stores through shared memory into the phase's positions, each thread's 8 channels one
-  16-byte store (VEC). Phases no tap reaches (a filter smaller than its stride) are zeroed by
-  the host.
-A pointwise 1x1 reads grad_out as the plain [N*P*Q, Co] matrix it is (tiled TMA).
+  16-byte store (VEC). Phases no tap reaches (a filter smaller than its stride: a strided
+  1x1's three of four) are tiles with no k-steps whose epilogue stores zeros (no fill first).
+- two CTAs per SM (CTAS_PER_SM 2) where their tiles fit twice: the kernel is not
+  warp-specialized, so a CTA's epilogue stalls its WGMMAs; a second CTA's run beside it (a
+  strided layer's tiles have 1-4 taps' k-steps, its epilogues ~30% of the time).
+- split-K (SPLIT_K 0, the work model's count) where a stride-1 dgrad's tiles leave SMs idle:
+  fp32 partials of each split's k-steps, summed by split_k_reduce.
+A pointwise 1x1 reads grad_out as the plain [N*P*Q, Co] matrix it is (tiled TMA); tunecache.ops
+runs that one as a matmul (geometry.runs_as_matmul), this kernel serves direct calls.
 """
 
 from __future__ import annotations

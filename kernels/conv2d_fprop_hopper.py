@@ -9,7 +9,9 @@ where the window overhangs the padding. The weight tile is a plain tiled load of
 w viewed as [Co, R*S*Ci]. The pipeline is the persistent one of matmul_hopper: a ring of
 `num_stages` slots running ahead across tile boundaries, one WGMMA in flight, the epilogue's
 TMA store overlapped with the next tile. Channel counts that break TMA's 16-byte stride rule
-are zero-padded on the host.
+are zero-padded on the host. Where the tiles leave SMs idle (batch 1, few output channels),
+SPLIT_K 0 splits each tile's k-steps the work model's number of ways (gluon_host.modeled_splits)
+into fp32 partials summed by split_k_reduce.
 """
 
 from __future__ import annotations
