@@ -58,6 +58,7 @@ reference = problems.conv2d_dgrad_reference
 flops = problems.conv2d_dgrad_flops
 
 _DTYPES = ("float16", "bfloat16")
+ZERO_PHASES = True  # the epilogue stores the zeros of phases no tap reaches (gluon_host.DgradGeometry)
 
 
 # ---- device code -------------------------------------------------------------------------------
@@ -437,7 +438,8 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
 
 def _tiles(p: dict, c: dict) -> int:
     p2, q2, _, _ = gh.dgrad_walk(p)
-    return gh.dgrad_phases(p) * gh.cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * gh.cdiv(p["Ci"], c["BLOCK_N"])
+    phases = gh.dgrad_phases(p, ZERO_PHASES)  # the tiles the launch's grid walks (DgradGeometry.tiles)
+    return phases * gh.cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * gh.cdiv(p["Ci"], c["BLOCK_N"])
 
 
 def splits(c: dict, stride, tiles: int, k_steps: int, out_elems: int, sms: int) -> tuple[int, int]:
@@ -543,7 +545,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
 def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding, key):
     st = problems.pair(stride, "stride", minimum=1)
     pd = problems.pair(padding, "padding", minimum=0)
-    geo = gh.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype, zero_phases=True)
+    geo = gh.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype, zero_phases=ZERO_PHASES)
     g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     dummy = None if geo.tma_store else torch.empty((bm, bn), device=w.device, dtype=w.dtype)

@@ -542,9 +542,12 @@ def dgrad_walk(p: dict) -> tuple[int, int, int, int]:
     return -(-p["H"] // sh), -(-p["W"] // sw), dgrad_halo(p["R"], sh, p["pad_h"]), dgrad_halo(p["S"], sw, p["pad_w"])
 
 
-def dgrad_phases(p: dict) -> int:
-    """Phases some tap reaches: the others are zeros."""
-    return min(p["R"], p["stride_h"]) * min(p["S"], p["stride_w"])
+def dgrad_phases(p: dict, zero_phases: bool = False) -> int:
+    """Phases a dgrad kernel walks: those some tap reaches (the others, where a filter is smaller
+    than its stride, are zeros the host writes), or with zero_phases every one of the stride's
+    (the kernel stores those zeros itself)."""
+    sh, sw = p["stride_h"], p["stride_w"]
+    return sh * sw if zero_phases else min(p["R"], sh) * min(p["S"], sw)
 
 
 def dgrad_store_vec(ci: int, dtype) -> int:
@@ -589,9 +592,8 @@ class DgradGeometry:
         self.vec = dgrad_store_vec(Ci, dtype)
         # phases no tap reaches (a filter smaller than its stride) are zeros: written by the host
         # before the launch, or with zero_phases by the kernel, which then walks every phase
-        unreached = R < sh or S < sw
-        self.zeros = unreached and not zero_phases
-        self.phases, ps = (sh * sw, sw) if unreached and zero_phases else (dgrad_phases(p), min(S, sw))
+        self.zeros = (R < sh or S < sw) and not zero_phases
+        self.phases, ps = dgrad_phases(p, zero_phases), sw if zero_phases else min(S, sw)
         self.m2 = N * self.p2 * self.q2
         self.ints = (self.m2, Ci, self.co, self.ciw, R, S, H, W, self.p2 * self.q2, self.q2, sh, sw, ph, pw)
         self.ints += (self.halo_h, self.halo_w, ps, self.phases)
