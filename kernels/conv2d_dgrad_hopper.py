@@ -18,9 +18,11 @@ grouped order), so no multiply-add falls on the zeros a dilated gradient would h
   masked stores through shared memory into the phase's positions, each thread's 8 channels one
   16-byte store (VEC). Phases no tap reaches (a filter smaller than its stride: a strided
   1x1's three of four) are tiles with no k-steps whose epilogue stores zeros (no fill first).
-- two CTAs per SM (CTAS_PER_SM 2) where their tiles fit twice: the kernel is not
-  warp-specialized, so a CTA's epilogue stalls its WGMMAs; a second CTA's run beside it (a
-  strided layer's tiles have 1-4 taps' k-steps, its epilogues ~30% of the time).
+- warp-specialized: a one-warp TMA loader runs ahead of the WGMMA warps through a ring of
+  ready/empty mbarriers, into the next tile while they store this one's.
+- two CTAs per SM (CTAS_PER_SM 2) where their tiles fit twice: a CTA's epilogue still stalls
+  its own WGMMAs; a second CTA's run beside it (a strided layer's tiles have 1-4 taps'
+  k-steps, its epilogues ~30% of the time).
 - split-K (SPLIT_K 0, the work model's count) where a stride-1 dgrad's tiles leave SMs idle:
   fp32 partials of each split's k-steps, summed by split_k_reduce.
 A pointwise 1x1 reads grad_out as the plain [N*P*Q, Co] matrix it is (tiled TMA); tunecache.ops
@@ -147,22 +149,23 @@ def _producer_at(
 
 
 @gluon.jit
-def _producer_from(pt, my_tiles, at, BLOCK_M, BLOCK_N, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
-    """(index, _producer_at's values) of this CTA's first unit from its pt-th on that has
-    k-steps: a phase no tap reaches (zeros, stored by the epilogue) has nothing to load."""
-    n0, img, p0, q0, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u = _producer_at(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
-    while (cnt == 0) & (pt < my_tiles):
-        pt += 1
-        n0, img, p0, q0, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u = _producer_at(
-            pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
-        )
-    return pt, n0, img, p0, q0, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u
+def _grid_walk(M2, Ci, n_phases, SPLITS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+    """(this CTA, the CTAs, tiles per phase, a phase's tile rows and columns, this CTA's units):
+    the walk both partitions take, unit by unit in the same order."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M2, BLOCK_M)
+    num_pid_n = gl.cdiv(Ci, BLOCK_N)
+    tiles_per_phase = num_pid_m * num_pid_n
+    units = n_phases * tiles_per_phase
+    if SPLIT:
+        units = units * SPLITS
+    return pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, gl.cdiv(units - pid, nprog)
 
 
 @gluon.jit
 def _issue_load(
-    step,
-    pred,
+    slot,
     img,
     p0,
     q0,
@@ -187,21 +190,229 @@ def _issue_load(
     ready,
     PQ2,
     Q2,
-    STAGES: gl.constexpr,
     IM2COL: gl.constexpr,
 ):
-    """TMA-load k-step `step` (the phase's tap (t, u), Co channels c0...) of the tile at output
-    pixel (img, p0, q0), grad_x channels n0..."""
-    slot = step % STAGES
+    """TMA-load one k-step (the phase's tap (t, u), Co channels c0...) of the tile at output
+    pixel (img, p0, q0), grad_x channels n0..., into ring slot `slot`."""
     bar = ready.index(slot)
-    mbarrier.expect(bar, g_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
+    mbarrier.expect(bar, g_desc.block_type.nbytes + w_desc.block_type.nbytes)
     if IM2COL:
         offs = [(ca - t + PH).to(gl.int16), (cb - u + PW).to(gl.int16)]
-        tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot), pred)
+        tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot))
     else:  # 1x1, stride 1, no padding: grad_out is the GEMM's A as it lies, [N*P*Q, Co]
-        tma.async_load(g_desc, [(img * PQ2 + p0 * Q2 + q0), c0], bar, a_bufs.index(slot), pred)
+        tma.async_load(g_desc, [(img * PQ2 + p0 * Q2 + q0), c0], bar, a_bufs.index(slot))
     col = ((kr0 + stride_h * t) * S + ks0 + stride_w * u) * Ciw + n0
-    tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot), pred)
+    tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot))
+
+
+@gluon.jit
+def _load_partition(
+    g_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    M2,
+    Ci,
+    Co,
+    Ciw,
+    R,
+    S,
+    H,
+    W,
+    PQ2,
+    Q2,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    PH,
+    PW,
+    PS,
+    n_phases,
+    GROUP_M,
+    SPLITS,
+    K_PER,
+    IM2COL: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
+    """The loader warp: TMA loads of every k-step of this CTA's units into the ring, each slot
+    as soon as the WGMMA warps release it; it runs ahead into the next unit while they store
+    this one's tile. A unit of a phase no tap reaches loads nothing."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, my_tiles = _grid_walk(
+        M2, Ci, n_phases, SPLITS, BLOCK_M, BLOCK_N, SPLIT
+    )
+    c_blocks = gl.cdiv(Co, BLOCK_K)
+    use = 0
+    for t in range(my_tiles):
+        n0, img, p0, q0, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u = _producer_at(
+            t,
+            pid,
+            nprog,
+            tiles_per_phase,
+            num_pid_m,
+            num_pid_n,
+            GROUP_M,
+            PQ2,
+            Q2,
+            PS,
+            R,
+            S,
+            H,
+            W,
+            stride_h,
+            stride_w,
+            pad_h,
+            pad_w,
+            c_blocks,
+            SPLITS,
+            K_PER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            SPLIT,
+        )
+        for _k in range(cnt):
+            slot = use % STAGES
+            mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
+            _issue_load(
+                slot,
+                img,
+                p0,
+                q0,
+                n0,
+                c0,
+                tap,
+                u,
+                kr0,
+                ks0,
+                ca,
+                cb,
+                S,
+                Ciw,
+                stride_h,
+                stride_w,
+                PH,
+                PW,
+                g_desc,
+                w_desc,
+                a_bufs,
+                b_bufs,
+                ready,
+                PQ2,
+                Q2,
+                IM2COL,
+            )
+            c0, tap, u, wrapped = _next_k(c0, tap, u, Co, kr, ks, BLOCK_K)
+            use += 1
+
+
+@gluon.jit
+def _mma_partition(
+    a_bufs,
+    b_bufs,
+    c_smem,
+    y_desc,
+    ready,
+    empty,
+    gx_ptr,
+    ws_ptr,
+    M2,
+    Ci,
+    Co,
+    R,
+    S,
+    H,
+    W,
+    PQ2,
+    Q2,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    PS,
+    n_phases,
+    GROUP_M,
+    SPLITS,
+    K_PER,
+    TMA_STORE: gl.constexpr,
+    VEC: gl.constexpr,
+    SPLIT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read it
+    has retired, then the unit's epilogue (see conv2d_dgrad_kernel)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    dtype: gl.constexpr = a_bufs.dtype
+    pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, my_tiles = _grid_walk(
+        M2, Ci, n_phases, SPLITS, BLOCK_M, BLOCK_N, SPLIT
+    )
+    c_blocks = gl.cdiv(Co, BLOCK_K)
+
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    out_layout: gl.constexpr = store_layout(BLOCK_N, num_warps)
+    rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+
+    use = 0
+    for t in range(my_tiles):
+        phase, m0, n0, split = _unit(
+            t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
+        )
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
+            phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
+        )
+        cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
+        for kk in range(cnt):
+            slot = use % STAGES
+            mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kk != 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous k-step's WGMMA has retired: its slot goes back to the loader
+            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
+            use += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=cnt > 0)
+        # pixel m of the phase's walk -> grad_x[img, a + sh * pi, b + sw * pj]
+        m = m0 + rows0
+        img = m // PQ2
+        pi = (m % PQ2) // Q2
+        pj = m % Q2
+        row_ok = (m < M2) & (pi < rows) & (pj < cols)
+        # Ci as a multiple of VEC the compiler can see (Ci is not specialized): pixel rows start
+        # 16-byte aligned and the channel mask is constant over each VEC, so a thread's 8
+        # channels are one 16-byte store, not 8 of 2 bytes
+        ci_vec = (Ci // VEC) * VEC
+        base = ((img.to(gl.int64) * H + a + stride_h * pi) * W + b + stride_w * pj) * ci_vec
+        ci = n0 + cols0
+        mask = row_ok[:, None] & (ci < ci_vec)[None, :]
+        if SPLIT:  # stride 1: the walk is grad_x's pixels; the partial goes to ws[split] [M2, Ci]
+            pr = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            pc = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            offs = (split.to(gl.int64) * M2 + pr.to(gl.int64))[:, None] * Ci + pc[None, :]
+            gl.store(ws_ptr + offs, acc, mask=(pr < M2)[:, None] & (pc < Ci)[None, :])
+        elif TMA_STORE:  # one phase whose walk is grad_x's own pixels: y_desc tiles grad_x [M2, Ci]
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(dtype))
+            fence_async_shared()
+            tma.async_store(y_desc, [m0, n0], c_smem)
+        elif cnt == 0:  # a phase no tap reaches (a filter smaller than its stride): zeros
+            gl.store(gx_ptr + base[:, None] + ci[None, :], gl.zeros([BLOCK_M, BLOCK_N], dtype, out_layout), mask=mask)
+        else:
+            gl.barrier()  # every thread is done reading the last tile's
+            c_smem.store(acc.to(dtype))
+            gl.barrier()
+            gl.store(gx_ptr + base[:, None] + ci[None, :], c_smem.load(out_layout), mask=mask)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER"])  # one binary for every shape
@@ -243,132 +454,41 @@ def conv2d_dgrad_kernel(
     ceil(H/sh) * Q2, halo PH x PW); w_desc: tiles of w [Co, R*S*Ciw]; gx_ptr: grad_x [N, H, W, Ci].
     SPLIT (stride 1, one phase, whose walk is grad_x's pixels): ws_ptr [SPLITS, M2, Ci] fp32
     receives each split's partial (K_PER k-steps of the tile's), summed by split_k_reduce; the
-    unsplit binary is the kernel without split-K."""
-    BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-    dtype: gl.constexpr = g_desc.dtype
+    unsplit binary is the kernel without split-K.
 
+    Warp-specialized: a one-warp TMA loader and the WGMMA warps talk through ready/empty
+    mbarrier rings, so the loader fills the next unit's slots while the WGMMA warps run this
+    one's epilogue (a strided layer's tiles have 1-4 taps' k-steps: its epilogues are a large
+    share of the time)."""
+    dtype: gl.constexpr = g_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     # the epilogue's way from the WGMMA layout to the store layout, allocated here so that its
     # size is the kernel's to state (smem_bytes), not the compiler's to choose
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M2, BLOCK_M)
-    num_pid_n = gl.cdiv(Ci, BLOCK_N)
-    tiles_per_phase = num_pid_m * num_pid_n
-    if SPLIT:
-        my_tiles = gl.cdiv(n_phases * tiles_per_phase * SPLITS - pid, nprog)
-    else:
-        my_tiles = gl.cdiv(n_phases * tiles_per_phase - pid, nprog)
-    c_blocks = gl.cdiv(Co, BLOCK_K)
-
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-    out_layout: gl.constexpr = store_layout(BLOCK_N, num_warps)
-    rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-
-    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across units;
-    # `at` names what _producer_at needs besides the unit's index
-    at = (pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, PQ2, Q2, PS, R, S, H, W)
-    at += (stride_h, stride_w, pad_h, pad_w, c_blocks, SPLITS, K_PER)
-    pt, pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb, pcnt, pc0, ptap, pu = _producer_from(
-        gl.to_tensor(0), my_tiles, at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
-    )
-    pk = gl.to_tensor(0)
-    loads = (S, Ciw, stride_h, stride_w, PH, PW, g_desc, w_desc, a_bufs, b_bufs, ready, PQ2, Q2)
-    for i in gl.static_range(STAGES - 1):
-        _issue_load(i, pt < my_tiles, pimg, pp0, pq0, pn0, pc0, ptap, pu, pkr0, pks0, pca, pcb, *loads, STAGES, IM2COL)
-        pc0, ptap, pu, wrapped = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
-        pk += 1
-        if pk == pcnt:
-            pk = 0
-            pt, pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb, pcnt, pc0, ptap, pu = _producer_from(
-                pt + 1, my_tiles, at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
-            )
-
-    step = 0
-    for t in range(my_tiles):
-        phase, m0, n0, split = _unit(
-            t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
-        )
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
-            phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
-        )
-        cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
-        for kk in range(cnt):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kk != 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _issue_load(
-                step + STAGES - 1,
-                pt < my_tiles,
-                pimg,
-                pp0,
-                pq0,
-                pn0,
-                pc0,
-                ptap,
-                pu,
-                pkr0,
-                pks0,
-                pca,
-                pcb,
-                *loads,
-                STAGES,
-                IM2COL,
-            )
-            pc0, ptap, pu, wrapped = _next_k(pc0, ptap, pu, Co, pkr, pks, BLOCK_K)
-            pk += 1
-            if pk == pcnt:
-                pk = 0
-                pt, pn0, pimg, pp0, pq0, pkr0, pks0, pkr, pks, pca, pcb, pcnt, pc0, ptap, pu = _producer_from(
-                    pt + 1, my_tiles, at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
-                )
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        # pixel m of the phase's walk -> grad_x[img, a + sh * pi, b + sw * pj]
-        m = m0 + rows0
-        img = m // PQ2
-        pi = (m % PQ2) // Q2
-        pj = m % Q2
-        row_ok = (m < M2) & (pi < rows) & (pj < cols)
-        # Ci as a multiple of VEC the compiler can see (Ci is not specialized): pixel rows start
-        # 16-byte aligned and the channel mask is constant over each VEC, so a thread's 8
-        # channels are one 16-byte store, not 8 of 2 bytes
-        ci_vec = (Ci // VEC) * VEC
-        base = ((img.to(gl.int64) * H + a + stride_h * pi) * W + b + stride_w * pj) * ci_vec
-        ci = n0 + cols0
-        mask = row_ok[:, None] & (ci < ci_vec)[None, :]
-        if SPLIT:  # stride 1: the walk is grad_x's pixels; the partial goes to ws[split] [M2, Ci]
-            pr = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            pc = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            offs = (split.to(gl.int64) * M2 + pr.to(gl.int64))[:, None] * Ci + pc[None, :]
-            gl.store(ws_ptr + offs, acc, mask=(pr < M2)[:, None] & (pc < Ci)[None, :])
-        elif TMA_STORE:  # one phase whose walk is grad_x's own pixels: y_desc tiles grad_x [M2, Ci]
-            tma.store_wait(pendings=0)
-            c_smem.store(acc.to(dtype))
-            fence_async_shared()
-            tma.async_store(y_desc, [m0, n0], c_smem)
-        elif cnt == 0:  # a phase no tap reaches (a filter smaller than its stride): zeros
-            gl.store(gx_ptr + base[:, None] + ci[None, :], gl.zeros([BLOCK_M, BLOCK_N], dtype, out_layout), mask=mask)
-        else:
-            gl.barrier()  # every thread is done reading the last tile's
-            c_smem.store(acc.to(dtype))
-            gl.barrier()
-            gl.store(gx_ptr + base[:, None] + ci[None, :], c_smem.load(out_layout), mask=mask)
-
-    tma.store_wait(pendings=0)
+        mbarrier.init(empty.index(i), count=1)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_mma_partition, (
+                a_bufs, b_bufs, c_smem, y_desc, ready, empty, gx_ptr, ws_ptr, M2, Ci, Co, R, S, H, W, PQ2, Q2,
+                stride_h, stride_w, pad_h, pad_w, PS, n_phases, GROUP_M, SPLITS, K_PER, TMA_STORE, VEC, SPLIT,
+                num_warps,
+            )),
+            (_load_partition, (
+                g_desc, w_desc, a_bufs, b_bufs, ready, empty, M2, Ci, Co, Ciw, R, S, H, W, PQ2, Q2, stride_h,
+                stride_w, pad_h, pad_w, PH, PW, PS, n_phases, GROUP_M, SPLITS, K_PER, IM2COL, SPLIT,
+            )),
+        ],
+        [1])
+    # fmt: on
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
 
 
 JIT_FUNCTIONS = (conv2d_dgrad_kernel, gh.split_k_reduce_kernel)
@@ -414,10 +534,20 @@ def ctas_per_sm(c: dict) -> int:
 
 def _two_fit(c: dict) -> bool:
     """Two CTAs fit one SM: twice the shared memory (and the 1 KB each CTA reserves) within an
-    SM's 228 KB, and registers for twice the threads (65536 a SM: one warpgroup's 128-value
-    accumulator fits, two warpgroups' only at 64 values, leaving room for the rest under 128)."""
+    SM's 228 KB, and registers for twice the threads: a warp-specialized CTA is its WGMMA warps
+    and a loader warpgroup, 256 threads at num_warps 4, 128 registers each (launch_options),
+    which hold an accumulator of up to 64 values a thread; at num_warps 8 (384 threads) two
+    CTAs would leave 85 registers a thread."""
     acc = c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])
-    return 2 * (smem_bytes(c) + 1024) <= 228 * 1024 and (c["num_warps"] == 4 or acc <= 64)
+    return 2 * (smem_bytes(c) + 1024) <= 228 * 1024 and c["num_warps"] == 4 and acc <= 64
+
+
+def launch_options(c: dict) -> dict:
+    """Triton launch options of config c: the registers a thread holds at launch, the SM's 65536
+    over the CTAs sharing it and their threads (the WGMMA warps and the loader's warpgroup);
+    Triton then hands the loader's unused share to the WGMMA warps (setmaxnreg). Uncapped,
+    ptxas took 149 a thread for a 128x64 tile at num_warps 4: one CTA's worth of the SM."""
+    return {"maxnreg": 65536 // (ctas_per_sm(c) * (c["num_warps"] + 4) * 32) // 8 * 8}
 
 
 def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
@@ -569,7 +699,8 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     scalars = geo.ints + (config["GROUP_M"], n_split, per)
     ws_shape = (n_split, geo.m2, geo.Ci)
     ws = g.new_empty(ws_shape, dtype=torch.float32) if split else gh.no_split_workspace(g.device)
-    compiled = conv2d_dgrad_kernel[grid](g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, ws, *scalars, **ce)
+    args = (g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, ws, *scalars)
+    compiled = conv2d_dgrad_kernel[grid](*args, **ce, **launch_options(config))
     reduce = gh.split_k_reduce_jit(ws, gx) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
@@ -603,6 +734,11 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER")})
     sig.update({k: "constexpr" for k in ce})
     spec = KernelSpec(
-        fn=conv2d_dgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_dgrad_kernel"
+        fn=conv2d_dgrad_kernel,
+        signature=sig,
+        constexprs=ce,
+        num_warps=config["num_warps"],
+        options=launch_options(config),
+        name="conv2d_dgrad_kernel",
     )
     return [spec, gh.split_k_reduce_spec(dt)] if split else [spec]

@@ -74,9 +74,19 @@ def runs_as_matmul(R: int, S: int, stride, padding) -> bool:
     and grad_x [N*H*W, Ci] = grad_out [N*H*W, Co] @ w [Co, Ci]: `tunecache.ops` runs them as
     matmuls (their own tuned kernels, split-K for few pixels, the TMA-store epilogue). H200,
     ResNet-50's 1x1s at batch 1, 32 and 128: fprop 0.74-1.02x cuDNN as convs, 0.87-1.04x as
-    matmuls; dgrad 1.1x faster as matmuls. (Its wgrad stays a conv: as a matmul it was faster
-    on 7x7 images, slower on 28x28 and 56x56.)"""
+    matmuls; dgrad 1.1x faster as matmuls. Its wgrad: wgrad_runs_as_matmul."""
     return pointwise(R, S, stride, padding)
+
+
+WGRAD_MATMUL_PIXELS = 16384  # see wgrad_runs_as_matmul
+
+
+def wgrad_runs_as_matmul(R: int, S: int, stride, padding, pixels: int) -> bool:
+    """A pointwise conv's wgrad, grad_w [Co, Ci] = grad_out^T [Co, N*H*W] @ x [N*H*W, Ci], runs
+    as a matmul where its reduction is short: on an H100 (ResNet-50 at batch 128) 0.92x cuDNN
+    as a matmul against 0.77-0.82x as a conv over 7x7 images (6272 pixels), even at 25088
+    pixels, and 0.05-0.15x slower than the conv from 100352 pixels on."""
+    return pointwise(R, S, stride, padding) and pixels <= WGRAD_MATMUL_PIXELS
 
 
 def wgrad(p: dict) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tunecache_kernels import problems
-from tunecache_kernels.geometry import runs_as_matmul
+from tunecache_kernels.geometry import runs_as_matmul, wgrad_runs_as_matmul
 
 from .key import use_interpreter_without_gpu
 from .launcher import Op
@@ -60,9 +60,17 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
 
 
 def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
-    """grad_w[Co, R, S, Ci] of conv2d_fprop, from x[N, H, W, Ci] and grad_out[N, P, Q, Co]."""
+    """grad_w[Co, R, S, Ci] of conv2d_fprop, from x[N, H, W, Ci] and grad_out[N, P, Q, Co]. A
+    pointwise conv's over few pixels runs as the matmul it is (geometry.wgrad_runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
+    if x.dim() == 4 == grad_out.dim() and wgrad_runs_as_matmul(
+        R, S, stride, padding, x.shape[0] * x.shape[1] * x.shape[2]
+    ):
+        n, h, wd, ci = x.shape
+        co = grad_out.shape[3]
+        if grad_out.shape[:3] == x.shape[:3] and x.is_contiguous() and grad_out.is_contiguous():  # else the checks
+            return matmul(grad_out.view(n * h * wd, co).t(), x.view(n * h * wd, ci)).view(co, 1, 1, ci)
     raw = (
         x.shape,
         x.stride(),

@@ -53,9 +53,9 @@ SPACES = {
     ),
     # grad_x by output phase: each phase's implicit GEMM is M = its pixels (TMA im2col of
     # grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid of
-    # CTAS_PER_SM CTAs per SM: at 2, one CTA's epilogue runs beside the other's WGMMAs (the
-    # kernel is not warp-specialized; a strided dgrad's phases have a few k-steps per tile, so
-    # its epilogues are a large share of the time). BLOCK_N 32: few input channels (an image
+    # CTAS_PER_SM CTAs per SM: at 2, one CTA's epilogue runs beside the other's WGMMAs (a
+    # strided dgrad's phases have a few k-steps per tile, so its epilogues are a large share of
+    # the time). BLOCK_N 32: few input channels (an image
     # layer's 3 or 4) or Ci in 32s. SPLIT_K 0: where the tiles leave SMs idle, a stride-1
     # dgrad's k-steps split the work model's number of ways into fp32 partials summed by a
     # deterministic second pass (1 never splits).

@@ -51,3 +51,26 @@ def test_w_is_read_in_place_and_every_phase_in_one_kernel(ptx_of):
     assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global\.im2col", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx)
     assert re.search(r"wgmma\.mma_async", ptx)
+
+
+def test_a_loader_warp_feeds_the_wgmma_warps(ptx_of):
+    """Warp-specialized: the loader warp's registers go to the WGMMA warps (setmaxnreg) and the
+    epilogue's barriers are the WGMMA warps' own (a named barrier over their threads, not the
+    CTA's), so the loader runs ahead into the next tile while they store this one."""
+    ptx = ptx_of("stride2")
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+;", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+\d+;", ptx)
+    assert re.search(r"bar\.sync\s+\d+,\s*(128|256);", ptx), "the epilogue's barrier is not the WGMMA warps' own"
+
+
+def test_two_ctas_per_sm_cap_the_registers_so_that_both_fit():
+    """CTAS_PER_SM 2: a CTA of 256 threads (4 WGMMA warps, the loader's warpgroup) launches with
+    128 registers a thread, so two fit the SM's 65536; one CTA alone gets them all."""
+    device = device_for(ARCH)
+    p = canonical_problem("conv2d_dgrad", {**BASE, "N": 128, "stride": 2})
+    c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "CTAS_PER_SM": 2, "SPLIT_K": 1}
+    c |= {"num_warps": 4, "num_stages": 3}
+    assert dgrad.worth_trying(c, p, 132)
+    two, one = compile_in_fresh_processes([(dgrad, p, c, 0), (dgrad, p, {**c, "CTAS_PER_SM": 1}, 0)], device, ARCH)
+    assert re.search(r"\.reqntid 256\b", two["asm"]["ptx"]) and re.search(r"\.maxnreg 128\b", two["asm"]["ptx"])
+    assert re.search(r"\.maxnreg 256\b", one["asm"]["ptx"])

@@ -35,7 +35,8 @@ def test_the_manifest_of_a_model_holds_exactly_the_keys_its_training_step_looks_
     )
     assert proc.returncode == 0, proc.stderr
     # 4 convs: fprop and wgrad each, and dgrad for the 3 whose input needs a gradient (the
-    # pointwise 1x1's fprop and dgrad are the matmuls they are, entries of their own); 3 GEMMs
+    # pointwise 1x1's fprop, dgrad and (over few pixels) wgrad are the matmuls they are, entries
+    # of their own); 3 GEMMs
     assert "9 distinct problem(s), 14 tuning job(s)" in proc.stderr, proc.stderr
     assert "left to torch: 1 layer(s) (3: groups=2" in proc.stderr, proc.stderr
 
