@@ -518,7 +518,7 @@ def resources_ok(c: dict, p: dict | None = None) -> bool:
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
     """The ring, its barriers and the epilogue's tile."""
-    ring = c["num_stages"] * ((c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 8)
+    ring = c["num_stages"] * ((c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 16)
     return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize
 
 
@@ -543,11 +543,9 @@ def _two_fit(c: dict) -> bool:
 
 
 def launch_options(c: dict) -> dict:
-    """Triton launch options of config c: the registers a thread holds at launch, the SM's 65536
-    over the CTAs sharing it and their threads (the WGMMA warps and the loader's warpgroup);
-    Triton then hands the loader's unused share to the WGMMA warps (setmaxnreg). Uncapped,
-    ptxas took 149 a thread for a 128x64 tile at num_warps 4: one CTA's worth of the SM."""
-    return {"maxnreg": 65536 // (ctas_per_sm(c) * (c["num_warps"] + 4) * 32) // 8 * 8}
+    """Triton launch options of config c (gluon_hopper.warp_specialized_options): at two CTAs
+    per SM, 128 registers a thread (ptxas took 149 for a 128x64 tile: one CTA's worth)."""
+    return ghop.warp_specialized_options(c["num_warps"], ctas_per_sm(c))
 
 
 def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:

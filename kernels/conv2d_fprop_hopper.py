@@ -8,10 +8,11 @@ The activation tile of each k-step is one TMA im2col load: BLOCK_M consecutive o
 where the window overhangs the padding. The weight tile is a plain tiled load of
 w viewed as [Co, R*S*Ci]. The pipeline is the persistent one of matmul_hopper: a ring of
 `num_stages` slots running ahead across tile boundaries, one WGMMA in flight, the epilogue's
-TMA store overlapped with the next tile. Channel counts that break TMA's 16-byte stride rule
-are zero-padded on the host. Where the tiles leave SMs idle (batch 1, few output channels),
-SPLIT_K 0 splits each tile's k-steps the work model's number of ways (gluon_host.modeled_splits)
-into fp32 partials summed by split_k_reduce.
+TMA store overlapped with the next tile; warp-specialized, a one-warp TMA loader feeding the
+WGMMA warps through ready/empty mbarriers (H100 model suite 1.035 -> 1.047x cuDNN). Channel
+counts that break TMA's 16-byte stride rule are zero-padded on the host. Where the tiles leave
+SMs idle (batch 1, few output channels), SPLIT_K 0 splits each tile's k-steps the work model's
+number of ways (gluon_host.modeled_splits) into fp32 partials summed by split_k_reduce.
 """
 
 from __future__ import annotations
@@ -103,38 +104,32 @@ def _unit_origin(
 
 
 @gluon.jit
+def _grid_walk(M, Co, SPLITS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+    """(this CTA, the CTAs, tile rows and columns, this CTA's units): the walk both partitions
+    take, unit by unit in the same order."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(Co, BLOCK_N)
+    units = num_pid_m * num_pid_n
+    if SPLIT:
+        units = units * SPLITS
+    return pid, nprog, num_pid_m, num_pid_n, gl.cdiv(units - pid, nprog)
+
+
+@gluon.jit
 def _issue_load(
-    step,
-    pred,
-    m0,
-    n0,
-    img,
-    h0,
-    w0,
-    c0,
-    r,
-    s,
-    Ci,
-    S,
-    x_desc,
-    w_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    STAGES: gl.constexpr,
-    IM2COL: gl.constexpr,
+    slot, m0, n0, img, h0, w0, c0, r, s, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready, IM2COL: gl.constexpr
 ):
-    """TMA-load k-step `step` (filter tap (r, s), channels c0...) of the tile at (m0, n0), if pred."""
-    slot = step % STAGES
+    """TMA-load one k-step (filter tap (r, s), channels c0...) of the tile at (m0, n0) into ring
+    slot `slot`."""
     bar = ready.index(slot)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
     if IM2COL:
-        tma.async_load_im2col(
-            x_desc, [img, h0, w0, c0], [r.to(gl.int16), s.to(gl.int16)], bar, a_bufs.index(slot), pred
-        )
+        tma.async_load_im2col(x_desc, [img, h0, w0, c0], [r.to(gl.int16), s.to(gl.int16)], bar, a_bufs.index(slot))
     else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
-        tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot), pred)
-    tma.async_load(w_desc, [n0, (r * S + s) * Ci + c0], bar, b_bufs.index(slot), pred)
+        tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot))
+    tma.async_load(w_desc, [n0, (r * S + s) * Ci + c0], bar, b_bufs.index(slot))
 
 
 @gluon.jit
@@ -151,6 +146,165 @@ def _next_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
     done = r == R
     r = gl.where(done, 0, r)
     return c0, r, s, done
+
+
+@gluon.jit
+def _load_partition(
+    x_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    M,
+    Co,
+    Ci,
+    R,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    GROUP_M,
+    SPLITS,
+    K_PER,
+    IM2COL: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
+    """The loader warp: TMA loads of every k-step of this CTA's units into the ring, each slot
+    as soon as the WGMMA warps release it; it runs ahead into the next unit while they store
+    this one's tile."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    pid, nprog, num_pid_m, num_pid_n, my_units = _grid_walk(M, Co, SPLITS, BLOCK_M, BLOCK_N, SPLIT)
+    ci_blocks = gl.cdiv(Ci, BLOCK_K)
+    k_tiles = R * S * ci_blocks
+    use = 0
+    for t in range(my_units):
+        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(
+            t,
+            pid,
+            nprog,
+            num_pid_m,
+            num_pid_n,
+            GROUP_M,
+            PQ,
+            Q,
+            stride_h,
+            stride_w,
+            pad_h,
+            pad_w,
+            ci_blocks,
+            k_tiles,
+            S,
+            SPLITS,
+            K_PER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            SPLIT,
+        )
+        for _k in range(cnt):
+            slot = use % STAGES
+            mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
+            _issue_load(slot, m0, n0, img, h0, w0, c0, r, s, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready, IM2COL)
+            c0, r, s, wrapped = _next_k(c0, r, s, Ci, R, S, BLOCK_K)
+            use += 1
+
+
+@gluon.jit
+def _mma_partition(
+    a_bufs,
+    b_bufs,
+    c_smem,
+    y_desc,
+    ready,
+    empty,
+    ws_ptr,
+    M,
+    Co,
+    Ci,
+    R,
+    S,
+    PQ,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    GROUP_M,
+    SPLITS,
+    K_PER,
+    LDW,
+    SPLIT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read it
+    has retired, then the unit's epilogue: a TMA store overlapping the next unit, or with SPLIT
+    the fp32 partial."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    dtype: gl.constexpr = a_bufs.dtype
+    pid, nprog, num_pid_m, num_pid_n, my_units = _grid_walk(M, Co, SPLITS, BLOCK_M, BLOCK_N, SPLIT)
+    ci_blocks = gl.cdiv(Ci, BLOCK_K)
+    k_tiles = R * S * ci_blocks
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    use = 0
+    for t in range(my_units):
+        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(
+            t,
+            pid,
+            nprog,
+            num_pid_m,
+            num_pid_n,
+            GROUP_M,
+            PQ,
+            Q,
+            stride_h,
+            stride_w,
+            pad_h,
+            pad_w,
+            ci_blocks,
+            k_tiles,
+            S,
+            SPLITS,
+            K_PER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            SPLIT,
+        )
+        for kk in range(cnt):
+            slot = use % STAGES
+            mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
+            acc = warpgroup_mma(
+                a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True
+            )
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous k-step's WGMMA has retired: its slot goes back to the loader
+            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
+            use += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=cnt > 0)
+        if SPLIT:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            offs = (split.to(gl.int64) * M + rows.to(gl.int64))[:, None] * LDW + cols[None, :]
+            gl.store(ws_ptr + offs, acc, mask=(rows < M)[:, None] & (cols < LDW)[None, :])
+        else:
+            out = acc.to(dtype)
+            tma.store_wait(pendings=0)
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_store(y_desc, [m0, n0], c_smem)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit(
@@ -189,83 +343,36 @@ def conv2d_fprop_kernel(
     w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co]. SPLIT (the tiles leave SMs idle: batch 1,
     few output channels): ws_ptr [SPLITS, M, LDW] fp32 (LDW: y's row, Co padded) receives each split's partial
     (K_PER k-steps of the tile's), summed by split_k_reduce; the unsplit binary is the kernel
-    without split-K."""
-    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    dtype: gl.constexpr = y_desc.dtype
+    without split-K.
 
+    Warp-specialized (the wgrad's and the dgrad's pipeline): a one-warp TMA loader and the
+    WGMMA warps talk through ready/empty mbarrier rings."""
+    dtype: gl.constexpr = y_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(Co, BLOCK_N)
-    ci_blocks = gl.cdiv(Ci, BLOCK_K)
-    k_tiles = R * S * ci_blocks
-    if SPLIT:
-        my_units = gl.cdiv(num_pid_m * num_pid_n * SPLITS - pid, nprog)
-    else:
-        my_units = gl.cdiv(num_pid_m * num_pid_n - pid, nprog)
-
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-
-    # the producer's position, STAGES - 1 k-steps ahead of the WGMMAs, carried across units
-    at = (pid, nprog, num_pid_m, num_pid_n, GROUP_M, PQ, Q, stride_h, stride_w, pad_h, pad_w, ci_blocks, k_tiles)
-    at += (S, SPLITS, K_PER)
-    pt = gl.to_tensor(0)
-    pm0, pn0, pimg, ph0, pw0, pcnt, pc0, pr, ps, _ = _unit_origin(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
-    pk = gl.to_tensor(0)
-    loads = (Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready)
-    for i in gl.static_range(STAGES - 1):
-        _issue_load(i, pt < my_units, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, *loads, STAGES, IM2COL)
-        pc0, pr, ps, wrapped = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
-        pk += 1
-        if pk == pcnt:
-            pk = 0
-            pt += 1
-            pm0, pn0, pimg, ph0, pw0, pcnt, pc0, pr, ps, _ = _unit_origin(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
-
-    step = 0
-    for t in range(my_units):
-        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(t, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
-        for kk in range(cnt):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(
-                a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True
-            )
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _issue_load(step + STAGES - 1, pt < my_units, pm0, pn0, pimg, ph0, pw0, pc0, pr, ps, *loads, STAGES, IM2COL)
-            pc0, pr, ps, wrapped = _next_k(pc0, pr, ps, Ci, R, S, BLOCK_K)
-            pk += 1
-            if pk == pcnt:
-                pk = 0
-                pt += 1
-                pm0, pn0, pimg, ph0, pw0, pcnt, pc0, pr, ps, _ = _unit_origin(pt, *at, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if SPLIT:
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            offs = (split.to(gl.int64) * M + rows.to(gl.int64))[:, None] * LDW + cols[None, :]
-            gl.store(ws_ptr + offs, acc, mask=(rows < M)[:, None] & (cols < LDW)[None, :])
-        else:
-            out = acc.to(dtype)
-            tma.store_wait(pendings=0)
-            c_smem.store(out)
-            fence_async_shared()
-            tma.async_store(y_desc, [m0, n0], c_smem)
-
-    tma.store_wait(pendings=0)
+        mbarrier.init(empty.index(i), count=1)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_mma_partition, (
+                a_bufs, b_bufs, c_smem, y_desc, ready, empty, ws_ptr, M, Co, Ci, R, S, PQ, Q, stride_h, stride_w,
+                pad_h, pad_w, GROUP_M, SPLITS, K_PER, LDW, SPLIT, num_warps,
+            )),
+            (_load_partition, (
+                x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h,
+                pad_w, GROUP_M, SPLITS, K_PER, IM2COL, SPLIT,
+            )),
+        ],
+        [1])
+    # fmt: on
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
 
 
 @gluon.jit
@@ -373,7 +480,7 @@ def resources_ok(c: dict, p: dict | None = None) -> bool:
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
     ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
-    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 8 * c["num_stages"] + 1024
+    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 16 * c["num_stages"] + 1024
 
 
 def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
@@ -569,7 +676,8 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"], n_split, per, co_pad)
     ws_shape = (n_split, M, co_pad)
     ws = x.new_empty(ws_shape, dtype=torch.float32) if split else gh.no_split_workspace(x.device)
-    compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, ws, *scalars, **ce)
+    options = ghop.warp_specialized_options(config["num_warps"])
+    compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, ws, *scalars, **ce, **options)
     reduce = gh.split_k_reduce_jit(ws, y) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
@@ -642,6 +750,11 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     sig.update({k: "i32" for k in (*ints, "SPLITS", "K_PER", "LDW")})
     sig.update({k: "constexpr" for k in ce})
     spec = KernelSpec(
-        fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_fprop_kernel"
+        fn=conv2d_fprop_kernel,
+        signature=sig,
+        constexprs=ce,
+        num_warps=config["num_warps"],
+        options=ghop.warp_specialized_options(config["num_warps"]),
+        name="conv2d_fprop_kernel",
     )
     return [spec, gh.split_k_reduce_spec(dt)] if split else [spec]

@@ -46,6 +46,14 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
 # ---- candidates ------------------------------------------------------------------------------
 
 
+def warp_specialized_options(num_warps: int, ctas_per_sm: int = 1) -> dict:
+    """Launch options of a warp-specialized kernel (one loader warp beside num_warps WGMMA
+    warps): the registers a thread holds at launch, the SM's 65536 over its CTAs' threads (the
+    loader pads to a warpgroup), which Triton redistributes, the loader's unused share to the
+    WGMMA warps (setmaxnreg). Uncapped, ptxas sized a CTA for the whole SM: no second CTA."""
+    return {"maxnreg": 65536 // (ctas_per_sm * (num_warps + 4) * 32) // 8 * 8}
+
+
 def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
     """What the compiler decides for a WGMMA kernel: shared memory within the limit, the fp32
     accumulator within the register budget (past 128 values per thread it spills)."""
