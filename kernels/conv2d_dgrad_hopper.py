@@ -543,9 +543,11 @@ def _two_fit(c: dict) -> bool:
 
 
 def launch_options(c: dict) -> dict:
-    """Triton launch options of config c (gluon_hopper.warp_specialized_options): at two CTAs
-    per SM, 128 registers a thread (ptxas took 149 for a 128x64 tile: one CTA's worth)."""
-    return ghop.warp_specialized_options(c["num_warps"], ctas_per_sm(c))
+    """Triton launch options of config c (gluon_hopper.warp_specialized_options): where two CTAs
+    fit an SM (_two_fit), 128 registers a thread (ptxas took 149 for a 128x64 tile: one CTA's
+    worth); a CTAS_PER_SM 2 config that does not fit (worth_trying never proposes one) launches
+    as compiled for one CTA."""
+    return ghop.warp_specialized_options(c["num_warps"], 2 if ctas_per_sm(c) == 2 and _two_fit(c) else 1)
 
 
 def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
