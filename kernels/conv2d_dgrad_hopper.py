@@ -626,8 +626,7 @@ class _Plan:
     """One (config, shapes, strides, dtype, stride, padding, device) launch, precomputed: see
     gluon_launch.DirectLauncher."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo", "ws_shape", "reduce")
-    __slots__ += ("reduce_grid0", "reduce_tail")
+    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo", "reduce")
 
     def run(self, grad_out: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
         geo = self.geo
@@ -642,9 +641,9 @@ class _Plan:
         if self.reduce is None:
             ld(self.grid0, stream, [*gm, *wm, *ym, py, gh.no_split_workspace(g.device), *self.tail])
         else:
-            ws = g.new_empty(self.ws_shape, dtype=torch.float32)
+            ws = self.reduce.workspace(g)
             ld(self.grid0, stream, [*gm, *wm, *ym, py, ws, *self.tail])
-            self.reduce(self.reduce_grid0, stream, (ws, gx, *self.reduce_tail))
+            self.reduce(stream, ws, gx)
         return gx
 
 
@@ -697,23 +696,19 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     grid = gh.persistent_grid(tiles * n_split, sms, ctas_per_sm(config))
     ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec, split)
     scalars = geo.ints + (config["GROUP_M"], n_split, per)
-    ws_shape = (n_split, geo.m2, geo.Ci)
-    ws = g.new_empty(ws_shape, dtype=torch.float32) if split else gh.no_split_workspace(g.device)
+    ws = g.new_empty((n_split, geo.m2, geo.Ci), dtype=torch.float32) if split else gh.no_split_workspace(g.device)
     args = (g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, ws, *scalars)
     compiled = conv2d_dgrad_kernel[grid](*args, **ce, **launch_options(config))
     reduce = gh.split_k_reduce_jit(ws, gx) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, gx)
         if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
             plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None,) * 5 + scalars, ce)[5:]
             plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
-            plan.ws_shape, plan.reduce = ws_shape, rd
-            if rd is not None:
-                plan.reduce_grid0 = gh.split_k_reduce_grid(gx.numel())[0]
-                plan.reduce_tail = (gx.numel(), n_split) + gh.split_k_reduce_tail()
+            plan.reduce = rd
             _PLANS.put(key, plan)
     return gx
 

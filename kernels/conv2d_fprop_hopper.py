@@ -568,10 +568,7 @@ class _Plan:
         "Co",
         "co_pad",
         "out_shape",
-        "ws_shape",
         "reduce",
-        "reduce_grid0",
-        "reduce_tail",
     )
 
     def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
@@ -586,9 +583,9 @@ class _Plan:
         if self.reduce is None:
             ld(self.grid0, stream, [*xm, *wm, *ym, gh.no_split_workspace(x.device), *self.tail])
         else:
-            ws = x.new_empty(self.ws_shape, dtype=torch.float32)
+            ws = self.reduce.workspace(x)
             ld(self.grid0, stream, [*xm, *wm, *ym, ws, *self.tail])
-            self.reduce(self.reduce_grid0, stream, (ws, y, *self.reduce_tail))
+            self.reduce(stream, ws, y)
         y = y if self.co_pad == self.Co else y[:, : self.Co].contiguous()
         return y.view(self.out_shape)
 
@@ -674,14 +671,13 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     grid = gh.persistent_grid(tiles * n_split, sms)
     ce = _constexprs(config, im2col, split)
     scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"], n_split, per, co_pad)
-    ws_shape = (n_split, M, co_pad)
-    ws = x.new_empty(ws_shape, dtype=torch.float32) if split else gh.no_split_workspace(x.device)
+    ws = x.new_empty((n_split, M, co_pad), dtype=torch.float32) if split else gh.no_split_workspace(x.device)
     options = ghop.warp_specialized_options(config["num_warps"])
     compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, ws, *scalars, **ce, **options)
     reduce = gh.split_k_reduce_jit(ws, y) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, y)
         if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
@@ -689,10 +685,7 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
             plan.x_desc, plan.w_desc, plan.y_blk = x_desc_of, w_desc_of, [bm, bn]
             plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
             plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
-            plan.ws_shape, plan.reduce = ws_shape, rd
-            if rd is not None:
-                plan.reduce_grid0 = gh.split_k_reduce_grid(y.numel())[0]
-                plan.reduce_tail = (y.numel(), n_split) + gh.split_k_reduce_tail()
+            plan.reduce = rd
             _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)

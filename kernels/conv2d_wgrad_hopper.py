@@ -549,8 +549,6 @@ class _Plan:
         "out_shape",
         "mode",
         "ws_shape",
-        "reduce_grid0",
-        "reduce_tail",
         "Ci0",
     )
 
@@ -571,7 +569,7 @@ class _Plan:
             ld(self.grid0, stream, [*gm, *xm, out, ws, flags, *self.tail])
         elif mode == "split":
             ld(self.grid0, stream, [*gm, *xm, ws, ws, ws, *self.tail])
-            self.reduce(self.reduce_grid0, stream, (ws, out, *self.reduce_tail))
+            self.reduce(stream, ws, out)
         else:
             ld(self.grid0, stream, [*gm, *xm, out, out, out, *self.tail])
         return out if self.ci == self.Ci0 else out[..., : self.Ci0].contiguous()
@@ -581,13 +579,12 @@ class _PackedPlan:
     """A packed-taps launch (conv2d_wgrad_packed_kernel and, when split, its reduction),
     precomputed as _Plan."""
 
-    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_blk", "gc", "npq", "out_shape", "ws_shape")
-    __slots__ += ("reduce_grid0", "reduce_tail")
+    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_blk", "gc", "npq", "out_shape")
 
     def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
         gp = gh.pad_last_dim(g, self.gc)
         out = x.new_empty(self.out_shape)
-        ws = None if self.reduce is None else x.new_empty(self.ws_shape, dtype=torch.float32)
+        ws = None if self.reduce is None else self.reduce.workspace(x)
         if (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         pg = gp.data_ptr()
@@ -596,7 +593,7 @@ class _PackedPlan:
         )
         self.launcher(self.grid0, stream, [*gm, x.data_ptr(), out if ws is None else ws, *self.tail])
         if ws is not None:
-            self.reduce(self.reduce_grid0, stream, (ws, out, *self.reduce_tail))
+            self.reduce(stream, ws, out)
         return out
 
 
@@ -678,7 +675,7 @@ def _launch_jit(
     aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
         ld = direct.DirectLauncher.of(compiled)
-        rd = direct.DirectLauncher.of(reduce) if mode == "split" else None
+        rd = gh.SplitReduce.of(reduce, ws, out) if mode == "split" else None
         if ld is not None and (mode != "split" or rd is not None):
             plan = _Plan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), grid[0]
@@ -686,9 +683,6 @@ def _launch_jit(
             plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
             plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
             plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
-            if mode == "split":
-                plan.reduce_grid0 = gh.split_k_reduce_grid(out.numel())[0]
-                plan.reduce_tail = (out.numel(), work.splits) + gh.split_k_reduce_tail()
             _PLANS.put(key, plan)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
@@ -713,16 +707,12 @@ def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     aligned = not (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
         if ld is not None and (reduce is None or rd is not None):
             plan = _PackedPlan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
             plan.tail = direct.kernel_args(conv2d_wgrad_packed_kernel, (None,) * 3 + ints, ce)[3:]
             plan.g_blk, plan.gc, plan.npq, plan.out_shape = [bk, bm], gc, npq, tuple(out.shape)
-            plan.ws_shape = None if ws is None else tuple(ws.shape)
-            if rd is not None:
-                plan.reduce_grid0 = gh.split_k_reduce_grid(out.numel())[0]
-                plan.reduce_tail = (out.numel(), splits) + gh.split_k_reduce_tail()
             _PLANS.put(key, plan)
     return out
 

@@ -396,6 +396,34 @@ def split_k_reduce_tail() -> tuple:
     return (SPLIT_K_REDUCE_BLOCK, SPLIT_K_REDUCE_WARPS)
 
 
+class SplitReduce:
+    """A planned split-K launch's second pass (the plans of gluon_launch): the fp32 workspace
+    [splits, ...] the kernel fills and the split_k_reduce launch that sums it into the output."""
+
+    __slots__ = ("launcher", "ws_shape", "grid0", "tail")
+
+    @classmethod
+    def of(cls, compiled, ws: torch.Tensor, out: torch.Tensor) -> "SplitReduce | None":
+        """From the reduction's first (JIT) launch over ws into out; None where Triton's
+        launcher cannot take it directly (the plan is then not made)."""
+        from .gluon_launch import DirectLauncher
+
+        launcher = DirectLauncher.of(compiled)
+        if launcher is None:
+            return None
+        r = cls()
+        r.launcher, r.ws_shape = launcher, tuple(ws.shape)
+        r.grid0 = split_k_reduce_grid(out.numel())[0]
+        r.tail = (out.numel(), ws.shape[0]) + split_k_reduce_tail()
+        return r
+
+    def workspace(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_empty(self.ws_shape, dtype=torch.float32)
+
+    def __call__(self, stream: int, ws: torch.Tensor, out: torch.Tensor) -> None:
+        self.launcher(self.grid0, stream, (ws, out, *self.tail))
+
+
 def split_k_reduce_spec(out_dtype: Any) -> KernelSpec:
     """The reduction's compile, for CPU-only checks of a backend's compile_specs."""
     return KernelSpec(

@@ -334,10 +334,7 @@ class _Plan:
         "c_shape",
         "N",
         "n_pad",
-        "ws_shape",
         "reduce",
-        "reduce_grid0",
-        "reduce_tail",
     )
 
     def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
@@ -353,7 +350,7 @@ class _Plan:
             pb = bv.data_ptr()
         c = a.new_empty(self.c_shape)
         pc = c.data_ptr()
-        ws = gh.no_split_workspace(a.device) if self.reduce is None else a.new_empty(self.ws_shape, dtype=torch.float32)
+        ws = gh.no_split_workspace(a.device) if self.reduce is None else self.reduce.workspace(a)
         if (pc | ws.data_ptr()) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         maps, ld = self.maps, self.launcher
@@ -362,7 +359,7 @@ class _Plan:
         cm = maps.get((2, pc)) or maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(c, self.c_blk)))
         ld(self.grid0, stream, [*am, *bm, *cm, ws, *self.tail])
         if self.reduce is not None:
-            self.reduce(self.reduce_grid0, stream, (ws, c, *self.reduce_tail))
+            self.reduce(stream, ws, c)
         return c if self.n_pad == self.N else c[:, : self.N].contiguous()
 
 
@@ -412,14 +409,17 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     grid = gh.persistent_grid(gh.matmul_tiles(p, config) * splits, sms)
     split = gh.split_binary(config, splits)
     ce = _constexprs(config, trans_a, trans_b, split)
-    ws_shape = (splits, M, n_pad)
-    ws = torch.empty(ws_shape, device=a.device, dtype=torch.float32) if split else gh.no_split_workspace(a.device)
+    ws = (
+        torch.empty((splits, M, n_pad), device=a.device, dtype=torch.float32)
+        if split
+        else gh.no_split_workspace(a.device)
+    )
     scalars = (M, N, K, config["GROUP_M"], splits, per, n_pad)
     compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, *scalars, **ce)
     reduce = gh.split_k_reduce_jit(ws, c) if split else None
     if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else direct.DirectLauncher.of(reduce)
+        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, c)
         if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
@@ -428,10 +428,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
             plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
-            plan.ws_shape, plan.reduce = ws_shape, rd
-            if rd is not None:
-                plan.reduce_grid0 = gh.split_k_reduce_grid(c.numel())[0]
-                plan.reduce_tail = (c.numel(), splits) + gh.split_k_reduce_tail()
+            plan.reduce = rd
             _PLANS.put(key, plan)
     return c if n_pad == N else c[:, :N].contiguous()
 
