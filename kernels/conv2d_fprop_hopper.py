@@ -499,6 +499,8 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
     # a k-step covers one filter tap: more channels than the tap has are zeros
     elif c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(p["Ci"], p["dtype"]))):
         return False
+    if c["BLOCK_N"] < 64 and (gh.packs_taps(p) or gh.padded_channels(p["Co"], p["dtype"]) > c["BLOCK_N"]):
+        return False  # a narrow tile is for a few output channels (image heads), all in one tile
     return c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["Co"])) and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))
 
 
@@ -517,6 +519,9 @@ def default_config(p: dict, device) -> dict:
         warps = 4 if bn == 64 else 8  # the gathered tile's registers beside a 128x128 accumulator spill at 4
         c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": warps}
         c["num_stages"] = 2
+    elif gh.padded_channels(p["Co"], p["dtype"]) <= 32:  # an image head: one narrow N tile (Co 3: 1.5x a 64-wide one)
+        bn = 16 if gh.padded_channels(p["Co"], p["dtype"]) <= 16 else 32
+        c = {"BLOCK_M": 256, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}
     elif p["Co"] >= 256:
         c = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 8, "num_stages": 3}
     elif p["Co"] >= 128:

@@ -24,11 +24,12 @@ SPACES = {
     # implicit GEMM: M = N*P*Q output pixels (TMA im2col), N = Co, K = R*S*Ci. SPLIT_K 0: where
     # the tiles leave SMs idle (batch 1, few output channels), the k-steps split the work
     # model's number of ways into fp32 partials summed by a deterministic second pass (1 never
-    # splits; the packed-taps kernel never does)
+    # splits; the packed-taps kernel never does). BLOCK_N 16 and 32: a few output channels (an
+    # image head's 3 or 8), whose MMAs a 64-wide tile would run mostly on zeros
     "conv2d_fprop": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
-            "BLOCK_N": (64, 128, 256),
+            "BLOCK_N": (16, 32, 64, 128, 256),
             "BLOCK_K": (16, 32, 64),
             "GROUP_M": (1, 8),
             "SPLIT_K": (0, 1),

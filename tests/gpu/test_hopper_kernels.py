@@ -126,6 +126,7 @@ CONV_EXTRA = [
     (128, 14, 14, 1024, 256, 1, 1, 1, 0),  # 1x1 pointwise (tiled, no im2col)
     (1, 7, 7, 512, 512, 3, 3, 1, 1),  # ResNet-50 layer4 at batch 1: 49 pixels, split-K
     (1, 64, 64, 512, 8, 3, 3, 1, 1),  # a VAE's conv_out: 8 channels out (padded for TMA), split-K
+    (2, 40, 24, 128, 3, 3, 3, 1, 1),  # an image head: 3 channels out, a 16-wide N tile
 ]
 
 
@@ -202,6 +203,11 @@ def test_conv2d_fprop_matches_torch(case):
                 # split-K where the model splits (few tiles; otherwise the unsplit launch)
                 {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4}
                 | {"num_stages": 4},
+                # narrow N tiles (all of a few output channels in one tile), split or not
+                {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 8}
+                | {"num_stages": 4},
+                {"BLOCK_M": 256, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4}
+                | {"num_stages": 6},
             )
             if fprop.resources_ok(c)
         ]
