@@ -83,9 +83,9 @@ WGRAD_MATMUL_PIXELS = 16384  # see wgrad_runs_as_matmul
 
 def wgrad_runs_as_matmul(R: int, S: int, stride, padding, pixels: int) -> bool:
     """A pointwise conv's wgrad, grad_w [Co, Ci] = grad_out^T [Co, N*H*W] @ x [N*H*W, Ci], runs
-    as a matmul where its reduction is short: on an H100 (ResNet-50 at batch 128) 0.92x cuDNN
-    as a matmul against 0.77-0.82x as a conv over 7x7 images (6272 pixels), even at 25088
-    pixels, and 0.05-0.15x slower than the conv from 100352 pixels on."""
+    as a matmul where its reduction is short. H100, ResNet-50's 1x1s at batch 128: over 7x7
+    images (6272 pixels) 0.91-0.92x cuDNN as a matmul, 0.77-0.82x as a conv; at 25088 pixels
+    the conv ahead or even (0.83-0.97x against 0.84-0.90x); from 100352 on the conv 5-15% faster."""
     return pointwise(R, S, stride, padding) and pixels <= WGRAD_MATMUL_PIXELS
 
 
