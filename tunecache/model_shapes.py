@@ -95,11 +95,11 @@ def entries(
             ops = [] if gemm else ["conv2d_fprop"]
             if gemm:  # y = x @ w.T (w read transposed in place); dx = dy @ w
                 keep(f"{name}_fwd", ["matmul"], dict(M=n * h * w, N=co, K=ci, dtype=dtype, b_layout="col"))
-            if training and wgrad_runs_as_matmul(r, s, st, pad, n * h * w):  # dw = dy.T @ x (dy read transposed)
-                keep(f"{name}_wgrad", ["matmul"], dict(M=co, N=ci, K=n * h * w, dtype=dtype, a_layout="col"))
-            elif training:
-                ops.append("conv2d_wgrad")
             if training:
+                if wgrad_runs_as_matmul(r, s, st, pad, n * h * w):  # dw = dy.T @ x (dy read transposed)
+                    keep(f"{name}_wgrad", ["matmul"], dict(M=co, N=ci, K=n * h * w, dtype=dtype, a_layout="col"))
+                else:
+                    ops.append("conv2d_wgrad")
                 if x.requires_grad and gemm:
                     keep(f"{name}_dgrad", ["matmul"], dict(M=n * h * w, N=ci, K=co, dtype=dtype))
                 elif x.requires_grad:  # the model's input needs no gradient
