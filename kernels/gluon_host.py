@@ -347,6 +347,63 @@ def no_split_workspace(device) -> torch.Tensor:
     return ws
 
 
+_TILE_COUNTERS: dict = {}
+
+
+def tile_counters(device, stream: int, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, at least `tiles` of them, for a kernel whose split-K
+    partials are summed by the tile's last split to arrive (the Hopper and Blackwell matmuls):
+    the kernel leaves them zeroed, so one buffer serves every launch on a stream (launches on
+    one stream run in order; another stream gets its own). Also the unsplit binary's unused
+    argument."""
+    key = (torch.device(device), stream)
+    cnt = _TILE_COUNTERS.get(key)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = _TILE_COUNTERS[key] = torch.zeros(max(1024, pow2_at_least(tiles)), device=device, dtype=torch.int32)
+    return cnt
+
+
+@gluon.jit
+def finish_split_tile(
+    ws_tile,
+    c_tile,
+    counter,
+    rows_left,
+    cols_left,
+    LDW,
+    split_stride,
+    SPLITS,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Once this CTA's fp32 partial of a tile is in the workspace (at ws_tile, split s at
+    s * split_stride): count in on the tile's counter (tile_counters); the split that arrives
+    last sums the SPLITS partials in split order (deterministic) into c (at c_tile, c's dtype)
+    and zeroes the counter for the next launch. The matmul kernels' split epilogue: one
+    launch, where a second reduction kernel cost a decode GEMM of 20 us another 3-4 (H100)."""
+    # every warp's partial is out before the CTA counts itself in (release, GPU scope); the
+    # last split sees them all (acquire) and reads them past L1 (.cg): other SMs wrote them
+    gl.barrier()
+    arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        # a few rows at a time, coalesced: beside the accumulator, a whole tile's sum, loads
+        # and offsets would spill
+        CHUNK: gl.constexpr = 2048 // BLOCK_N  # rows a pass: 16 values a thread at 4 warps
+        TN: gl.constexpr = 32 if BLOCK_N >= 128 else BLOCK_N // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TN, TN], [gl.num_warps(), 1], [1, 0])
+        rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        col_ok = cols[None, :] < cols_left
+        for r0 in range(0, gl.minimum(rows_left, BLOCK_M), CHUNK):
+            offs = (r0 + rows)[:, None] * LDW + cols[None, :]
+            mask = ((r0 + rows)[:, None] < rows_left) & col_ok
+            total = gl.zeros([CHUNK, BLOCK_N], gl.float32, layout)
+            for s in range(SPLITS):
+                total += gl.load(ws_tile + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(c_tile + offs, total.to(c_tile.dtype.element_ty), mask=mask)
+        gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
 @gluon.jit(do_not_specialize=["numel", "splits"])  # one binary for every split count and size
 def split_k_reduce_kernel(ws_ptr, out_ptr, numel, splits, BLOCK: gl.constexpr, num_warps: gl.constexpr):
     """out[i] = sum_s ws[s, i] in a fixed order (deterministic), cast to out's dtype. Each

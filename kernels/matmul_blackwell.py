@@ -17,9 +17,10 @@ differ only in it share one compiled kernel.
 Split-K (SPLIT_K in the space, the rules the Hopper matmul follows, gluon_host.matmul_splits):
 when the output tiles cannot fill the SMs (decode GEMMs), each tile's K is cut into `splits`
 runs; work items are (split, tile) pairs numbered split-major, as in the wgrad kernel; the
-epilogue writes each item's fp32 partial from registers and gluon_host.split_k_reduce sums
-them in split order (deterministic). A split launch runs its own binary (SPLIT): the unsplit
-one keeps the TMA-store epilogue and no workspace traffic.
+epilogue writes each item's fp32 partial from registers, and the tile's last split to arrive
+sums them in split order into c (gluon_host.finish_split_tile: one launch, deterministic). A
+split launch runs its own binary (SPLIT): the unsplit one keeps the TMA-store epilogue and no
+workspace traffic.
 """
 
 from __future__ import annotations
@@ -114,20 +115,29 @@ def _load_partition(
 
 
 @gluon.jit
-def _partials_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW):
-    """The split binary's epilogue: each work item's fp32 partial into ws[split, M, LDW]."""
+def _partials_epilogue(
+    ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW, SPLITS
+):
+    """The split binary's epilogue: each work item's fp32 partial into ws[split, M, LDW]; the
+    tile's last split to arrive sums them into c [M, LDW]."""
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     num_pid_m = tiles // num_pid_n
+    split_stride = M.to(gl.int64) * LDW
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(work_id % tiles, num_pid_m, num_pid_n, group_m)
-        base = ws_ptr + (work_id // tiles).to(gl.int64) * M * LDW
+        tile = work_id % tiles
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, group_m)
+        base = ws_ptr + (work_id // tiles).to(gl.int64) * split_stride
         acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
         mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
-        store_acc_masked(
-            acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, pid_m * BLOCK_M, M, LDW, pid_n * BLOCK_N, N
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        store_acc_masked(acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, om, M, LDW, on, N)
+        corner = om.to(gl.int64) * LDW + on
+        gh.finish_split_tile(
+            ws_ptr + corner, c_ptr + corner, cnt_ptr + tile, M - om, N - on, LDW, split_stride, SPLITS, BLOCK_M, BLOCK_N
         )
         acc_use += 1
 
@@ -138,6 +148,8 @@ def matmul_kernel(
     b_desc,
     c_desc,
     ws_ptr,
+    c_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -156,8 +168,9 @@ def matmul_kernel(
 ):
     """a_desc tiles a [M, K] ([K, M] storage when A_TRANS), b_desc b [K, N] ([N, K] when
     B_TRANS). SPLIT False: c_desc receives c [M, N] in [BLOCK_M, epilogue slice] blocks
-    (SPLITS, K_PER, LDW and ws_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW] fp32 receives
-    the partials, K_PER k-steps per split."""
+    (SPLITS, K_PER, LDW, ws_ptr, c_ptr and cnt_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW]
+    fp32 receives the partials, K_PER k-steps per split, cnt_ptr holds a zeroed int32 counter
+    per tile (left zeroed), and the last split of a tile to arrive writes c_ptr [M, LDW]."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
@@ -191,7 +204,22 @@ def matmul_kernel(
             [
                 (
                     _partials_epilogue,
-                    (ws_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW),
+                    (
+                        ws_ptr,
+                        c_ptr,
+                        cnt_ptr,
+                        acc_tmem,
+                        acc_ready,
+                        acc_empty,
+                        num_work,
+                        tiles,
+                        num_pid_n,
+                        group_m,
+                        M,
+                        N,
+                        LDW,
+                        SPLITS,
+                    ),
                 ),
                 (
                     mma_partition,
@@ -287,7 +315,7 @@ def matmul_kernel(
     invalidate_ring(acc_empty)
 
 
-JIT_FUNCTIONS = (matmul_kernel, gh.split_k_reduce_kernel)
+JIT_FUNCTIONS = (matmul_kernel,)
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -411,12 +439,16 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     splits, per = gh.matmul_splits(p, config, sms)
     split = gh.split_binary(config, splits)
     ws = gh.split_k_workspace(splits, M, n_pad, a.device) if split else gh.no_split_workspace(a.device)
-    grid = gh.persistent_grid(gh.matmul_tiles(p, config) * splits, sms)
+    tiles = gh.matmul_tiles(p, config)
+    grid = gh.persistent_grid(tiles * splits, sms)
+    cnt = gh.tile_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     matmul_kernel[grid](
         a_desc,
         b_desc,
         c_desc,
         ws,
+        c,
+        cnt,
         M,
         N,
         K,
@@ -427,8 +459,6 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         num_warps=config["num_warps"],
         **_constexprs(config, trans_a, trans_b, split),
     )
-    if split:
-        gh.split_k_reduce(ws, c)
     return c if n_pad == N else c[:, :N].contiguous()
 
 
@@ -443,10 +473,12 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "b_desc": gh.desc_sig(dt, b_blk),
         "c_desc": gh.desc_sig(dt, c_blk),
         "ws_ptr": "*fp32",
+        "c_ptr": gh.ptr_sig(dt),
+        "cnt_ptr": "*i32",
         **{k: "i32" for k in ("M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW")},
     }
     sig.update({k: "constexpr" for k in ce})
-    specs = [
+    return [
         KernelSpec(
             fn=matmul_kernel,
             signature=sig,
@@ -455,6 +487,3 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             name="matmul_kernel",
         )
     ]
-    if split:
-        specs.append(gh.split_k_reduce_spec(dt))
-    return specs

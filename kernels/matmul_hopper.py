@@ -13,9 +13,10 @@ wait for the issuing warps.
 Split-K (SPLIT_K in the space): when the output tiles cannot fill the SMs (decode and
 small-batch GEMMs: M = 1 x N = 4096 is 32 tiles of 64x128 on 132 SMs), each tile's K is cut
 into `splits` runs of `per` k-steps; a CTA's units are (tile, split) pairs, each writes an fp32
-partial, and gluon_host.split_k_reduce sums them in split order (deterministic). A split
-launch runs its own binary (SPLIT): the unsplit one is the kernel without split-K, which a
-runtime branch in every tile's epilogue slowed by up to 2.5% on large GEMMs (H100).
+partial, and the tile's last split to arrive sums them in split order into c
+(gluon_host.finish_split_tile: one launch, deterministic). A split launch runs its own binary
+(SPLIT): the unsplit one is the kernel without split-K, which a runtime branch in every tile's
+epilogue slowed by up to 2.5% on large GEMMs (H100).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def matmul_kernel(
     b_desc,
     c_desc,
     ws_ptr,
+    c_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -118,10 +121,11 @@ def matmul_kernel(
     num_warps: gl.constexpr,
 ):
     """a_desc tiles a [M, K] ([K, M] when TRANS_A), b_desc b [K, N] ([N, K] when TRANS_B).
-    SPLIT False: c_desc receives c (SPLITS, K_PER, LDW and ws_ptr unused: the unsplit binary is
-    the kernel without split-K). SPLIT True: ws_ptr [SPLITS, M, LDW] fp32 receives the
-    partials, each split K_PER k-steps (the last one's past K read TMA's zeros); c_desc only
-    gives the tile's shape."""
+    SPLIT False: c_desc receives c (SPLITS, K_PER, LDW, ws_ptr, c_ptr and cnt_ptr unused: the
+    unsplit binary is the kernel without split-K). SPLIT True: ws_ptr [SPLITS, M, LDW] fp32
+    receives the partials, each split K_PER k-steps (the last one's past K read TMA's zeros),
+    cnt_ptr holds a zeroed int32 counter per tile (left zeroed), and the last split to arrive
+    writes c_ptr [M, LDW]; c_desc only gives the tile's shape."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TRANS_A else a_desc.block_type.shape[1]
@@ -215,18 +219,24 @@ def matmul_kernel(
             fence_async_shared()
             tma.async_store(c_desc, [om, on], c_smem)
         else:
-            rows = om + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            cols = on + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            base = ws_ptr + (ok // K_PER).to(gl.int64) * M * LDW
-            offs = rows.to(gl.int64)[:, None] * LDW + cols[None, :]
-            gl.store(base + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+            rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            split_stride = M.to(gl.int64) * LDW
+            corner = om.to(gl.int64) * LDW + on
+            ws_tile = ws_ptr + corner
+            mask = (rows[:, None] < M - om) & (cols[None, :] < N - on)
+            gl.store(ws_tile + (ok // K_PER) * split_stride + rows[:, None] * LDW + cols[None, :], acc, mask=mask)
+            tile = (pid + t * nprog) // SPLITS
+            gh.finish_split_tile(
+                ws_tile, c_ptr + corner, cnt_ptr + tile, M - om, N - on, LDW, split_stride, SPLITS, BLOCK_M, BLOCK_N
+            )
 
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
 
-JIT_FUNCTIONS = (matmul_kernel, gh.split_k_reduce_kernel)
+JIT_FUNCTIONS = (matmul_kernel,)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -334,7 +344,8 @@ class _Plan:
         "c_shape",
         "N",
         "n_pad",
-        "reduce",
+        "ws_shape",
+        "tiles",
     )
 
     def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
@@ -350,16 +361,19 @@ class _Plan:
             pb = bv.data_ptr()
         c = a.new_empty(self.c_shape)
         pc = c.data_ptr()
-        ws = gh.no_split_workspace(a.device) if self.reduce is None else self.reduce.workspace(a)
+        ws = (
+            gh.no_split_workspace(a.device)
+            if self.ws_shape is None
+            else a.new_empty(self.ws_shape, dtype=torch.float32)
+        )
         if (pc | ws.data_ptr()) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
+        cnt = gh.tile_counters(a.device, stream, self.tiles)
         maps, ld = self.maps, self.launcher
         am = maps.get((0, pa)) or maps.put((0, pa), ld.expand_desc(0, gh.tiled_desc(av, self.a_blk)))
         bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
         cm = maps.get((2, pc)) or maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(c, self.c_blk)))
-        ld(self.grid0, stream, [*am, *bm, *cm, ws, *self.tail])
-        if self.reduce is not None:
-            self.reduce(stream, ws, c)
+        ld(self.grid0, stream, [*am, *bm, *cm, ws, c, cnt, *self.tail])
         return c if self.n_pad == self.N else c[:, : self.N].contiguous()
 
 
@@ -414,21 +428,21 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
         if split
         else gh.no_split_workspace(a.device)
     )
+    tiles = gh.matmul_tiles(p, config)
+    cnt = gh.tile_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     scalars = (M, N, K, config["GROUP_M"], splits, per, n_pad)
-    compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, *scalars, **ce)
-    reduce = gh.split_k_reduce_jit(ws, c) if split else None
+    compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, c, cnt, *scalars, **ce)
     if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, c)
-        if ld is not None and (reduce is None or rd is not None):
+        if ld is not None:
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(matmul_kernel, (None, None, None, None) + scalars, ce)[4:]
+            plan.tail = direct.kernel_args(matmul_kernel, (None,) * 6 + scalars, ce)[6:]
             plan.trans_a, plan.trans_b = trans_a, trans_b
             plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
-            plan.reduce = rd
+            plan.ws_shape, plan.tiles = (tuple(ws.shape) if split else None), tiles
             _PLANS.put(key, plan)
     return c if n_pad == N else c[:, :N].contiguous()
 
@@ -444,10 +458,12 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "b_desc": gh.desc_sig(dt, b_blk),
         "c_desc": gh.desc_sig(dt, c_blk),
         "ws_ptr": "*fp32",
+        "c_ptr": gh.ptr_sig(dt),
+        "cnt_ptr": "*i32",
         **{k: "i32" for k in ("M", "N", "K", "GROUP_M", "SPLITS", "K_PER", "LDW")},
     }
     sig.update({k: "constexpr" for k in ce})
-    specs = [
+    return [
         KernelSpec(
             fn=matmul_kernel,
             signature=sig,
@@ -456,6 +472,3 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
             name="matmul_kernel",
         )
     ]
-    if split:
-        specs.append(gh.split_k_reduce_spec(dt))
-    return specs

@@ -84,7 +84,9 @@ def test_matmul_matches_torch(M, N, K, layouts, dtype):
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 14336), (16, 2816, 2048), (77, 520, 1000), (1, 8, 4160)])
 def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, monkeypatch):
     """Decode-sized GEMMs split K over the SMs: every split count, the model's (0) included,
-    gives torch's answer through the JIT and then through the planned launch (two kernels)."""
+    gives torch's answer through the JIT and then through the planned launch (one kernel: the
+    last split of each tile sums the partials), the same bits each time, and the tiles'
+    arrival counters are left at zero for the next launch."""
     torch.manual_seed(M + N + K)
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     b = (
@@ -97,12 +99,17 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
         c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": split, "num_warps": 4}
         c["num_stages"] = 4
         _poison(M * gh.round_up(N, 8), torch.bfloat16)
-        _check(mm.launch(c, a, b), ref, 1e-2)  # JIT, builds the plan
+        first = mm.launch(c, a, b)  # JIT, builds the plan
+        _check(first, ref, 1e-2)
         with monkeypatch.context() as m:
             _no_jit(m, mm.matmul_kernel)
             _no_jit(m, gh.split_k_reduce_kernel)
             _poison(M * gh.round_up(N, 8), torch.bfloat16)
-            _check(mm.launch(c, a, b), ref, 1e-2)
+            planned = mm.launch(c, a, b)
+            _check(planned, ref, 1e-2)
+        assert torch.equal(first, planned), "split-K sums must not depend on which split arrives last"
+        stream = torch.cuda.current_stream().cuda_stream
+        assert not gh.tile_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
 
 
 # the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,

@@ -116,9 +116,20 @@ def test_the_decode_problem_takes_the_split_binary():
     splits, _ = gh.matmul_splits(p, config, gh.sm_count_of(device))
     assert splits > 1 and gh.split_binary(config, splits)
     names = [spec.name for spec in matmul_blackwell.compile_specs(p, config, device)]
-    assert names == ["matmul_kernel", "split_k_reduce"]
+    assert names == ["matmul_kernel"]  # the split binary sums its own partials
     big = _problem("matmul")
     assert not gh.split_binary(matmul_blackwell.default_config(big, device), 1)
+
+
+def test_the_last_split_of_a_tile_sums_the_partials(ptx_of):
+    # each split counts in on its tile's counter (acq_rel at GPU scope: its partial is out
+    # before, the last one sees them all), the last one reads the partials past L1 and zeroes
+    # the counter for the next launch
+    ptx = ptx_of("matmul-split")
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
+    assert re.search(r"ld\.global\.cg", ptx)
+    assert re.search(r"atom\.global\.gpu\.relaxed\.exch", ptx)
+    assert not re.search(r"atom\.global\.gpu\.acq_rel", ptx_of("matmul")), "the unsplit binary counts nothing"
 
 
 def _lines_in_ptx(ptx: str) -> set[tuple[str, int]]:

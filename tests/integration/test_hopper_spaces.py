@@ -6,6 +6,7 @@ tests/gpu/test_hopper_kernels.py."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -179,6 +180,21 @@ def test_a_decode_gemm_splits_k_by_default_and_a_prefill_gemm_does_not(M, N, K, 
     pruned = mm.prune(mm.config_space(p, H100), p, H100)
     assert any(x["SPLIT_K"] != 1 for x in pruned) is splits
     assert all(space_for(mm.KERNEL).contains(x) for x in pruned + [c])
+
+
+def test_a_split_decode_gemm_is_one_launch_whose_last_split_sums_the_partials():
+    """No second kernel: each split counts in on its tile's counter (acq_rel at GPU scope),
+    and the last one reads the partials past L1 and zeroes the counter for the next launch."""
+    from tunecache.compile import compile_in_fresh_processes
+
+    p = {"M": 1, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
+    c = mm.default_config(p, H100)
+    assert gh.matmul_splits(p, c, 132)[0] > 1
+    assert [spec.name for spec in mm.compile_specs(p, c, H100)] == ["matmul_kernel"]
+    (out,) = compile_in_fresh_processes([(mm, p, c, 0)], H100, "sm_90a")
+    ptx = out["asm"]["ptx"]
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and re.search(r"ld\.global\.cg", ptx)
+    assert re.search(r"atom\.global\.gpu\.relaxed\.exch", ptx)
 
 
 def _tile(c: dict) -> tuple:
