@@ -111,7 +111,9 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
             continue
         if c.get("SPLIT_K", 1) not in (0, 1):  # matmul: the modeled split and none, not each count
             continue
-        k = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c.get("SPLIT_K", 1), c.get("CTAS_PER_SM", 1))
+        k = tuple(
+            c.get(n, 1) for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K", "CTAS_PER_SM", "SWAP_AB")
+        )
         if k not in best or c["num_stages"] > best[k]["num_stages"]:
             best[k] = c
     out = list(best.values())

@@ -311,7 +311,15 @@ def matmul_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
     """(splits, k-steps per split) of config c's launch on matmul p: SPLIT_K, or for 0 the work
     model's count (auto_splits), as split_k_plan runs it."""
     k_steps = cdiv(p["K"], c["BLOCK_K"])
-    want = c["SPLIT_K"] or auto_splits(matmul_tiles(p, c), k_steps, sms, p["M"] * p["N"], c)
+    tiles = matmul_tiles(p, c)
+    if c["SPLIT_K"]:
+        want = c["SPLIT_K"]
+    elif c.get("SWAP_AB"):
+        # a swapped decode GEMM streams its weight: every SM that streams helps, and its
+        # partials are a few rows, so the most splits that still run in one wave
+        want = max(1, sms // tiles)
+    else:
+        want = auto_splits(tiles, k_steps, sms, p["M"] * p["N"], c)
     return split_k_plan(k_steps, want)
 
 
@@ -388,7 +396,8 @@ def finish_split_tile(
     if arrived == SPLITS - 1:
         # a few rows at a time, coalesced: beside the accumulator, a whole tile's sum, loads
         # and offsets would spill
-        CHUNK: gl.constexpr = 2048 // BLOCK_N  # rows a pass: 16 values a thread at 4 warps
+        # rows a pass: 16 values a thread at 4 warps, no more than the tile's rows
+        CHUNK: gl.constexpr = 2048 // BLOCK_N if 2048 // BLOCK_N < BLOCK_M else BLOCK_M
         TN: gl.constexpr = 32 if BLOCK_N >= 128 else BLOCK_N // 4
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TN, TN], [gl.num_warps(), 1], [1, 0])
         rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))

@@ -117,10 +117,14 @@ def matmul_kernel(
     TRANS_A: gl.constexpr,
     TRANS_B: gl.constexpr,
     SPLIT: gl.constexpr,
+    SWAP: gl.constexpr,
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """a_desc tiles a [M, K] ([K, M] when TRANS_A), b_desc b [K, N] ([N, K] when TRANS_B).
+    SWAP: the kernel computes c^T = b^T a^T (the host passes b^T as a, a^T as b and swaps M
+    and N), and c_ptr [N, LDW] receives the transpose of each tile from registers (c_desc,
+    then, only gives the tile's shape).
     SPLIT False: c_desc receives c (SPLITS, K_PER, LDW, ws_ptr, c_ptr and cnt_ptr unused: the
     unsplit binary is the kernel without split-K). SPLIT True: ws_ptr [SPLITS, M, LDW] fp32
     receives the partials, each split K_PER k-steps (the last one's past K read TMA's zeros),
@@ -212,24 +216,47 @@ def matmul_kernel(
         # the accumulator in place instead of serializing the WGMMAs
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         om, on, ok = _unit(pid + t * nprog, SPLITS, K_PER, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, SPLIT)
-        if not SPLIT:
+        if not SPLIT and not SWAP:
             out = acc.to(dtype)
             tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
             c_smem.store(out)
             fence_async_shared()
             tma.async_store(c_desc, [om, on], c_smem)
         else:
+            # stores from registers, in c's coordinates: the tile's [C_M, C_N] block of c at
+            # (c_m0, c_n0) (transposed under SWAP), its element (i, j) at offs
             rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            split_stride = M.to(gl.int64) * LDW
-            corner = om.to(gl.int64) * LDW + on
-            ws_tile = ws_ptr + corner
             mask = (rows[:, None] < M - om) & (cols[None, :] < N - on)
-            gl.store(ws_tile + (ok // K_PER) * split_stride + rows[:, None] * LDW + cols[None, :], acc, mask=mask)
-            tile = (pid + t * nprog) // SPLITS
-            gh.finish_split_tile(
-                ws_tile, c_ptr + corner, cnt_ptr + tile, M - om, N - on, LDW, split_stride, SPLITS, BLOCK_M, BLOCK_N
-            )
+            if SWAP:
+                C_M: gl.constexpr = BLOCK_N
+                C_N: gl.constexpr = BLOCK_M
+                c_m0, c_n0, c_rows, c_cols = on, om, N, M
+                offs = cols[None, :] * LDW + rows[:, None]
+            else:
+                C_M: gl.constexpr = BLOCK_M
+                C_N: gl.constexpr = BLOCK_N
+                c_m0, c_n0, c_rows, c_cols = om, on, M, N
+                offs = rows[:, None] * LDW + cols[None, :]
+            corner = c_m0.to(gl.int64) * LDW + c_n0
+            if not SPLIT:
+                gl.store(c_ptr + corner + offs, acc.to(dtype), mask=mask)
+            else:
+                split_stride = c_rows.to(gl.int64) * LDW
+                ws_tile = ws_ptr + corner
+                gl.store(ws_tile + (ok // K_PER) * split_stride + offs, acc, mask=mask)
+                gh.finish_split_tile(
+                    ws_tile,
+                    c_ptr + corner,
+                    cnt_ptr + (pid + t * nprog) // SPLITS,
+                    c_rows - c_m0,
+                    c_cols - c_n0,
+                    LDW,
+                    split_stride,
+                    SPLITS,
+                    C_M,
+                    C_N,
+                )
 
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
@@ -251,26 +278,60 @@ def config_space(p: dict, device) -> list[dict]:
     tiles, narrow two-warpgroup tiles, splits of a GEMM whose tiles fill the GPU). Resource
     limits are left to prune(), which must agree with the compiler."""
     sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
+    return [c for c in SPACES[OP] if not resources_ok(c, p) or worth_trying(c, p, sms)]
+
+
+# ---- swap-AB: decode GEMMs as c^T = b^T a^T ------------------------------------------------------
+#
+# A WGMMA tile is at least 64 rows: with M = 1 a 64-row tile computes 64 times the work and
+# fills shared memory with zero rows. Swapped, the weight's N is the MMA's 64-row side and M
+# its narrow side (8, 16 or 32 columns, the narrowest N the MMA takes that holds M), as
+# cuBLAS runs M = 1 and 16 (64x8 tiles, H100). SWAP_AB = 1 launches so; BLOCK_N then does not
+# shape the launch (the narrow tile follows M), so only its 64 is tried.
+
+SWAP_MAX_M = 32
+
+
+def narrow_tile(M: int) -> int:
+    """A swapped launch's tile over M: M rounded up to 8, 16 or 32."""
+    return min(SWAP_MAX_M, max(8, gh.pow2_at_least(M)))
+
+
+def as_launched(c: dict, p: dict | None) -> tuple[dict, dict | None]:
+    """(config, problem) as the kernel runs them: under SWAP_AB, M and N (and the operands)
+    swapped and BLOCK_N the narrow tile over M (its widest, 32, without a problem)."""
+    if not c.get("SWAP_AB"):
+        return c, p
+    flip = {"row": "col", "col": "row"}
+    if p is None:
+        return dict(c, BLOCK_N=SWAP_MAX_M), None
+    q = dict(p, M=p["N"], N=p["M"])
+    if "a_layout" in p:
+        q.update(a_layout=flip[p["b_layout"]], b_layout=flip[p["a_layout"]])
+    return dict(c, BLOCK_N=narrow_tile(p["M"])), q
 
 
 def resources_ok(c: dict, p: dict | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
-    return ghop.wgmma_resources_ok(c, smem_bytes(c))
+    k, _ = as_launched(c, p)
+    return ghop.wgmma_resources_ok(k, smem_bytes(k))
 
 
 def smem_bytes(c: dict, itemsize: int = 2) -> int:
-    """The ring, the output tile TMA stores from (not in a split binary: its partials go out
-    from registers), the barriers."""
+    """The ring, the output tile TMA stores from (not in a split or swapped binary: they store
+    from registers), the barriers; c as launched."""
     ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
-    c_tile = 0 if c.get("SPLIT_K", 1) >= 2 else c["BLOCK_M"] * c["BLOCK_N"] * itemsize
+    c_tile = 0 if c.get("SPLIT_K", 1) >= 2 or c.get("SWAP_AB") else c["BLOCK_M"] * c["BLOCK_N"] * itemsize
     return ring + c_tile + 8 * c["num_stages"] + 1024
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): could this config win on this problem
     on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
+    if c.get("SWAP_AB") and (p["M"] > SWAP_MAX_M or c["BLOCK_N"] != 64):
+        return False
+    c, p = as_launched(c, p)
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
@@ -284,7 +345,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
-    kept = [c for c in configs if resources_ok(c)]
+    kept = [c for c in configs if resources_ok(c, p)]
     return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
 
 
@@ -297,10 +358,16 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
+    c["SWAP_AB"] = 0
     c["SPLIT_K"] = 0  # the work model's split count where the tiles leave SMs idle
+    if p["M"] <= 16:
+        # decode: swapped 64-row tiles over N, unsplit, a deep ring of 128-wide K steps won
+        # every Llama-3 and MoE decode layer it was tuned on (H100, M = 1 and 16)
+        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6}
+        c |= {"SWAP_AB": 1, "SPLIT_K": 1}
     if not worth_trying(c, p, sms):
         c["SPLIT_K"] = 1
-    if not (resources_ok(c) and worth_trying(c, p, sms)):
+    if not (resources_ok(c, p) and worth_trying(c, p, sms)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
@@ -320,6 +387,7 @@ def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
         "TRANS_A": trans_a,
         "TRANS_B": trans_b,
         "SPLIT": split,
+        "SWAP": bool(c.get("SWAP_AB")),
         "STAGES": c["num_stages"],
         "num_warps": c["num_warps"],
     }
@@ -334,8 +402,9 @@ class _Plan:
         "maps",
         "grid0",
         "tail",
-        "trans_a",
-        "trans_b",
+        "swap",
+        "a_t",
+        "b_t",
         "a_ok",
         "b_ok",
         "a_blk",
@@ -350,8 +419,9 @@ class _Plan:
 
     def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
         # a_ok/b_ok: the strides suit TMA, so only the base address can force tma_ready's copy
-        av = a.t() if self.trans_a else a
-        bv = b.t() if self.trans_b else b
+        x, y = (b, a) if self.swap else (a, b)
+        av = x.t() if self.a_t else x
+        bv = y.t() if self.b_t else y
         pa, pb = av.data_ptr(), bv.data_ptr()
         if not (self.a_ok and not pa & 15):
             av = gh.tma_ready(av)
@@ -404,33 +474,40 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     M, K = a.shape
     N = b.shape[1]
     dt = a.dtype
-    trans_a = problems.matrix_layout(a, "a") == "col" and M > 1
-    trans_b = problems.matrix_layout(b, "b") == "col" and N > 1
-    # TMA reads the row-major storage: a transposed operand is described as its transpose
-    a_view = a.t() if trans_a else a
-    b_view = b.t() if trans_b else b
+    # TMA reads row-major storage: a transposed operand (layout "col") is described as its
+    # transpose; swapped, the kernel's a is b^T and its b is a^T
+    a_t = problems.matrix_layout(a, "a") == "col" and M > 1
+    b_t = problems.matrix_layout(b, "b") == "col" and N > 1
+    swap = bool(config.get("SWAP_AB"))
+    if swap:
+        a_view, b_view = (b.t() if b_t else b), (a.t() if a_t else a)
+        trans_a, trans_b = not b_t, not a_t
+    else:
+        a_view, b_view = (a.t() if a_t else a), (b.t() if b_t else b)
+        trans_a, trans_b = a_t, b_t
     a_src = gh.tma_ready(a_view)
     b_src = gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
-    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
+    p = {"M": M, "N": N, "K": K}
+    kc, kp = as_launched(config, p)
+    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
     c_desc = gh.tiled_desc(c, c_blk)
-    p = {"M": M, "N": N, "K": K}
     sms = gh.num_sms(a.device)
-    splits, per = gh.matmul_splits(p, config, sms)
-    grid = gh.persistent_grid(gh.matmul_tiles(p, config) * splits, sms)
-    split = gh.split_binary(config, splits)
-    ce = _constexprs(config, trans_a, trans_b, split)
+    splits, per = gh.matmul_splits(kp, kc, sms)
+    tiles = gh.matmul_tiles(kp, kc)
+    grid = gh.persistent_grid(tiles * splits, sms)
+    split = gh.split_binary(kc, splits)
+    ce = _constexprs(kc, trans_a, trans_b, split)
     ws = (
         torch.empty((splits, M, n_pad), device=a.device, dtype=torch.float32)
         if split
         else gh.no_split_workspace(a.device)
     )
-    tiles = gh.matmul_tiles(p, config)
     cnt = gh.tile_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
-    scalars = (M, N, K, config["GROUP_M"], splits, per, n_pad)
+    scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
     compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, c, cnt, *scalars, **ce)
     if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:
         ld = direct.DirectLauncher.of(compiled)
@@ -438,7 +515,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
             plan.tail = direct.kernel_args(matmul_kernel, (None,) * 6 + scalars, ce)[6:]
-            plan.trans_a, plan.trans_b = trans_a, trans_b
+            plan.swap, plan.a_t, plan.b_t = swap, *((b_t, a_t) if swap else (a_t, b_t))
             plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
@@ -449,10 +526,11 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
-    trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
-    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
-    split = gh.split_binary(config, gh.matmul_splits(p, config, gh.sm_count_of(device))[0])
-    ce = _constexprs(config, trans_a, trans_b, split)
+    kc, kp = as_launched(config, p)
+    trans_a, trans_b = kp["a_layout"] == "col", kp["b_layout"] == "col"
+    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
+    split = gh.split_binary(kc, gh.matmul_splits(kp, kc, gh.sm_count_of(device))[0])
+    ce = _constexprs(kc, trans_a, trans_b, split)
     sig = {
         "a_desc": gh.desc_sig(dt, a_blk),
         "b_desc": gh.desc_sig(dt, b_blk),

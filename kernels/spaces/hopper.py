@@ -9,7 +9,8 @@ from . import ConfigSpace
 SPACES = {
     # c[M, N] = a[M, K] @ b[K, N]; persistent over tiles in grouped order. SPLIT_K > 1 cuts each
     # tile's K that many ways into fp32 partials summed by a deterministic second pass; 0 takes
-    # the split count a work model finds fastest; 1 never splits
+    # the split count a work model finds fastest; 1 never splits. SWAP_AB 1: a decode GEMM
+    # (M <= 32) runs as c^T = b^T a^T, M on the MMA's narrow side (matmul_hopper.as_launched)
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
@@ -17,6 +18,7 @@ SPACES = {
             "BLOCK_K": (32, 64, 128),
             "GROUP_M": (1, 8),
             "SPLIT_K": (0, 1, 2, 4, 8),
+            "SWAP_AB": (0, 1),
             "num_warps": (4, 8),
             "num_stages": (2, 3, 4, 5, 6),
         }

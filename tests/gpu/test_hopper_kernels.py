@@ -5,6 +5,8 @@ spaces, pruning and compiles on the CPU are in tests/integration/test_hopper_spa
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -72,6 +74,11 @@ def test_matmul_matches_torch(M, N, K, layouts, dtype):
     configs = [
         mm.default_config(p, dev),
         {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+        # swapped (c^T = b^T a^T), unsplit and split the model's way: any M, not only decode's
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1, "SWAP_AB": 1, "num_warps": 4}
+        | {"num_stages": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 0, "SWAP_AB": 1, "num_warps": 4}
+        | {"num_stages": 3},
     ]
     for c in configs:
         _poison(M * gh.round_up(N, 8), dtype)
@@ -95,9 +102,9 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
         else torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()
     )
     ref = a.float() @ b.float()
-    for split in (0, 2, 3, 8):
+    for split, swap in itertools.product((0, 2, 3, 8), (0, 1)):
         c = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": split, "num_warps": 4}
-        c["num_stages"] = 4
+        c |= {"num_stages": 4, "SWAP_AB": swap}
         _poison(M * gh.round_up(N, 8), torch.bfloat16)
         first = mm.launch(c, a, b)  # JIT, builds the plan
         _check(first, ref, 1e-2)

@@ -37,6 +37,9 @@ def _problems(op: str):
     if op == "matmul":
         yield problems.matmul_problem(torch.empty(256, 512), torch.empty(512, 384)) | {"dtype": "bfloat16"}
         yield problems.matmul_problem(torch.empty(77, 64), torch.empty(96, 64).t()) | {"dtype": "float16"}
+        # decode: swapped on Hopper (c^T = b^T a^T), a row-major and a transposed weight
+        yield problems.matmul_problem(torch.empty(1, 512), torch.empty(512, 384)) | {"dtype": "bfloat16"}
+        yield problems.matmul_problem(torch.empty(16, 512), torch.empty(384, 512).t()) | {"dtype": "float16"}
         return
     shapes = [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0)]
     if op == "conv2d_dgrad":  # the pointwise (tiled A, TMA store), a strided 3x3, the stem (Ci = 3)

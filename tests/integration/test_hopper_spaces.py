@@ -144,7 +144,7 @@ def test_a_capped_tune_takes_deep_rings_before_narrow_k_steps(M, N, K):
     assert not (shallow_in and deep_out), (shallow_in[:3], deep_out[:3])
     if M == 128:
         want = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-        assert any(dict(want, SPLIT_K=s) in capped for s in (0, 1))
+        assert any(dict(want, SPLIT_K=s, SWAP_AB=0) in capped for s in (0, 1))
 
 
 def test_a_capped_tune_sees_the_k_step_that_keeps_a_wide_or_narrow_tile_deep():
@@ -170,16 +170,32 @@ def test_a_capped_tune_sees_the_k_step_that_keeps_a_wide_or_narrow_tile_deep():
     "M,N,K,splits",
     [(1, 4096, 14336, True), (16, 2816, 2048, True), (1, 8192, 8192, True), (4096, 4096, 4096, False)],
 )
-def test_a_decode_gemm_splits_k_by_default_and_a_prefill_gemm_does_not(M, N, K, splits):
-    """M = 1 x N = 4096 is 32 tiles of 64x128 on 132 SMs: untuned and tuned alike, K is split
-    so that every SM streams part of the weight; 4096^3 fills the GPU with tiles, and none of
-    its candidates splits."""
+def test_a_decode_gemm_runs_swapped_by_default_and_may_split_and_a_prefill_gemm_neither(M, N, K, splits):
+    """A decode GEMM (M <= 16) runs untuned as c^T = b^T a^T, N on the MMA's 64-row side and M
+    on an 8- or 16-wide one; M = 1 x N = 4096 is then 64 tiles on 132 SMs, so split candidates
+    (K streamed by more SMs) are tuned too. 4096^3 fills the GPU with tiles: neither."""
     p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"}
     c = mm.default_config(p, H100)
-    assert (gh.matmul_splits(p, c, 132)[0] > 1) is splits
+    launched, q = mm.as_launched(c, p)
+    assert c["SWAP_AB"] == splits and (launched["BLOCK_N"] == 8 if M == 1 else True)
+    assert (q["M"], q["N"]) == ((N, M) if splits else (M, N))
     pruned = mm.prune(mm.config_space(p, H100), p, H100)
     assert any(x["SPLIT_K"] != 1 for x in pruned) is splits
+    assert any(x["SWAP_AB"] for x in pruned) is splits
     assert all(space_for(mm.KERNEL).contains(x) for x in pruned + [c])
+
+
+def test_swapped_configs_are_tried_once_per_narrow_tile_and_only_for_decode():
+    """Swapped, BLOCK_N does not shape the launch (the tile over M follows M): only its 64 is
+    kept; M = 33 is no longer decode-sized."""
+    space = list(space_for(mm.KERNEL))
+    for m, narrow in ((1, 8), (16, 16), (32, 32)):
+        p = {"M": m, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "row"}
+        kept = [c for c in mm.prune(mm.config_space(p, H100), p, H100) if c["SWAP_AB"]]
+        assert kept and {c["BLOCK_N"] for c in kept} == {64}
+        assert {mm.as_launched(c, p)[0]["BLOCK_N"] for c in kept} == {narrow}
+    p = {"M": 33, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "row"}
+    assert not any(c["SWAP_AB"] and mm.worth_trying(c, p, 132) for c in space)
 
 
 def test_a_split_decode_gemm_is_one_launch_whose_last_split_sums_the_partials():
@@ -188,7 +204,7 @@ def test_a_split_decode_gemm_is_one_launch_whose_last_split_sums_the_partials():
     from tunecache.compile import compile_in_fresh_processes
 
     p = {"M": 1, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
-    c = mm.default_config(p, H100)
+    c = dict(mm.default_config(p, H100), SPLIT_K=0)
     assert gh.matmul_splits(p, c, 132)[0] > 1
     assert [spec.name for spec in mm.compile_specs(p, c, H100)] == ["matmul_kernel"]
     (out,) = compile_in_fresh_processes([(mm, p, c, 0)], H100, "sm_90a")
