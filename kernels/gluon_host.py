@@ -323,6 +323,56 @@ def matmul_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
     return split_k_plan(k_steps, want)
 
 
+# ---- swap-AB: decode GEMMs as c^T = b^T a^T, the rule both Gluon matmuls follow ------------
+#
+# An MMA tile (WGMMA, tcgen05) is at least 64 rows: with M = 1 a 64-row tile computes 64 times
+# the work and fills shared memory with zero rows. Swapped, the weight's N is the MMA's 64-row
+# side and M its narrow side (8, 16 or 32 columns, the narrowest N the MMA takes that holds M),
+# as cuBLAS runs M = 1 and 16 (64x8 tiles, H100). A config's SWAP_AB = 1 launches so; BLOCK_N
+# then does not shape the launch (the narrow tile follows M), so only its 64 is tried.
+
+SWAP_MAX_M = 32
+
+
+def narrow_tile(M: int) -> int:
+    """A swapped launch's tile over M: M rounded up to 8, 16 or 32."""
+    return min(SWAP_MAX_M, max(8, pow2_at_least(M)))
+
+
+def matmul_as_launched(c: dict, p: dict | None) -> tuple[dict, dict | None]:
+    """(config, problem) as the kernel runs them: under SWAP_AB, M and N (and the operands)
+    swapped and BLOCK_N the narrow tile over M (its widest, 32, without a problem)."""
+    if not c.get("SWAP_AB"):
+        return c, p
+    flip = {"row": "col", "col": "row"}
+    if p is None:
+        return dict(c, BLOCK_N=SWAP_MAX_M), None
+    q = dict(p, M=p["N"], N=p["M"])
+    if "a_layout" in p:
+        q.update(a_layout=flip[p["b_layout"]], b_layout=flip[p["a_layout"]])
+    return dict(c, BLOCK_N=narrow_tile(p["M"])), q
+
+
+def matmul_operands(a: torch.Tensor, b: torch.Tensor, swap: bool) -> tuple[bool, bool, bool, bool]:
+    """(x_t, y_t, trans_a, trans_b) of a matmul launch: the kernel's operands are x, y = (b, a)
+    swapped (its a is b^T, its b a^T), else (a, b); TMA tiles the row-major storage of each,
+    x.t() if x_t else x (a transposed view, layout "col", is described as its transpose), and
+    trans_a / trans_b say whether that storage holds the kernel's operand transposed."""
+    from .problems import matrix_layout
+
+    a_t = matrix_layout(a, "a") == "col" and a.shape[0] > 1
+    b_t = matrix_layout(b, "b") == "col" and b.shape[1] > 1
+    if swap:
+        return b_t, a_t, not b_t, not a_t
+    return a_t, b_t, a_t, b_t
+
+
+def matmul_swap_worth_trying(c: dict, p: dict) -> bool:
+    """The swap-AB half of a matmul's worth_trying: swapped only for decode-sized M, and once
+    per narrow tile (BLOCK_N 64 stands for it)."""
+    return not c.get("SWAP_AB") or (p["M"] <= SWAP_MAX_M and c["BLOCK_N"] == 64)
+
+
 def matmul_split_worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The split-K half of a matmul's worth_trying: no split of a GEMM whose tiles fill the GPU,
     no SPLIT_K=0 where the model does not split (the same launch as 1), no explicit count that

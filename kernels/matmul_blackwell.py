@@ -115,30 +115,85 @@ def _load_partition(
 
 
 @gluon.jit
-def _partials_epilogue(
-    ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW, SPLITS
+def _register_epilogue(
+    ws_ptr,
+    c_ptr,
+    cnt_ptr,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    num_work,
+    tiles,
+    num_pid_n,
+    group_m,
+    M,
+    N,
+    LDW,
+    SPLITS,
+    SPLIT: gl.constexpr,
+    SWAP: gl.constexpr,
 ):
-    """The split binary's epilogue: each work item's fp32 partial into ws[split, M, LDW]; the
-    tile's last split to arrive sums them into c [M, LDW]."""
+    """The epilogue of the split and swapped binaries, from registers. SPLIT: each work item's
+    fp32 partial into ws[split, rows of c, LDW], and the tile's last split to arrive sums them
+    into c (gluon_host.finish_split_tile). SWAP: the tile is c^T's ([BLOCK_M over c's columns,
+    BLOCK_N over its rows], BLOCK_N 32 at most: it is loaded whole) and goes out transposed."""
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     num_pid_m = tiles // num_pid_n
-    split_stride = M.to(gl.int64) * LDW
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile = work_id % tiles
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, group_m)
-        base = ws_ptr + (work_id // tiles).to(gl.int64) * split_stride
-        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
-        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
-        store_acc_masked(acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, om, M, LDW, on, N)
-        corner = om.to(gl.int64) * LDW + on
-        gh.finish_split_tile(
-            ws_ptr + corner, c_ptr + corner, cnt_ptr + tile, M - om, N - on, LDW, split_stride, SPLITS, BLOCK_M, BLOCK_N
-        )
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        acc = acc_tmem.index(acc_slot)
+        if SWAP:
+            layout: gl.constexpr = acc.get_reg_layout()
+            part = acc.load(layout)
+            mbarrier.arrive(acc_empty.index(acc_slot))
+            rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+            cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+            mask = (rows[:, None] < M - om) & (cols[None, :] < N - on)
+            offs = cols[None, :] * LDW + rows[:, None]
+            corner = on.to(gl.int64) * LDW + om
+            c_rows = N
+            if SPLIT:
+                split_stride = c_rows.to(gl.int64) * LDW
+                gl.store(ws_ptr + corner + (work_id // tiles) * split_stride + offs, part, mask=mask)
+                gh.finish_split_tile(
+                    ws_ptr + corner,
+                    c_ptr + corner,
+                    cnt_ptr + tile,
+                    N - on,
+                    M - om,
+                    LDW,
+                    split_stride,
+                    SPLITS,
+                    BLOCK_N,
+                    BLOCK_M,
+                )
+            else:
+                gl.store(c_ptr + corner + offs, part.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            split_stride = M.to(gl.int64) * LDW
+            base = ws_ptr + (work_id // tiles).to(gl.int64) * split_stride
+            store_acc_masked(acc, acc_empty.index(acc_slot), base, om, M, LDW, on, N)
+            corner = om.to(gl.int64) * LDW + on
+            gh.finish_split_tile(
+                ws_ptr + corner,
+                c_ptr + corner,
+                cnt_ptr + tile,
+                M - om,
+                N - on,
+                LDW,
+                split_stride,
+                SPLITS,
+                BLOCK_M,
+                BLOCK_N,
+            )
         acc_use += 1
 
 
@@ -165,10 +220,13 @@ def matmul_kernel(
     A_TRANS: gl.constexpr,
     B_TRANS: gl.constexpr,
     SPLIT: gl.constexpr,
+    SWAP: gl.constexpr,
 ):
     """a_desc tiles a [M, K] ([K, M] storage when A_TRANS), b_desc b [K, N] ([N, K] when
-    B_TRANS). SPLIT False: c_desc receives c [M, N] in [BLOCK_M, epilogue slice] blocks
-    (SPLITS, K_PER, LDW, ws_ptr, c_ptr and cnt_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW]
+    B_TRANS). SWAP: the kernel computes c^T = b^T a^T (the host passes b^T as a, a^T as b and
+    swaps M and N) and c_ptr [N, LDW] receives each tile transposed. Else, SPLIT False: c_desc
+    receives c [M, N] in [BLOCK_M, epilogue slice] blocks (SPLITS, K_PER, LDW, ws_ptr, c_ptr
+    and cnt_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW]
     fp32 receives the partials, K_PER k-steps per split, cnt_ptr holds a zeroed int32 counter
     per tile (left zeroed), and the last split of a tile to arrive writes c_ptr [M, LDW]."""
     dtype: gl.constexpr = a_desc.dtype
@@ -195,15 +253,15 @@ def matmul_kernel(
     else:
         num_work = tiles
         k_per_split = total_k
-    # two launches of the partitions, their argument lists written out in each: the split
-    # binary allocates no TMA staging buffers, and a partition takes no None in their place
+    # two launches of the partitions, their argument lists written out in each: the split and
+    # swapped binaries allocate no TMA staging buffers, and a partition takes no None in their place
     # (nor a tuple held in a variable: it would carry A_TRANS and B_TRANS as values, not
     # constexprs)
-    if SPLIT:
+    if SPLIT or SWAP:
         gl.warp_specialize(
             [
                 (
-                    _partials_epilogue,
+                    _register_epilogue,
                     (
                         ws_ptr,
                         c_ptr,
@@ -219,6 +277,8 @@ def matmul_kernel(
                         N,
                         LDW,
                         SPLITS,
+                        SPLIT,
+                        SWAP,
                     ),
                 ),
                 (
@@ -337,6 +397,9 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): no tile far larger than the matrix
     (it would compute mostly padding), and the split counts of gluon_host's matmul rule. Whether
     it fits the device is resources_ok()'s question."""
+    if not gh.matmul_swap_worth_trying(c, p):
+        return False
+    c, p = gh.matmul_as_launched(c, p)
     return (
         c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"]))
         and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
@@ -351,11 +414,11 @@ def epilogue_n(c: dict) -> int:
 
 def smem_bytes(c: dict, p: dict) -> int:
     """Shared memory the kernel allocates: the operand ring, two epilogue staging slices (not
-    in a split binary: its partials go out from registers) and the barriers (what the compiler
-    reports, to within its few bytes of bookkeeping)."""
+    in a split or swapped binary: they store from registers) and the barriers (what the
+    compiler reports, to within its few bytes of bookkeeping); c as launched."""
     item = gh.ITEMSIZE[p["dtype"]]
     ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 0 if c["SPLIT_K"] >= 2 else 2 * c["BLOCK_M"] * epilogue_n(c) * item
+    staging = 0 if c["SPLIT_K"] >= 2 or c.get("SWAP_AB") else 2 * c["BLOCK_M"] * epilogue_n(c) * item
     return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
 
 
@@ -371,7 +434,8 @@ def tmem_columns(c: dict) -> int:
 def resources_ok(c: dict, p: dict) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared and
     tensor memory."""
-    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+    k, _ = gh.matmul_as_launched(c, p)
+    return smem_bytes(k, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(k) <= TMEM_COLUMNS
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -388,6 +452,7 @@ def default_config(p: dict, device) -> dict:
         if triton.cdiv(p["M"], 128) * triton.cdiv(p["N"], 128) < sms // 2:
             c.update(BLOCK_M=64, NUM_BUFFERS=6)
     c["SPLIT_K"] = 0  # the work model's split count where the tiles leave SMs idle
+    c["SWAP_AB"] = 0  # swapped decode GEMMs won on an H100 (the Hopper default); unmeasured here
     if not worth_trying(c, p, sms):
         c["SPLIT_K"] = 1
     space = config_space(p, device)
@@ -416,6 +481,7 @@ def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
         "A_TRANS": trans_a,
         "B_TRANS": trans_b,
         "SPLIT": split,
+        "SWAP": bool(c.get("SWAP_AB")),
     }
 
 
@@ -423,23 +489,24 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[1]
     dt = a.dtype
-    trans_a = problems.matrix_layout(a, "a") == "col" and M > 1
-    trans_b = problems.matrix_layout(b, "b") == "col" and N > 1
-    # TMA reads the row-major storage: a transposed operand is described as its transpose
-    a_src = gh.tma_ready(a.t() if trans_a else a)
-    b_src = gh.tma_ready(b.t() if trans_b else b)
+    swap = bool(config.get("SWAP_AB"))
+    x_t, y_t, trans_a, trans_b = gh.matmul_operands(a, b, swap)
+    x, y = (b, a) if swap else (a, b)
+    a_src = gh.tma_ready(x.t() if x_t else x)
+    b_src = gh.tma_ready(y.t() if y_t else y)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
-    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
+    p = {"M": M, "N": N, "K": K}
+    kc, kp = gh.matmul_as_launched(config, p)
+    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
     c_desc = gh.tiled_desc(c, c_blk)
-    p = {"M": M, "N": N, "K": K}
     sms = gh.num_sms(a.device)
-    splits, per = gh.matmul_splits(p, config, sms)
-    split = gh.split_binary(config, splits)
+    splits, per = gh.matmul_splits(kp, kc, sms)
+    split = gh.split_binary(kc, splits)
     ws = gh.split_k_workspace(splits, M, n_pad, a.device) if split else gh.no_split_workspace(a.device)
-    tiles = gh.matmul_tiles(p, config)
+    tiles = gh.matmul_tiles(kp, kc)
     grid = gh.persistent_grid(tiles * splits, sms)
     cnt = gh.tile_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     matmul_kernel[grid](
@@ -449,25 +516,26 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ws,
         c,
         cnt,
-        M,
-        N,
+        kp["M"],
+        kp["N"],
         K,
         config["GROUP_M"],
         splits,
         per,
         n_pad,
         num_warps=config["num_warps"],
-        **_constexprs(config, trans_a, trans_b, split),
+        **_constexprs(kc, trans_a, trans_b, split),
     )
     return c if n_pad == N else c[:, :N].contiguous()
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
-    trans_a, trans_b = p["a_layout"] == "col", p["b_layout"] == "col"
-    a_blk, b_blk, c_blk = _block_shapes(config, trans_a, trans_b)
-    split = gh.split_binary(config, gh.matmul_splits(p, config, gh.sm_count_of(device))[0])
-    ce = _constexprs(config, trans_a, trans_b, split)
+    kc, kp = gh.matmul_as_launched(config, p)
+    trans_a, trans_b = kp["a_layout"] == "col", kp["b_layout"] == "col"
+    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
+    split = gh.split_binary(kc, gh.matmul_splits(kp, kc, gh.sm_count_of(device))[0])
+    ce = _constexprs(kc, trans_a, trans_b, split)
     sig = {
         "a_desc": gh.desc_sig(dt, a_blk),
         "b_desc": gh.desc_sig(dt, b_blk),

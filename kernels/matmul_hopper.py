@@ -281,40 +281,10 @@ def config_space(p: dict, device) -> list[dict]:
     return [c for c in SPACES[OP] if not resources_ok(c, p) or worth_trying(c, p, sms)]
 
 
-# ---- swap-AB: decode GEMMs as c^T = b^T a^T ------------------------------------------------------
-#
-# A WGMMA tile is at least 64 rows: with M = 1 a 64-row tile computes 64 times the work and
-# fills shared memory with zero rows. Swapped, the weight's N is the MMA's 64-row side and M
-# its narrow side (8, 16 or 32 columns, the narrowest N the MMA takes that holds M), as
-# cuBLAS runs M = 1 and 16 (64x8 tiles, H100). SWAP_AB = 1 launches so; BLOCK_N then does not
-# shape the launch (the narrow tile follows M), so only its 64 is tried.
-
-SWAP_MAX_M = 32
-
-
-def narrow_tile(M: int) -> int:
-    """A swapped launch's tile over M: M rounded up to 8, 16 or 32."""
-    return min(SWAP_MAX_M, max(8, gh.pow2_at_least(M)))
-
-
-def as_launched(c: dict, p: dict | None) -> tuple[dict, dict | None]:
-    """(config, problem) as the kernel runs them: under SWAP_AB, M and N (and the operands)
-    swapped and BLOCK_N the narrow tile over M (its widest, 32, without a problem)."""
-    if not c.get("SWAP_AB"):
-        return c, p
-    flip = {"row": "col", "col": "row"}
-    if p is None:
-        return dict(c, BLOCK_N=SWAP_MAX_M), None
-    q = dict(p, M=p["N"], N=p["M"])
-    if "a_layout" in p:
-        q.update(a_layout=flip[p["b_layout"]], b_layout=flip[p["a_layout"]])
-    return dict(c, BLOCK_N=narrow_tile(p["M"])), q
-
-
 def resources_ok(c: dict, p: dict | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
-    k, _ = as_launched(c, p)
+    k, _ = gh.matmul_as_launched(c, p)
     return ghop.wgmma_resources_ok(k, smem_bytes(k))
 
 
@@ -329,9 +299,9 @@ def smem_bytes(c: dict, itemsize: int = 2) -> int:
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): could this config win on this problem
     on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
-    if c.get("SWAP_AB") and (p["M"] > SWAP_MAX_M or c["BLOCK_N"] != 64):
+    if not gh.matmul_swap_worth_trying(c, p):
         return False
-    c, p = as_launched(c, p)
+    c, p = gh.matmul_as_launched(c, p)
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
@@ -474,23 +444,16 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     M, K = a.shape
     N = b.shape[1]
     dt = a.dtype
-    # TMA reads row-major storage: a transposed operand (layout "col") is described as its
-    # transpose; swapped, the kernel's a is b^T and its b is a^T
-    a_t = problems.matrix_layout(a, "a") == "col" and M > 1
-    b_t = problems.matrix_layout(b, "b") == "col" and N > 1
     swap = bool(config.get("SWAP_AB"))
-    if swap:
-        a_view, b_view = (b.t() if b_t else b), (a.t() if a_t else a)
-        trans_a, trans_b = not b_t, not a_t
-    else:
-        a_view, b_view = (a.t() if a_t else a), (b.t() if b_t else b)
-        trans_a, trans_b = a_t, b_t
+    x_t, y_t, trans_a, trans_b = gh.matmul_operands(a, b, swap)
+    x, y = (b, a) if swap else (a, b)
+    a_view, b_view = (x.t() if x_t else x), (y.t() if y_t else y)
     a_src = gh.tma_ready(a_view)
     b_src = gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
     p = {"M": M, "N": N, "K": K}
-    kc, kp = as_launched(config, p)
+    kc, kp = gh.matmul_as_launched(config, p)
     a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
@@ -515,7 +478,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
             plan.tail = direct.kernel_args(matmul_kernel, (None,) * 6 + scalars, ce)[6:]
-            plan.swap, plan.a_t, plan.b_t = swap, *((b_t, a_t) if swap else (a_t, b_t))
+            plan.swap, plan.a_t, plan.b_t = swap, x_t, y_t
             plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
@@ -526,7 +489,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
-    kc, kp = as_launched(config, p)
+    kc, kp = gh.matmul_as_launched(config, p)
     trans_a, trans_b = kp["a_layout"] == "col", kp["b_layout"] == "col"
     a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
     split = gh.split_binary(kc, gh.matmul_splits(kp, kc, gh.sm_count_of(device))[0])

@@ -28,7 +28,8 @@ _STAGES = (2, 3, 4, 5, 6)
 SPACES = {
     # c[M, N] = a[M, K] @ b[K, N]; SPLIT_K as the Hopper matmul's: > 1 cuts each tile's K that
     # many ways into fp32 partials summed by a deterministic second pass, 0 takes the split
-    # count gluon_host's work model finds fastest, 1 never splits
+    # count gluon_host's work model finds fastest, 1 never splits; SWAP_AB as the Hopper matmul's
+    # (gluon_host.matmul_as_launched)
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
@@ -38,6 +39,7 @@ SPACES = {
             "NUM_ACC": (2,),
             "GROUP_M": (1, 8),
             "SPLIT_K": (0, 1, 2, 4, 8),
+            "SWAP_AB": (0, 1),
             "num_warps": (4,),
         }
     ),

@@ -38,6 +38,9 @@ KERNELS = {
     "matmul": ("matmul", {}, matmul_blackwell, {}),
     # a decode GEMM: 32 tiles on 148 SMs, so the default config splits K (the split binary)
     "matmul-split": ("matmul", {"M": 16, "N": 4096, "K": 4096}, matmul_blackwell, {}),
+    # swapped (c^T = b^T a^T): M = 1 on an 8-wide MMA tile, unsplit and split
+    "matmul-swap": ("matmul", {"M": 1, "N": 4096, "K": 4096}, matmul_blackwell, {"SWAP_AB": 1, "SPLIT_K": 1}),
+    "matmul-swap-split": ("matmul", {"M": 1, "N": 4096, "K": 4096}, matmul_blackwell, {"SWAP_AB": 1, "SPLIT_K": 0}),
     "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell, {}),
     "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {}),
     "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gh.STREAM_K}),
@@ -49,7 +52,17 @@ KERNELS = {
 PARTITIONS = {
     "matmul": (gluon_blackwell.tma_store_epilogue, gluon_blackwell.mma_partition, matmul_blackwell._load_partition),
     "matmul-split": (
-        matmul_blackwell._partials_epilogue,
+        matmul_blackwell._register_epilogue,
+        gluon_blackwell.mma_partition,
+        matmul_blackwell._load_partition,
+    ),
+    "matmul-swap": (
+        matmul_blackwell._register_epilogue,
+        gluon_blackwell.mma_partition,
+        matmul_blackwell._load_partition,
+    ),
+    "matmul-swap-split": (
+        matmul_blackwell._register_epilogue,
         gluon_blackwell.mma_partition,
         matmul_blackwell._load_partition,
     ),
@@ -83,6 +96,8 @@ PARTITIONS = {
 TMA_STORE = {
     "matmul": True,
     "matmul-split": False,
+    "matmul-swap": False,
+    "matmul-swap-split": False,
     "conv2d_fprop": True,
     "conv2d_wgrad": False,
     "conv2d_wgrad-stream": False,
@@ -121,15 +136,26 @@ def test_the_decode_problem_takes_the_split_binary():
     assert not gh.split_binary(matmul_blackwell.default_config(big, device), 1)
 
 
-def test_the_last_split_of_a_tile_sums_the_partials(ptx_of):
+@pytest.mark.parametrize("kernel", ["matmul-split", "matmul-swap-split"])
+def test_the_last_split_of_a_tile_sums_the_partials(kernel, ptx_of):
     # each split counts in on its tile's counter (acq_rel at GPU scope: its partial is out
     # before, the last one sees them all), the last one reads the partials past L1 and zeroes
     # the counter for the next launch
-    ptx = ptx_of("matmul-split")
+    ptx = ptx_of(kernel)
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
     assert re.search(r"ld\.global\.cg", ptx)
     assert re.search(r"atom\.global\.gpu\.relaxed\.exch", ptx)
-    assert not re.search(r"atom\.global\.gpu\.acq_rel", ptx_of("matmul")), "the unsplit binary counts nothing"
+    for unsplit in ("matmul", "matmul-swap"):
+        assert not re.search(r"atom\.global\.gpu\.acq_rel", ptx_of(unsplit)), f"{unsplit} counts nothing"
+
+
+def test_a_swapped_decode_gemm_runs_an_8_wide_mma():
+    # M = 1 on the MMA's narrow side: the kernel is compiled for an [BLOCK_M, 8] accumulator
+    device = device_for(ARCH)
+    p = _problem("matmul-swap")
+    config = {**matmul_blackwell.default_config(p, device), **KERNELS["matmul-swap"][3]}
+    (spec,) = matmul_blackwell.compile_specs(p, config, device)
+    assert spec.constexprs["SWAP"] and spec.constexprs["BLOCK_N"] == 8
 
 
 def _lines_in_ptx(ptx: str) -> set[tuple[str, int]]:

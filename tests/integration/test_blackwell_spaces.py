@@ -43,6 +43,7 @@ def test_a_decode_gemm_splits_k_by_default_and_a_prefill_gemm_does_not(M, N, K, 
     assert names == ["matmul_kernel"]  # a split launch sums its own partials: no second kernel
     pruned = mm.prune(mm.config_space(p, B200), p, B200)
     assert any(x["SPLIT_K"] != 1 for x in pruned) is splits
+    assert any(x["SWAP_AB"] for x in pruned) is (M <= gh.SWAP_MAX_M)
     assert all(space_for(mm.KERNEL).contains(x) for x in pruned + [c])
 
 

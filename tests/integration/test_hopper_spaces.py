@@ -176,7 +176,7 @@ def test_a_decode_gemm_runs_swapped_by_default_and_may_split_and_a_prefill_gemm_
     (K streamed by more SMs) are tuned too. 4096^3 fills the GPU with tiles: neither."""
     p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"}
     c = mm.default_config(p, H100)
-    launched, q = mm.as_launched(c, p)
+    launched, q = gh.matmul_as_launched(c, p)
     assert c["SWAP_AB"] == splits and (launched["BLOCK_N"] == 8 if M == 1 else True)
     assert (q["M"], q["N"]) == ((N, M) if splits else (M, N))
     pruned = mm.prune(mm.config_space(p, H100), p, H100)
@@ -193,7 +193,7 @@ def test_swapped_configs_are_tried_once_per_narrow_tile_and_only_for_decode():
         p = {"M": m, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "row"}
         kept = [c for c in mm.prune(mm.config_space(p, H100), p, H100) if c["SWAP_AB"]]
         assert kept and {c["BLOCK_N"] for c in kept} == {64}
-        assert {mm.as_launched(c, p)[0]["BLOCK_N"] for c in kept} == {narrow}
+        assert {gh.matmul_as_launched(c, p)[0]["BLOCK_N"] for c in kept} == {narrow}
     p = {"M": 33, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "row"}
     assert not any(c["SWAP_AB"] and mm.worth_trying(c, p, 132) for c in space)
 
