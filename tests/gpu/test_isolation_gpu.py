@@ -54,7 +54,8 @@ def test_a_stored_config_that_does_not_fit_the_device_is_never_launched(db_url, 
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
     a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
-    huge = {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 6}
+    huge = {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4}
+    huge |= {"num_stages": 6, "SWAP_AB": 0}
     assert hop.smem_bytes(huge) > 232448  # 525,360 B: in the space, not on an sm_90 part
     key = make_key(hop, hop.problem(a, b), cuda_device(0))
     default_store().put_config(ConfigRecord(key=key, config=huge, median_ms=1e-6, source="fleet"))
