@@ -8,9 +8,10 @@ from . import ConfigSpace
 
 SPACES = {
     # c[M, N] = a[M, K] @ b[K, N]; persistent over tiles in grouped order. SPLIT_K > 1 cuts each
-    # tile's K that many ways into fp32 partials summed by a deterministic second pass; 0 takes
-    # the split count a work model finds fastest; 1 never splits. SWAP_AB 1: a decode GEMM
-    # (M <= 32) runs as c^T = b^T a^T, M on the MMA's narrow side (matmul_hopper.as_launched)
+    # tile's K that many ways into fp32 partials, summed in split order by the tile's last split
+    # to arrive; 0 takes the split count a work model finds fastest; 1 never splits. SWAP_AB 1: a
+    # decode GEMM (M <= 32) runs as c^T = b^T a^T, M on the MMA's narrow side
+    # (gluon_host.matmul_as_launched)
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),
