@@ -591,7 +591,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     if work.stream:
         ws = torch.empty((work.ctas, bm, bn), device=x.device, dtype=torch.float32)
-        flags = gh.stream_k_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        flags = gh.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
         ptrs = (out, ws, flags)
     else:
         ws = out if work.splits == 1 else gh.split_k_workspace(work.splits, Co, R * S * Ci, x.device)

@@ -565,7 +565,7 @@ class _Plan:
         gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(gp)))
         xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
         if mode == "stream":
-            flags = gh.stream_k_flags(x.device, stream, self.grid0)
+            flags = gh.zeroed_counters(x.device, stream, self.grid0)
             ld(self.grid0, stream, [*gm, *xm, out, ws, flags, *self.tail])
         elif mode == "split":
             ld(self.grid0, stream, [*gm, *xm, ws, ws, ws, *self.tail])
@@ -662,7 +662,7 @@ def _launch_jit(
     geometry = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw)
     reduce = None
     if mode == "stream":
-        flags = gh.stream_k_flags(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        flags = gh.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
         ptrs = (out, ws, flags)
     else:
         target = out if mode == "direct" else ws

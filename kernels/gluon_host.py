@@ -405,19 +405,21 @@ def no_split_workspace(device) -> torch.Tensor:
     return ws
 
 
-_TILE_COUNTERS: dict = {}
+_COUNTERS: dict = {}
 
 
-def tile_counters(device, stream: int, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, at least `tiles` of them, for a kernel whose split-K
-    partials are summed by the tile's last split to arrive (the Hopper and Blackwell matmuls):
-    the kernel leaves them zeroed, so one buffer serves every launch on a stream (launches on
-    one stream run in order; another stream gets its own). Also the unsplit binary's unused
-    argument."""
+def zeroed_counters(device, stream: int, n: int) -> torch.Tensor:
+    """At least `n` zeroed int32 counters for a kernel that leaves them zeroed: the matmuls'
+    per-tile split arrivals (finish_split_tile), the wgrad's stream-K flags. One buffer per
+    (device, stream) serves every such launch (launches on one stream run in order; another
+    stream gets its own). Under CUDA-graph capture each launch gets a fresh buffer, its zeroing
+    captured with it: a graph's replays cannot count on what ran outside it."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(max(n, 1), device=device, dtype=torch.int32)
     key = (torch.device(device), stream)
-    cnt = _TILE_COUNTERS.get(key)
-    if cnt is None or cnt.numel() < tiles:
-        cnt = _TILE_COUNTERS[key] = torch.zeros(max(1024, pow2_at_least(tiles)), device=device, dtype=torch.int32)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = _COUNTERS[key] = torch.zeros(max(1024, pow2_at_least(n)), device=device, dtype=torch.int32)
     return cnt
 
 
@@ -435,7 +437,7 @@ def finish_split_tile(
     BLOCK_N: gl.constexpr,
 ):
     """Once this CTA's fp32 partial of a tile is in the workspace (at ws_tile, split s at
-    s * split_stride): count in on the tile's counter (tile_counters); the split that arrives
+    s * split_stride): count in on the tile's counter (zeroed_counters); the split that arrives
     last sums the SPLITS partials in split order (deterministic) into c (at c_tile, c's dtype)
     and zeroes the counter for the next launch. The matmul kernels' split epilogue: one
     launch, where a second reduction kernel cost a decode GEMM of 20 us another 3-4 (H100)."""
@@ -589,20 +591,6 @@ class WgradWork:
     def of(cls, p: dict, c: dict, sms: int) -> "WgradWork":
         ci = padded_channels(p["Ci"], p["dtype"])
         return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
-
-
-_FLAGS: dict = {}
-
-
-def stream_k_flags(device: torch.device, stream: int, ctas: int) -> torch.Tensor:
-    """Stream-K's per-CTA flags, one zeroed buffer per (device, stream): every flag a launch
-    raises is lowered by the CTA that consumes it, so the buffer is all zeros between launches,
-    and launches on one stream never overlap."""
-    key = (device, stream)
-    flags = _FLAGS.get(key)
-    if flags is None or flags.numel() < ctas:
-        flags = _FLAGS[key] = torch.zeros(max(ctas, 1024), device=device, dtype=torch.int32)
-    return flags
 
 
 @gluon.jit

@@ -508,7 +508,7 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ws = gh.split_k_workspace(splits, M, n_pad, a.device) if split else gh.no_split_workspace(a.device)
     tiles = gh.matmul_tiles(kp, kc)
     grid = gh.persistent_grid(tiles * splits, sms)
-    cnt = gh.tile_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
+    cnt = gh.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     matmul_kernel[grid](
         a_desc,
         b_desc,

@@ -408,7 +408,7 @@ class _Plan:
         )
         if (pc | ws.data_ptr()) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
-        cnt = gh.tile_counters(a.device, stream, self.tiles)
+        cnt = gh.zeroed_counters(a.device, stream, self.tiles)
         maps, ld = self.maps, self.launcher
         am = maps.get((0, pa)) or maps.put((0, pa), ld.expand_desc(0, gh.tiled_desc(av, self.a_blk)))
         bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
@@ -469,7 +469,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
         if split
         else gh.no_split_workspace(a.device)
     )
-    cnt = gh.tile_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
+    cnt = gh.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
     compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, c, cnt, *scalars, **ce)
     if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:

@@ -116,7 +116,7 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
             _check(planned, ref, 1e-2)
         assert torch.equal(first, planned), "split-K sums must not depend on which split arrives last"
         stream = torch.cuda.current_stream().cuda_stream
-        assert not gh.tile_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
+        assert not gh.zeroed_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
 
 
 # the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,

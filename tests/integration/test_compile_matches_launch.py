@@ -73,7 +73,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(direct, "direct_launch_enabled", lambda: False)
     monkeypatch.setattr(gh, "num_sms", lambda device=None: 132)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
-    monkeypatch.setattr(gh, "stream_k_flags", lambda dev, stream, n: torch.zeros(max(n, 1), dtype=torch.int32))
+    monkeypatch.setattr(gh, "zeroed_counters", lambda dev, stream, n: torch.zeros(max(n, 1), dtype=torch.int32))
     return seen
 
 
