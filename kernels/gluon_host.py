@@ -367,6 +367,14 @@ def matmul_operands(a: torch.Tensor, b: torch.Tensor, swap: bool) -> tuple[bool,
     return a_t, b_t, a_t, b_t
 
 
+def matmul_views(
+    a: torch.Tensor, b: torch.Tensor, swap: bool, x_t: bool, y_t: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-major storages the kernel's a and b descriptors tile (matmul_operands' x_t, y_t)."""
+    x, y = (b, a) if swap else (a, b)
+    return (x.t() if x_t else x), (y.t() if y_t else y)
+
+
 def matmul_swap_worth_trying(c: dict, p: dict) -> bool:
     """The swap-AB half of a matmul's worth_trying: swapped only for decode-sized M, and once
     per narrow tile (BLOCK_N 64 stands for it)."""
@@ -413,10 +421,11 @@ def zeroed_counters(device, stream: int, n: int) -> torch.Tensor:
     per-tile split arrivals (finish_split_tile), the wgrad's stream-K flags. One buffer per
     (device, stream) serves every such launch (launches on one stream run in order; another
     stream gets its own). Under CUDA-graph capture each launch gets a fresh buffer, its zeroing
-    captured with it: a graph's replays cannot count on what ran outside it."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    captured with it: a graph's replays cannot count on what ran outside it. `device`: a
+    tensor's (a torch.device), called on every launch, so nothing here is rebuilt per call."""
+    if torch.cuda.is_current_stream_capturing():
         return torch.zeros(max(n, 1), device=device, dtype=torch.int32)
-    key = (torch.device(device), stream)
+    key = (device, stream)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
         cnt = _COUNTERS[key] = torch.zeros(max(1024, pow2_at_least(n)), device=device, dtype=torch.int32)

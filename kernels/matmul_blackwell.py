@@ -491,9 +491,8 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     dt = a.dtype
     swap = bool(config.get("SWAP_AB"))
     x_t, y_t, trans_a, trans_b = gh.matmul_operands(a, b, swap)
-    x, y = (b, a) if swap else (a, b)
-    a_src = gh.tma_ready(x.t() if x_t else x)
-    b_src = gh.tma_ready(y.t() if y_t else y)
+    a_view, b_view = gh.matmul_views(a, b, swap, x_t, y_t)
+    a_src, b_src = gh.tma_ready(a_view), gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
     p = {"M": M, "N": N, "K": K}

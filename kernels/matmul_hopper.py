@@ -389,9 +389,7 @@ class _Plan:
 
     def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
         # a_ok/b_ok: the strides suit TMA, so only the base address can force tma_ready's copy
-        x, y = (b, a) if self.swap else (a, b)
-        av = x.t() if self.a_t else x
-        bv = y.t() if self.b_t else y
+        av, bv = gh.matmul_views(a, b, self.swap, self.a_t, self.b_t)
         pa, pb = av.data_ptr(), bv.data_ptr()
         if not (self.a_ok and not pa & 15):
             av = gh.tma_ready(av)
@@ -446,8 +444,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     dt = a.dtype
     swap = bool(config.get("SWAP_AB"))
     x_t, y_t, trans_a, trans_b = gh.matmul_operands(a, b, swap)
-    x, y = (b, a) if swap else (a, b)
-    a_view, b_view = (x.t() if x_t else x), (y.t() if y_t else y)
+    a_view, b_view = gh.matmul_views(a, b, swap, x_t, y_t)
     a_src = gh.tma_ready(a_view)
     b_src = gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
