@@ -163,6 +163,8 @@ def _mma_partition(
     b_bufs,
     ready,
     empty,
+    c_desc,
+    c_smem,
     out_ptr,
     ws_ptr,
     flags_ptr,
@@ -183,7 +185,11 @@ def _mma_partition(
     last k-steps: the others (each holds at most one such piece, the first it runs) store
     their fp32 partial in ws_ptr [CTAs, BLOCK_M, BLOCK_N] and raise flags_ptr[cta]; c_hi
     reaches the tile last in its own run, adds the partials in CTA order (deterministic),
-    lowers the flags and stores the sum. It only waits on lower-numbered CTAs, started before it."""
+    lowers the flags and stores the sum. It only waits on lower-numbered CTAs, started before it.
+    A finished tile of grad_w leaves through c_smem by TMA store (c_desc: grad_w as [Co, RS, Ci],
+    its Ci edge clipped); from registers, the accumulator's fragments made 16-byte row pieces, and
+    a 7x7 layer's 25 k-steps spent a third of their time on them (H100). fp32 split partials
+    still go out from registers."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
@@ -227,11 +233,18 @@ def _mma_partition(
         else:
             done = k_to > 0
         if done:
-            rows = co_blk * BLOCK_M + rows0
-            ci = ci_blk * BLOCK_N + cols0
-            mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
-            base = (split.to(gl.int64) * Co + rows.to(gl.int64)) * row_len + rs * Ci
-            gl.store(out_ptr + base[:, None] + ci[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if out_ptr.dtype.element_ty == gl.float32:
+                rows = co_blk * BLOCK_M + rows0
+                ci = ci_blk * BLOCK_N + cols0
+                mask = (rows < Co)[:, None] & (ci < Ci)[None, :]
+                base = (split.to(gl.int64) * Co + rows.to(gl.int64)) * row_len + rs * Ci
+                gl.store(out_ptr + base[:, None] + ci[None, :], acc, mask=mask)
+            else:
+                tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+                c_smem.reshape([BLOCK_M, BLOCK_N]).store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                tma.async_store(c_desc, [co_blk * BLOCK_M, rs, ci_blk * BLOCK_N], c_smem)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit(
@@ -254,6 +267,7 @@ def _mma_partition(
 def conv2d_wgrad_kernel(
     g_desc,
     x_desc,
+    c_desc,
     out_ptr,
     ws_ptr,
     flags_ptr,
@@ -275,7 +289,8 @@ def conv2d_wgrad_kernel(
     IM2COL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """g_desc: tiles of grad_out [N*P*Q, Co]; x_desc: im2col over x [N, H, W, Ci].
+    """g_desc: tiles of grad_out [N*P*Q, Co]; x_desc: im2col over x [N, H, W, Ci]; c_desc: grad_w
+    as [Co, R*S, Ci] in [BLOCK_M, 1, BLOCK_N] blocks (a launch into fp32 partials leaves it unused).
     Split-K (STREAM False): out_ptr [num_splits, Co, RS*Ci] (fp32 partials, or grad_w itself
     with one split), `per` k-steps per split; ws_ptr and flags_ptr unused.
     Stream-K: out_ptr grad_w [Co, RS*Ci], ws_ptr [CTAs, BLOCK_M, BLOCK_N] fp32, flags_ptr
@@ -287,6 +302,7 @@ def conv2d_wgrad_kernel(
     dtype: gl.constexpr = g_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -301,6 +317,8 @@ def conv2d_wgrad_kernel(
                     b_bufs,
                     ready,
                     empty,
+                    c_desc,
+                    c_smem,
                     out_ptr,
                     ws_ptr,
                     flags_ptr,
@@ -454,21 +472,31 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem (too-large
     tiles, narrow two-warpgroup tiles, splits past what fills the GPU). Resource limits are left to
     prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if not resources_ok(c, p) or worth_trying(c, p, gh.sm_count_of(device))]
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if not resources_ok(c, p, sms) or worth_trying(c, p, sms)]
 
 
-def resources_ok(c: dict, p: dict | None = None) -> bool:
+def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
-    return ghop.wgmma_resources_ok(c, smem_bytes(c, packed=p is not None and gh.packs_taps(p)))
+    packed = p is not None and gh.packs_taps(p)
+    # a launch into fp32 split partials stores from registers: its binary has no grad_w tile
+    partials = p is not None and sms is not None and not packed and _into_partials(gh.WgradWork.of(p, c, sms))
+    return ghop.wgmma_resources_ok(c, smem_bytes(c, packed=packed, tma_out=not partials))
 
 
-def smem_bytes(c: dict, itemsize: int = 2, packed: bool = False) -> int:
-    """The ring of (grad_out, x) tiles; the packed kernel rings grad_out only and double-buffers
-    its gathered x."""
+def _into_partials(w: gh.WgradWork) -> bool:
+    """Whether a launch writes fp32 split partials (a second pass sums them) instead of grad_w."""
+    return not w.stream and w.splits > 1
+
+
+def smem_bytes(c: dict, itemsize: int = 2, packed: bool = False, tma_out: bool = True) -> int:
+    """The ring of (grad_out, x) tiles and the grad_w tile TMA stores from (tma_out); the packed
+    kernel rings grad_out only, double-buffers its gathered x and stores from registers."""
     b_tiles = 2 if packed else c["num_stages"]
     ring = (c["num_stages"] * c["BLOCK_M"] + b_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
-    return ring + 8 * c["num_stages"] + 1024
+    c_tile = c["BLOCK_M"] * c["BLOCK_N"] * itemsize if tma_out and not packed else 0
+    return ring + c_tile + 8 * c["num_stages"] + 1024
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
@@ -498,8 +526,9 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
-    kept = [c for c in configs if resources_ok(c, p)]
-    return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
+    sms = gh.sm_count_of(device)
+    kept = [c for c in configs if resources_ok(c, p, sms)]
+    return ghop.quick_first(OP, kept, p, sms)
 
 
 def default_config(p: dict, device) -> dict:
@@ -511,7 +540,7 @@ def default_config(p: dict, device) -> dict:
         bn = min(64, max(16, gh.pow2_at_least(gh.packed_k(p))))
     warps = 8 if bm == 128 and bn >= 128 else 4
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": warps, "num_stages": 4}
-    if not (resources_ok(c, p) and worth_trying(c, p, sms)):
+    if not (resources_ok(c, p, sms) and worth_trying(c, p, sms)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], -abs(x["SPLIT_K"])))
@@ -542,6 +571,7 @@ class _Plan:
         "tail",
         "g_desc",
         "x_desc",
+        "c_desc",
         "ci",
         "pad_x",
         "pad_g",
@@ -562,16 +592,18 @@ class _Plan:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         px, pg = xp.data_ptr(), gp.data_ptr()
         maps, ld = self.maps, self.launcher
+        po = out.data_ptr()
         gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(gp)))
         xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
+        cm = maps.get((2, po)) or maps.put((2, po), ld.expand_desc(2, self.c_desc(out)))
         if mode == "stream":
             flags = gh.zeroed_counters(x.device, stream, self.grid0)
-            ld(self.grid0, stream, [*gm, *xm, out, ws, flags, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, *cm, out, ws, flags, *self.tail])
         elif mode == "split":
-            ld(self.grid0, stream, [*gm, *xm, ws, ws, ws, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, *cm, ws, ws, ws, *self.tail])
             self.reduce(stream, ws, out)
         else:
-            ld(self.grid0, stream, [*gm, *xm, out, out, out, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, *cm, out, out, out, *self.tail])
         return out if self.ci == self.Ci0 else out[..., : self.Ci0].contiguous()
 
 
@@ -637,7 +669,7 @@ def _launch_jit(
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     work = gh.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
-    mode = "stream" if work.stream else ("split" if work.splits > 1 else "direct")
+    mode = "stream" if work.stream else ("split" if _into_partials(work) else "direct")
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     ws_shape = (work.ctas, bm, bn) if mode == "stream" else (work.splits, Co, R * S * Ci)
     ws = None if mode == "direct" else torch.empty(ws_shape, device=x.device, dtype=torch.float32)
@@ -656,6 +688,9 @@ def _launch_jit(
         def x_desc_of(t):
             return gh.tiled_desc(t.view(npq, Ci), [bk, bn])
 
+    def c_desc_of(t):
+        return gh.tiled_desc(t.view(Co, R * S, Ci), [bm, 1, bn])
+
     g_desc, x_desc = g_desc_of(gp), x_desc_of(xp)
     grid = (work.ctas,)
     ce = _constexprs(config, im2col)
@@ -668,10 +703,10 @@ def _launch_jit(
         target = out if mode == "direct" else ws
         ptrs = (target, target, target)  # ws_ptr and flags_ptr unused
     scalars = geometry + (work.k_steps, work.per, work.splits)
-    compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, *ptrs, *scalars, **ce)
+    compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, c_desc_of(out), *ptrs, *scalars, **ce)
     if mode == "split":
         reduce = gh.split_k_reduce_jit(ws, out)
-    leading = (None,) * 5
+    leading = (None,) * 6
     aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
         ld = direct.DirectLauncher.of(compiled)
@@ -680,7 +715,7 @@ def _launch_jit(
             plan = _Plan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), grid[0]
             plan.tail = direct.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading) :]
-            plan.g_desc, plan.x_desc = g_desc_of, x_desc_of
+            plan.g_desc, plan.x_desc, plan.c_desc = g_desc_of, x_desc_of, c_desc_of
             plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
             plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
             _PLANS.put(key, plan)
@@ -738,8 +773,9 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     sig = {
         "g_desc": gh.desc_sig(dt, [bk, bm]),
         "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
+        "c_desc": gh.desc_sig(dt, [bm, 1, bn]),
     }
-    out_sig = gh.ptr_sig(dt) if work.stream or work.splits == 1 else "*fp32"
+    out_sig = "*fp32" if _into_partials(work) else gh.ptr_sig(dt)
     sig["out_ptr"] = out_sig
     sig["ws_ptr"] = "*fp32" if work.stream else out_sig
     sig["flags_ptr"] = "*i32" if work.stream else out_sig

@@ -83,7 +83,8 @@ def test_pruned_configs_fit_shared_memory_and_stay_in_space(mod, p):
     for c in kept:
         space.check(c)
         # shared memory within the limit, the accumulator in the register file without spilling
-        assert mod.resources_ok(c, p)
+        # (the wgrad's shared memory depends on whether the launch splits: on the device's SMs)
+        assert mod.resources_ok(c, p, **({"sms": H100.sm_count} if mod is wgrad else {}))
         assert c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
 
 
