@@ -736,4 +736,5 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         options=launch_options(config),
         name="conv2d_dgrad_kernel",
     )
-    return [spec, gh.split_k_reduce_spec(dt)] if split else [spec]
+    numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
+    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

@@ -755,4 +755,5 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         options=ghop.warp_specialized_options(config["num_warps"]),
         name="conv2d_fprop_kernel",
     )
-    return [spec, gh.split_k_reduce_spec(dt)] if split else [spec]
+    numel = p["gemm_M"] * gh.padded_channels(p["Co"], dt)  # y, the reduction's outputs
+    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

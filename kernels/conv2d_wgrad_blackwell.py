@@ -645,7 +645,8 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         sig.update({k: "constexpr" for k in ce})
         fn = conv2d_wgrad_packed_kernel
         specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-        return specs + ([gh.split_k_reduce_spec(dt)] if splits > 1 else [])
+        reduce = gh.split_k_reduce_spec(dt, gh.wgrad_out_numel(p), gh.sm_count_of(device))
+        return specs + ([reduce] if splits > 1 else [])
     work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
@@ -669,5 +670,5 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         )
     ]
     if not work.stream and work.splits > 1:
-        specs.append(gh.split_k_reduce_spec(dt))
+        specs.append(gh.split_k_reduce_spec(dt, gh.wgrad_out_numel(p), gh.sm_count_of(device)))
     return specs

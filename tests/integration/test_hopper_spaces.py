@@ -308,6 +308,23 @@ def test_sample_configs_compile_for_sm90a(mod, p):
             assert "wgmma.mma_async" in out["asm"]["ptx"], c
 
 
+def test_a_small_output_split_many_ways_is_summed_with_the_warps_over_the_splits():
+    """ResNet-50's first 1x1 at batch 32 has a 64x64 grad_w and 100352 pixels to sum: split 32
+    ways, its reduction ran 4 CTAs of 1024 outputs, 8 splits a pass (6 us, H100). Where the wide
+    CTAs would not give every SM one, a CTA holds 128 outputs and its warps load 32 splits a
+    pass; a large output keeps the wide CTAs. The launch compiles what the tuner compiled."""
+    from tunecache.compile import compile_in_fresh_processes
+
+    assert gh.split_k_reduce_block(64 * 64, 132) == 128
+    assert gh.split_k_reduce_block(6272 * 512, 132) == 1024
+    p = problems.conv2d_wgrad_problem(_meta(32, 56, 56, 64), _meta(32, 56, 56, 64), 1, 1, 1, 0)
+    c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 4, "num_stages": 4}
+    *_, reduce = wgrad.compile_specs(p, c, H100)
+    assert reduce.fn is gh.split_k_reduce_kernel and reduce.constexprs["BLOCK"] == 128
+    (out,) = compile_in_fresh_processes([(wgrad, p, c, 1)], H100, "sm_90a")
+    assert out["shared"] <= gh.SMEM_LIMIT_BYTES
+
+
 # ---- direct launches: the keys of their plans ----------------------------------------------------
 
 
