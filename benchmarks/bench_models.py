@@ -168,6 +168,17 @@ class Row:
         self.ratio = self.vendor_ms / self.tuned_ms  # > 1: tunecache is faster
 
 
+def layers_named(names: str, ap: argparse.ArgumentParser) -> list[Layer]:
+    """The suite's layers in a comma-separated list of model/name; an unknown name is an
+    argument error that says where the names are listed."""
+    by_name = {f"{lay.model}/{lay.name}": lay for lay in suite()}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        ap.error(f"--layers: not in the suite: {', '.join(unknown)} (bench_models.py --list names them)")
+    return [by_name[n] for n in wanted]
+
+
 def cases(layer: Layer):
     """(op, tunecache's call, the vendor's call) for each op of the layer, inputs made."""
     import torch

@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_models import cases, suite  # noqa: E402
+from bench_models import cases, layers_named  # noqa: E402
 from common import device_info, geomean, write_results  # noqa: E402
 
 DEFAULT_LAYERS = (
@@ -77,14 +77,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from tunecache.timing import time_ms
 
-    by_name = {f"{lay.model}/{lay.name}": lay for lay in suite()}
-    wanted = [n.strip() for n in args.layers.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in by_name]
-    if unknown:
-        ap.error(f"--layers: not in the suite: {', '.join(unknown)} (bench_models.py --list names them)")
+    layers = layers_named(args.layers, ap)
     rows = []
-    for name in wanted:
-        for op, ours, vendor in cases(by_name[name]):
+    for lay in layers:
+        name = f"{lay.model}/{lay.name}"
+        for op, ours, vendor in cases(lay):
             if op != args.op:
                 continue
             ours()

@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_models import cases, suite  # noqa: E402
+from bench_models import cases, layers_named  # noqa: E402
 from common import device_info, geomean, write_results  # noqa: E402
 
 
@@ -35,11 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="configs printed per layer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/sweep-...)")
     args = ap.parse_args(argv)
-    by_name = {f"{lay.model}/{lay.name}": lay for lay in suite()}
-    wanted = [n.strip() for n in args.layers.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in by_name]
-    if unknown:
-        ap.error(f"--layers: not in the suite: {', '.join(unknown)} (bench_models.py --list names them)")
+    layers = layers_named(args.layers, ap)
     import torch
 
     if not torch.cuda.is_available():
@@ -61,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
     launcher.tune = recording_tune
     rows = []
-    for name in wanted:
-        for op, ours, _vendor in cases(by_name[name]):
+    for lay in layers:
+        name = f"{lay.model}/{lay.name}"
+        for op, ours, _vendor in cases(lay):
             if op != args.op:
                 continue
             del results[:]
