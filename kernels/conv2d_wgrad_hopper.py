@@ -187,8 +187,8 @@ def _mma_partition(
     reaches the tile last in its own run, adds the partials in CTA order (deterministic),
     lowers the flags and stores the sum. It only waits on lower-numbered CTAs, started before it.
     A finished tile of grad_w leaves through c_smem by TMA store (c_desc: grad_w as [Co, RS, Ci],
-    its Ci edge clipped); from registers, the accumulator's fragments made 16-byte row pieces, and
-    a 7x7 layer's 25 k-steps spent a third of their time on them (H100). fp32 split partials
+    its Ci edge clipped): stored from registers, the accumulator's fragments went out in 4-byte
+    pieces, a third of the time of a 7x7 layer's 25-k-step tiles (H100). fp32 split partials
     still go out from registers."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[2]
