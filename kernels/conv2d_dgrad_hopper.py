@@ -468,9 +468,8 @@ def conv2d_dgrad_kernel(
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    gh.init_ring(ready)
+    gh.init_ring(empty)
     # fmt: off
     gl.warp_specialize(
         [
@@ -486,9 +485,8 @@ def conv2d_dgrad_kernel(
         ],
         [1])
     # fmt: on
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    gh.invalidate_ring(ready)
+    gh.invalidate_ring(empty)
 
 
 JIT_FUNCTIONS = (conv2d_dgrad_kernel, gh.split_k_reduce_kernel)

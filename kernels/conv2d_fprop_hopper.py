@@ -353,9 +353,8 @@ def conv2d_fprop_kernel(
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    gh.init_ring(ready)
+    gh.init_ring(empty)
     # fmt: off
     gl.warp_specialize(
         [
@@ -370,9 +369,8 @@ def conv2d_fprop_kernel(
         ],
         [1])
     # fmt: on
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    gh.invalidate_ring(ready)
+    gh.invalidate_ring(empty)
 
 
 @gluon.jit
@@ -422,8 +420,7 @@ def conv2d_fprop_packed_kernel(
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    gh.init_ring(ready)
 
     pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M
@@ -450,8 +447,7 @@ def conv2d_fprop_packed_kernel(
     fence_async_shared()
     tma.async_store(y_desc, [m0, n0], c_smem)
     tma.store_wait(pendings=0)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
+    gh.invalidate_ring(ready)
 
 
 JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)

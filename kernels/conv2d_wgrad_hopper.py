@@ -305,9 +305,8 @@ def conv2d_wgrad_kernel(
     c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    gh.init_ring(ready)
+    gh.init_ring(empty)
     gl.warp_specialize(
         [
             (
@@ -362,9 +361,8 @@ def conv2d_wgrad_kernel(
         [1],
         [40],
     )
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    gh.invalidate_ring(ready)
+    gh.invalidate_ring(empty)
 
 
 @gluon.jit
@@ -415,8 +413,7 @@ def conv2d_wgrad_packed_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    gh.init_ring(ready)
 
     pid = gl.program_id(0)
     co_blocks = gl.cdiv(Co, BLOCK_M)
@@ -452,8 +449,7 @@ def conv2d_wgrad_packed_kernel(
     mask = (rows < Co)[:, None] & (cols < K)[None, :]
     base_out = (split.to(gl.int64) * Co + rows) * K
     gl.store(out_ptr + base_out[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
+    gh.invalidate_ring(ready)
 
 
 JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)

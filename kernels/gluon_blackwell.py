@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
-from .gluon_host import ring_shortfall
+from .gluon_host import init_ring, invalidate_ring, ring_shortfall  # noqa: F401 - the Blackwell kernels' ring helpers
 
 # Tensor memory of one SM: 128 lanes x 512 columns of 32 bits; an fp32 accumulator of
 # BLOCK_N columns takes BLOCK_N of them (at BLOCK_M 64 or 128 alike).
@@ -36,20 +36,6 @@ TMEM_COLUMNS = 512
 # Registers per thread the one-warp load and MMA partitions keep (setmaxnreg); the epilogue
 # warps get the rest of the register file.
 WORKER_REGS = gl.constexpr(40)
-
-
-@gluon.jit
-def init_ring(bars, count: gl.constexpr = 1):
-    NUM: gl.constexpr = bars.shape[0]
-    for i in gl.static_range(NUM):
-        mbarrier.init(bars.index(i), count=count)
-
-
-@gluon.jit
-def invalidate_ring(bars):
-    NUM: gl.constexpr = bars.shape[0]
-    for i in gl.static_range(NUM):
-        mbarrier.invalidate(bars.index(i))
 
 
 @gluon.jit

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
 
 from . import KernelSpec
@@ -430,6 +431,21 @@ def zeroed_counters(device, stream: int, n: int) -> torch.Tensor:
     if cnt is None or cnt.numel() < n:
         cnt = _COUNTERS[key] = torch.zeros(max(1024, pow2_at_least(n)), device=device, dtype=torch.int32)
     return cnt
+
+
+@gluon.jit
+def init_ring(bars, count: gl.constexpr = 1):
+    """Initialize a ring of mbarriers ([NUM, 1] in shared memory), each expecting `count` arrivals."""
+    NUM: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(NUM):
+        mbarrier.init(bars.index(i), count=count)
+
+
+@gluon.jit
+def invalidate_ring(bars):
+    NUM: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(NUM):
+        mbarrier.invalidate(bars.index(i))
 
 
 @gluon.jit
