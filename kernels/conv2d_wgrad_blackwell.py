@@ -53,6 +53,7 @@ from .geometry import is_pointwise
 from .gluon_blackwell import (
     TMEM_COLUMNS,
     WORKER_REGS,
+    epilogue_width,
     init_ring,
     invalidate_ring,
     likeliest_first,
@@ -376,8 +377,8 @@ def conv2d_wgrad_kernel(
 
 @gluon.jit
 def _packed_a_load(use, n, k_from, co0, g_desc, a_bufs, ready, done):
-    """TMA-load the grad_out tile of this split's pixel step `use` once the MMA that last read
-    its slot is done (no-op past the split's last step)."""
+    """TMA-load the A tile (grad_out's, or x's in the few-Co kernel) of this split's pixel step
+    `use` once the MMA that last read its slot is done (no-op past the split's last step)."""
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     slot, phase = ring_slot(use, NUM_BUFFERS)
     pred = use < n
@@ -466,7 +467,97 @@ def conv2d_wgrad_packed_kernel(
     invalidate_ring(acc_bar)
 
 
-JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
+@gluon.jit(do_not_specialize=list(gh.FEW_CO_WGRAD_INTS))
+def conv2d_wgrad_few_co_kernel(
+    x_desc,
+    g_ptr,
+    out_ptr,
+    Co,
+    Ci,
+    RS,
+    S,
+    HW,
+    W,
+    P,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    NHW,
+    k_steps,
+    per,
+    BLOCK_N: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    STRIDED: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Few output channels (gluon_host.wgrad_few_co), the Hopper few-Co wgrad's schedule on
+    tcgen05: grad_w^T [Ci, R*S*Co] in [BLOCK_M, BLOCK_N] tiles (BLOCK_N spans every tap), one
+    (split, Ci block) per CTA numbered split-major; x tiles by TMA (x_desc over [N*H*W, Ci],
+    fed transposed, each pixel read once), grad_out gathered one pixel step ahead
+    (gluon_host.few_co_gather) into the B ring as it lies, the fp32 accumulator in tensor
+    memory; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials [splits, ...]."""
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + x_desc.block_type.shape, x_desc.layout)
+    b_layout: gl.constexpr = gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    acc_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    init_ring(ready)
+    init_ring(done)
+    init_ring(acc_bar)
+    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+
+    pid = gl.program_id(0)
+    ci_blocks = gl.cdiv(Ci, BLOCK_M)
+    split = pid // ci_blocks
+    ci0 = (pid % ci_blocks) * BLOCK_M
+    k_from = split * per
+    n = gl.minimum(per, k_steps - k_from)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _packed_a_load(i, n, k_from, ci0, x_desc, a_bufs, ready, done)
+    m0 = k_from * BLOCK_K
+    img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+    b = gh.few_co_gather(
+        g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
+    )
+    for i in range(n):
+        slot, phase = ring_slot(i, NUM_BUFFERS)
+        mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this B slot
+        b_bufs.index(slot).store(b)
+        fence_async_shared()
+        m0 += BLOCK_K
+        img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+        b = gh.few_co_gather(
+            g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
+        )
+        mbarrier.wait(ready.index(slot), phase)
+        a = a_bufs.index(slot).permute((1, 0))
+        tcgen05_mma(a, b_bufs.index(slot), acc, use_acc=i > 0, mbarriers=[done.index(slot)])
+        _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, ci0, x_desc, a_bufs, ready, done)
+    tcgen05_commit(acc_bar.index(0))
+    mbarrier.wait(acc_bar.index(0), 0)
+    EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
+    slice_layout: gl.constexpr = acc.slice(0, EPI_N).get_reg_layout()
+    for j in gl.static_range(BLOCK_N // EPI_N):
+        part = acc.slice(j * EPI_N, EPI_N).load(slice_layout)
+        gh.few_co_store(out_ptr, split, part, ci0, j * EPI_N, Co, RS, Ci, num_warps)
+    invalidate_ring(ready)
+    invalidate_ring(done)
+    invalidate_ring(acc_bar)
+
+
+JIT_FUNCTIONS = (
+    conv2d_wgrad_kernel,
+    conv2d_wgrad_packed_kernel,
+    conv2d_wgrad_few_co_kernel,
+    gh.split_k_reduce_kernel,
+)
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -491,6 +582,13 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     launches as fewer splits (more splits than the reduction has iterations) or as the model's
     own; and no splitting further once the output tiles alone fill every SM twice (only adds
     reduction traffic). Whether it fits the device is resources_ok()'s question."""
+    if gh.runs_few_co(p, c, FEW_CO_NARROWEST):
+        # M is Ci; the B tile spans every tap's channels (BLOCK_N)
+        return (
+            gh.few_co_split_worth_trying(c, p, sms)
+            and c["NUM_BUFFERS"] <= 4
+            and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["Ci"]))
+        )
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     if gh.packs_taps(p):
         # the split count follows from the tiles (gluon_host.packed_wgrad_work); a B tile spans
@@ -514,6 +612,8 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
         return False
     return w.tiles * c["SPLIT_K"] // 2 < 2 * sms
 
+
+FEW_CO_NARROWEST = min(SPACES[OP].params["BLOCK_N"])  # the few-Co kernel's B tile is at least this wide
 
 # bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
 # measured over the whole space with `tunecache compile --all`
@@ -548,8 +648,13 @@ def default_config(p: dict, device) -> dict:
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 0, "num_warps": 4}
     if gh.packs_taps(p):
         c.update(BLOCK_M=128 if p["Co"] >= 128 else 64, BLOCK_N=64, NUM_BUFFERS=3)
-    elif not worth_trying(c, p, sms):
-        c["SPLIT_K"] = 1
+    elif gh.few_co_by_default(p):
+        c.update(BLOCK_M=128 if p["Ci"] >= 128 else 64, BLOCK_N=gh.few_co_width(p, FEW_CO_NARROWEST), NUM_BUFFERS=3)
+    else:
+        if gh.runs_few_co(p, c, FEW_CO_NARROWEST):
+            c["BLOCK_N"] = 64  # 128 is the few-Co kernel's width here
+        if not worth_trying(c, p, sms):
+            c["SPLIT_K"] = 1
     space = config_space(p, device)
     if c not in space or not resources_ok(c, p):
         fitting = prune(space, p, device)
@@ -583,6 +688,16 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
         ws = out if splits == 1 else gh.split_k_workspace(splits, Co, R * S * Ci0, x.device)
         conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, ws, *ints, **_packed_constexprs(config))
+        return out if splits == 1 else gh.split_k_reduce(ws, out)
+    if gh.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
+        sms = gh.num_sms(x.device)
+        ints, ctas, splits = gh.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
+        xp = gh.pad_channels(x)
+        x_desc = gh.tiled_desc(xp.view(N * H * W, xp.shape[-1]), [bk, bm])
+        out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
+        ws = out if splits == 1 else gh.split_k_workspace(splits, Co, R * S * Ci0, x.device)
+        ce = _few_co_constexprs(config, (sh, sw))
+        conv2d_wgrad_few_co_kernel[(ctas,)](x_desc, grad_out.contiguous(), ws, *ints, **ce)
         return out if splits == 1 else gh.split_k_reduce(ws, out)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
@@ -631,9 +746,16 @@ def _packed_constexprs(c: dict) -> dict:
     return {"BLOCK_N": c["BLOCK_N"], "NUM_BUFFERS": c["NUM_BUFFERS"], "num_warps": c["num_warps"]}
 
 
+def _few_co_constexprs(c: dict, stride) -> dict:
+    return dict(_packed_constexprs(c), STRIDED=tuple(stride) != (1, 1))
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gh.runs_few_co(p, config, FEW_CO_NARROWEST):
+        ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
+        return gh.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
     if gh.packs_taps(p):
         x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
         st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])

@@ -367,7 +367,8 @@ def conv2d_wgrad_kernel(
 
 @gluon.jit
 def _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES: gl.constexpr):
-    """TMA-load the grad_out tile of this split's i-th pixel step (no-op past its last)."""
+    """TMA-load the A tile (grad_out's, or x's in the few-Co kernel) of this split's i-th pixel
+    step (no-op past its last)."""
     pred = i < n
     slot = i % STAGES
     mbarrier.expect(ready.index(slot), g_desc.block_type.nbytes, pred)
@@ -452,12 +453,94 @@ def conv2d_wgrad_packed_kernel(
     gh.invalidate_ring(ready)
 
 
-JIT_FUNCTIONS = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
+@gluon.jit(do_not_specialize=list(gh.FEW_CO_WGRAD_INTS))
+def conv2d_wgrad_few_co_kernel(
+    x_desc,
+    g_ptr,
+    out_ptr,
+    Co,
+    Ci,
+    RS,
+    S,
+    HW,
+    W,
+    P,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    NHW,
+    k_steps,
+    per,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    STRIDED: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Few output channels (gluon_host.wgrad_few_co): grad_w^T [Ci, R*S*Co] in [BLOCK_M, BLOCK_N]
+    tiles (BLOCK_N spans every tap), one (split, Ci block) per CTA numbered split-major so the
+    CTAs running together gather the same grad_out pixels. x_desc: tiles of x [N*H*W, Ci] (fed
+    to WGMMA transposed) in a ring of STAGES, each x pixel read once; g_ptr: grad_out [N, P, Q,
+    Co], gathered one pixel step ahead (gluon_host.few_co_gather) into a double buffer that is
+    the WGMMA's B as it lies; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials
+    [splits, Co, R, S, Ci]. The packed-taps kernel's schedule with the operands' roles swapped."""
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    gh.init_ring(ready)
+
+    pid = gl.program_id(0)
+    ci_blocks = gl.cdiv(Ci, BLOCK_M)
+    split = pid // ci_blocks
+    ci0 = (pid % ci_blocks) * BLOCK_M
+    k_from = split * per
+    n = gl.minimum(per, k_steps - k_from)
+    for i in gl.static_range(STAGES - 1):
+        _packed_a_load(i, n, k_from, ci0, x_desc, a_bufs, ready, STAGES)
+
+    m0 = k_from * BLOCK_K
+    img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+    b = gh.few_co_gather(
+        g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
+    )
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    for i in range(n):
+        slot = i % STAGES
+        # the WGMMA that last read this B buffer (i - 2) has retired: at most one is in flight
+        b_bufs.index(i % 2).store(b)
+        fence_async_shared()
+        m0 += BLOCK_K
+        img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+        b = gh.few_co_gather(
+            g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
+        )
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _packed_a_load(i + STAGES - 1, n, k_from, ci0, x_desc, a_bufs, ready, STAGES)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gh.few_co_store(out_ptr, split, acc, ci0, 0, Co, RS, Ci, num_warps)
+    gh.invalidate_ring(ready)
+
+
+JIT_FUNCTIONS = (
+    conv2d_wgrad_kernel,
+    conv2d_wgrad_packed_kernel,
+    conv2d_wgrad_few_co_kernel,
+    gh.split_k_reduce_kernel,
+)
 
 
 # ---- configs -------------------------------------------------------------------------------------
 
 STREAM_K = gh.STREAM_K  # SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
+FEW_CO_NARROWEST = min(SPACES[OP].params["BLOCK_N"])  # the few-Co kernel's B tile is at least this wide
 
 
 def supports(p: dict, device) -> bool:
@@ -475,10 +558,16 @@ def config_space(p: dict, device) -> list[dict]:
 def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers."""
-    packed = p is not None and gh.packs_taps(p)
+    packed = p is not None and _gathers(p, c)
     # a launch into fp32 split partials stores from registers: its binary has no grad_w tile
     partials = p is not None and sms is not None and not packed and _into_partials(gh.WgradWork.of(p, c, sms))
     return ghop.wgmma_resources_ok(c, smem_bytes(c, packed=packed, tma_out=not partials))
+
+
+def _gathers(p: dict, c: dict) -> bool:
+    """Whether one operand is gathered through pointers (the packed-taps and few-Co kernels:
+    an A ring, a double-buffered B, a register epilogue) rather than both read by TMA."""
+    return gh.packs_taps(p) or gh.runs_few_co(p, c, FEW_CO_NARROWEST)
 
 
 def _into_partials(w: gh.WgradWork) -> bool:
@@ -488,7 +577,8 @@ def _into_partials(w: gh.WgradWork) -> bool:
 
 def smem_bytes(c: dict, itemsize: int = 2, packed: bool = False, tma_out: bool = True) -> int:
     """The ring of (grad_out, x) tiles and the grad_w tile TMA stores from (tma_out); the packed
-    kernel rings grad_out only, double-buffers its gathered x and stores from registers."""
+    (few-Co) kernel rings grad_out (x) only, double-buffers its gathered x (grad_out) and stores
+    from registers."""
     b_tiles = 2 if packed else c["num_stages"]
     ring = (c["num_stages"] * c["BLOCK_M"] + b_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
     c_tile = c["BLOCK_M"] * c["BLOCK_N"] * itemsize if tma_out and not packed else 0
@@ -502,6 +592,13 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
     npq = p["N"] * p["P"] * p["Q"]
+    if gh.runs_few_co(p, c, FEW_CO_NARROWEST):
+        # M is Ci; the B tile spans every tap's channels (BLOCK_N)
+        return (
+            gh.few_co_split_worth_trying(c, p, sms)
+            and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["Ci"]))
+            and c["BLOCK_K"] <= max(32, gh.pow2_at_least(p["N"] * p["H"] * p["W"]))
+        )
     if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
     if gh.packs_taps(p):
@@ -534,6 +631,10 @@ def default_config(p: dict, device) -> dict:
     bn = min(128, max(16, gh.pow2_at_least(ci)))
     if gh.packs_taps(p):
         bn = min(64, max(16, gh.pow2_at_least(gh.packed_k(p))))
+    if gh.few_co_by_default(p):
+        bm, bn = (128 if p["Ci"] >= 128 else 64), gh.few_co_width(p, FEW_CO_NARROWEST)
+    elif gh.runs_few_co(p, {"BLOCK_N": bn}, FEW_CO_NARROWEST):
+        bn //= 2  # that width would take the few-Co kernel
     warps = 8 if bm == 128 and bn >= 128 else 4
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": warps, "num_stages": 4}
     if not (resources_ok(c, p, sms) and worth_trying(c, p, sms)):
@@ -603,23 +704,25 @@ class _Plan:
         return out if self.ci == self.Ci0 else out[..., : self.Ci0].contiguous()
 
 
-class _PackedPlan:
-    """A packed-taps launch (conv2d_wgrad_packed_kernel and, when split, its reduction),
-    precomputed as _Plan."""
+class _GatherPlan:
+    """A packed-taps or few-Co launch (its kernel and, when split, the reduction), precomputed
+    as _Plan: one operand (grad_out, or x with few_co) read by TMA as [rows, cols], the other
+    gathered through its pointer."""
 
-    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "g_blk", "gc", "npq", "out_shape")
+    __slots__ = ("launcher", "reduce", "maps", "grid0", "tail", "blk", "cols", "rows", "out_shape", "few_co")
 
     def run(self, x: torch.Tensor, g: torch.Tensor, stream: int) -> torch.Tensor | None:
-        gp = gh.pad_last_dim(g, self.gc)
+        tiled, gathered = (x, g) if self.few_co else (g, x)
+        tp = gh.pad_last_dim(tiled, self.cols)
         out = x.new_empty(self.out_shape)
         ws = None if self.reduce is None else self.reduce.workspace(x)
-        if (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
+        if (gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
-        pg = gp.data_ptr()
-        gm = self.maps.get(pg) or self.maps.put(
-            pg, self.launcher.expand_desc(0, gh.tiled_desc(gp.view(self.npq, self.gc), self.g_blk))
+        pt = tp.data_ptr()
+        dm = self.maps.get(pt) or self.maps.put(
+            pt, self.launcher.expand_desc(0, gh.tiled_desc(tp.view(self.rows, self.cols), self.blk))
         )
-        self.launcher(self.grid0, stream, [*gm, x.data_ptr(), out if ws is None else ws, *self.tail])
+        self.launcher(self.grid0, stream, [*dm, gathered.data_ptr(), out if ws is None else ws, *self.tail])
         if ws is not None:
             self.reduce(stream, ws, out)
         return out
@@ -660,6 +763,8 @@ def _launch_jit(
     _, P, Q, Co = grad_out.shape
     if gh.packs_taps({"Ci": Ci0}):
         return _launch_packed_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
+    if gh.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
+        return _launch_few_co_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q
@@ -740,10 +845,49 @@ def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
         ld = direct.DirectLauncher.of(compiled)
         rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
         if ld is not None and (reduce is None or rd is not None):
-            plan = _PackedPlan()
+            plan = _GatherPlan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
             plan.tail = direct.kernel_args(conv2d_wgrad_packed_kernel, (None,) * 3 + ints, ce)[3:]
-            plan.g_blk, plan.gc, plan.npq, plan.out_shape = [bk, bm], gc, npq, tuple(out.shape)
+            plan.blk, plan.cols, plan.rows, plan.out_shape = [bk, bm], gc, npq, tuple(out.shape)
+            plan.few_co = False
+            _PLANS.put(key, plan)
+    return out
+
+
+def _few_co_constexprs(c: dict, stride) -> dict:
+    return {
+        "BLOCK_N": c["BLOCK_N"],
+        "STAGES": c["num_stages"],
+        "STRIDED": tuple(stride) != (1, 1),
+        "num_warps": c["num_warps"],
+    }
+
+
+def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
+    bm, bk = config["BLOCK_M"], config["BLOCK_K"]
+    sms = gh.num_sms(x.device)
+    ints, ctas, splits = gh.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
+    Co, Ci, nhw = ints[0], ints[1], ints[12]
+    if not grad_out.is_contiguous():
+        grad_out, key = grad_out.contiguous(), None  # the plan launches the caller's tensor as is
+    xp = gh.pad_channels(x)
+    xc = xp.shape[-1]
+    out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
+    ws = None if splits == 1 else torch.empty((splits, Co, R, S, Ci), device=x.device, dtype=torch.float32)
+    ce = _few_co_constexprs(config, stride)
+    x_desc = gh.tiled_desc(xp.view(nhw, xc), [bk, bm])
+    compiled = conv2d_wgrad_few_co_kernel[(ctas,)](x_desc, grad_out, out if ws is None else ws, *ints, **ce)
+    reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
+    aligned = not (grad_out.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
+    if key is not None and aligned:
+        ld = direct.DirectLauncher.of(compiled)
+        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
+        if ld is not None and (reduce is None or rd is not None):
+            plan = _GatherPlan()
+            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
+            plan.tail = direct.kernel_args(conv2d_wgrad_few_co_kernel, (None,) * 3 + ints, ce)[3:]
+            plan.blk, plan.cols, plan.rows, plan.out_shape = [bk, bm], xc, nhw, tuple(out.shape)
+            plan.few_co = True
             _PLANS.put(key, plan)
     return out
 
@@ -751,6 +895,9 @@ def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gh.runs_few_co(p, config, FEW_CO_NARROWEST):
+        ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
+        return gh.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
     if gh.packs_taps(p):
         x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
         st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])

@@ -572,10 +572,10 @@ class SplitReduce:
         self.launcher(self.grid0, stream, (ws, out, *self.tail))
 
 
-def wgrad_out_numel(p: dict) -> int:
+def wgrad_out_numel(p: dict, gathers: bool = False) -> int:
     """Elements of a wgrad launch's grad_w [Co, R, S, Ci] (its split-K reduction's outputs), Ci
-    padded for TMA unless the packed-taps kernel runs it."""
-    ci = p["Ci"] if packs_taps(p) else padded_channels(p["Ci"], p["dtype"])
+    padded for TMA unless a gathering kernel (packed taps; few output channels: `gathers`) runs it."""
+    ci = p["Ci"] if packs_taps(p) or gathers else padded_channels(p["Ci"], p["dtype"])
     return p["Co"] * p["R"] * p["S"] * ci
 
 
@@ -892,6 +892,189 @@ def packed_gather_layout(BLOCK_K, num_warps):
     """Threads along k in runs of 8 (one 16-byte shared-memory store each), warps along rows."""
     tpw_k = max(1, min(32, BLOCK_K // 8))
     return gl.BlockedLayout([1, BLOCK_K // tpw_k], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
+
+
+# ---- few output channels: a wgrad walked over x's pixels, grad_out gathered per tap ----------
+# An image head's wgrad (Co = 3) fills 3 of the 64 rows of each MMA when Co is its M side, and
+# reads x once per tap (9 times for a 3x3) through im2col. Transposed, grad_w^T [Ci, R*S*Co] =
+# x^T [Ci, N*H*W] @ G [N*H*W, R*S*Co]: M = Ci, each x tile is read once by TMA, and the B tile
+# packs every tap's few grad_out channels into one dense N (column j = tap * Co + co), gathered
+# through pointers: x pixel (ih, iw) meets grad_out pixel ((ih + pad_h - r) / stride_h, ...)
+# where that divides. Split over the pixels into fp32 partials (few_co_wgrad_work).
+
+FEW_CO_MAX = 8  # Co <= 8: the narrowest WGMMA M (64) would run at most 1/8 useful rows
+
+
+def wgrad_few_co(p: dict) -> bool:
+    """A wgrad the few-output-channels kernels can run: Co <= FEW_CO_MAX, every tap's channels
+    in one MMA N of at most 256, and enough input channels that the packed taps do not apply."""
+    return not packs_taps(p) and p["Co"] <= FEW_CO_MAX and p["R"] * p["S"] * p["Co"] <= 256
+
+
+def runs_few_co(p: dict, c: dict, narrowest: int) -> bool:
+    """Whether config c runs the few-Co kernel on p: where it can, the configs whose BLOCK_N is
+    its B tile's width (few_co_width) do, the others the im2col kernel, so the tuner times both
+    (which wins depends on the shape: few_co_by_default)."""
+    return wgrad_few_co(p) and c["BLOCK_N"] == few_co_width(p, narrowest)
+
+
+FEW_CO_DEFAULT_PIXELS_PER_CI = 100
+FEW_CO_DEFAULT_MAX_CO = 4
+
+
+def few_co_by_default(p: dict) -> bool:
+    """Whether an untuned call (the backends' default_config) takes the few-Co kernel: at stride
+    1, Co <= 4 and past FEW_CO_DEFAULT_PIXELS_PER_CI pixels of x per input channel. H100, best of
+    each kernel's candidates: it won 2.1-2.8x at Co = 3 over 65K-262K pixels of Ci = 64-128 (3x3
+    and 7x7) and 1.1x on a 1x1 to Co = 1; it lost 0.5-0.7x where x is read fast enough through
+    im2col and the gathers dominate: 4K-16K pixels of Ci = 256-512, Co = 8 (its B tile 128 wide)
+    or stride 2 (most gathered taps miss)."""
+    return (
+        wgrad_few_co(p)
+        and p["Co"] <= FEW_CO_DEFAULT_MAX_CO
+        and (p["stride_h"], p["stride_w"]) == (1, 1)
+        and p["N"] * p["H"] * p["W"] > FEW_CO_DEFAULT_PIXELS_PER_CI * p["Ci"]
+    )
+
+
+def few_co_width(p: dict, narrowest: int) -> int:
+    """The B tile's N (BLOCK_N) of a few-Co wgrad: R*S*Co rounded up to a power of two, at least
+    the backend's narrowest tile."""
+    return max(narrowest, pow2_at_least(p["R"] * p["S"] * p["Co"]))
+
+
+# the few-Co kernels' integer arguments, in order (both backends)
+FEW_CO_WGRAD_INTS = ("Co", "Ci", "RS", "S", "HW", "W", "P", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "NHW")
+FEW_CO_WGRAD_INTS += ("k_steps", "per")
+
+
+FEW_CO_MIN_STEPS = 8  # pixel steps per split the model keeps: a split's partial is R*S*Co*Ci fp32
+
+
+def few_co_wgrad_work(Ci: int, nhw: int, c: dict, sms: int) -> tuple[int, int, int, int]:
+    """(tiles, k_steps, splits, per) of a few-Co wgrad: its tiles are the Ci blocks (one N tile
+    spans every tap), split over x's pixels until the SMs each run a few CTAs
+    (PACKED_WGRAD_CTAS_PER_SM), but no split shorter than FEW_CO_MIN_STEPS: a partial is as large
+    as a few pixel steps of x (ResNet-sized Ci over 64x64 pixels split 64 ways wrote 9 MB of
+    partials for 4 MB of x). SPLIT_K > 0 asks for that many splits instead."""
+    tiles = cdiv(Ci, c["BLOCK_M"])
+    k_steps = max(1, cdiv(nhw, c["BLOCK_K"]))
+    want = min(cdiv(PACKED_WGRAD_CTAS_PER_SM * sms, tiles), max(1, k_steps // FEW_CO_MIN_STEPS))
+    splits, per = split_k_plan(k_steps, c["SPLIT_K"] if c["SPLIT_K"] > 0 else want)
+    return tiles, k_steps, splits, per
+
+
+def few_co_split_worth_trying(c: dict, p: dict, sms: int) -> bool:
+    """A few-Co config's SPLIT_K is a distinct launch: 0 (the model's count), or a count that
+    launches exactly that many splits (not fewer, the same as a smaller count) and not the
+    model's own; never stream-K (-1)."""
+    if c["SPLIT_K"] == 0:
+        return True
+    nhw = p["N"] * p["H"] * p["W"]
+    splits = few_co_wgrad_work(p["Ci"], nhw, c, sms)[2]
+    return (
+        c["SPLIT_K"] > 0
+        and splits == c["SPLIT_K"]
+        and splits != few_co_wgrad_work(p["Ci"], nhw, dict(c, SPLIT_K=0), sms)[2]
+    )
+
+
+def few_co_wgrad_ints(x_shape, g_shape, R: int, S: int, stride, padding, c: dict, sms: int) -> tuple:
+    """A few-Co wgrad kernel's FEW_CO_WGRAD_INTS, its grid and its split count."""
+    N, H, W, Ci = (int(v) for v in x_shape)
+    _, P, Q, Co = (int(v) for v in g_shape)
+    nhw = N * H * W
+    tiles, k_steps, splits, per = few_co_wgrad_work(Ci, nhw, c, sms)
+    ints = (Co, Ci, R * S, S, H * W, W, P, Q, *stride, *padding, nhw, k_steps, per)
+    return ints, tiles * splits, splits
+
+
+def few_co_wgrad_specs(fn, p: dict, c: dict, constexprs: dict, device) -> list[KernelSpec]:
+    """compile_specs of a backend's few-Co kernel `fn` (and its reduction where it splits)."""
+    dt = p["dtype"]
+    x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
+    st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
+    sms = sm_count_of(device)
+    _, _, splits = few_co_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, c, sms)
+    sig = {"x_desc": desc_sig(dt, [c["BLOCK_K"], c["BLOCK_M"]]), "g_ptr": ptr_sig(dt)}
+    sig["out_ptr"] = ptr_sig(dt) if splits == 1 else "*fp32"
+    sig.update({k: "i32" for k in FEW_CO_WGRAD_INTS})
+    sig.update({k: "constexpr" for k in constexprs})
+    specs = [KernelSpec(fn=fn, signature=sig, constexprs=constexprs, num_warps=c["num_warps"], name=fn.__name__)]
+    return specs + ([split_k_reduce_spec(dt, wgrad_out_numel(p, gathers=True), sms)] if splits > 1 else [])
+
+
+@gluon.jit
+def few_co_rows(m0, NHW, HW, W, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+    """x pixels m0...: (image, row, column); rows past NHW get a row no tap reaches."""
+    m = m0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    hw = m % HW
+    return (m // HW).to(gl.int64), gl.where(m < NHW, hw // W, -(1 << 28)), hw % W
+
+
+@gluon.jit
+def few_co_gather(
+    g_ptr,
+    img,
+    ih,
+    iw,
+    Co,
+    RSCo,
+    S,
+    P,
+    Q,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    BLOCK_N: gl.constexpr,
+    layout: gl.constexpr,
+    STRIDED: gl.constexpr,
+):
+    """The B tile [pixels, BLOCK_N] of x pixels (img, ih, iw): column j = tap * Co + co holds
+    grad_out[img, oh, ow, co] where the tap (r, s) takes pixel (ih, iw) to output (oh, ow),
+    zeros where no output does and past R*S*Co."""
+    j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    t = j // Co
+    co = j - t * Co
+    r = t // S
+    s = t - r * S
+    r = gl.where(j < RSCo, r, 1 << 28)  # past the filter: a tap no pixel reaches
+    oh = ih[:, None] + (pad_h - r)[None, :]
+    ow = iw[:, None] + (pad_w - s)[None, :]
+    ok = (oh >= 0) & (ow >= 0)
+    if STRIDED:  # two integer divisions an element: only where a stride asks for them
+        oh_at, ow_at = oh, ow
+        oh = oh_at // stride_h
+        ow = ow_at // stride_w
+        ok = ok & (oh * stride_h == oh_at) & (ow * stride_w == ow_at)
+    ok = ok & (oh < P) & (ow < Q)
+    off = ((img[:, None] * P + oh) * Q + ow) * Co + co[None, :]
+    return gl.load(g_ptr + off, mask=ok, other=0.0)
+
+
+@gluon.constexpr_function
+def few_co_store_layout(BLOCK_M, num_warps):
+    """Each thread 4 adjacent channels of a column (grad_w's contiguous dim), a warp's lanes
+    down the Ci block."""
+    tpw_m = min(32, BLOCK_M // 4)
+    return gl.BlockedLayout([4, 1], [tpw_m, 32 // tpw_m], [1, num_warps], [0, 1])
+
+
+@gluon.jit
+def few_co_store(out_ptr, split, acc, ci0, j0, Co, RS, Ci, num_warps: gl.constexpr):
+    """Columns j0... of a few-Co accumulator [Ci block, taps * Co] stored to grad_w [Co, R, S,
+    Ci] (split's slab of out_ptr), through few_co_store_layout: the accumulator's own layout
+    spreads a column's channels over lanes, 2-byte stores."""
+    layout: gl.constexpr = few_co_store_layout(acc.shape[0], num_warps)
+    vals = gl.convert_layout(acc, layout)
+    ci = ci0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    j = j0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    t = j // Co
+    col = ((j - t * Co) * RS + t) * Ci
+    base = out_ptr + split.to(gl.int64) * Co * RS * Ci
+    ok = (ci < Ci)[:, None] & (j < RS * Co)[None, :]
+    gl.store(base + (col[None, :] + ci[:, None]), vals.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ---- candidate order ------------------------------------------------------------------------

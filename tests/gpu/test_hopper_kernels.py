@@ -290,6 +290,62 @@ def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case):
         _no_jit(monkeypatch, wgrad.conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
 
 
+CONV_FEW_CO = [
+    (1, 64, 64, 128, 3, 3, 3, 1, 1),  # the SD VAE decoder's conv_out (at 64x64)
+    (2, 33, 17, 24, 1, 3, 3, 1, 1),  # one output channel
+    (3, 15, 17, 12, 5, 3, 3, 2, 1),  # odd everything, x's channels padded for TMA
+    (2, 20, 12, 40, 4, 5, 5, (1, 2), (1, 0)),  # 5x5, asymmetric stride and padding
+    (2, 16, 16, 64, 3, 7, 7, 1, 3),  # 7x7: 147 columns, a 256-wide B tile
+    (2, 9, 9, 16, 8, 1, 1, 3, 0),  # strided 1x1, 8 channels out
+    (1, 8, 8, 300, 2, 3, 3, 1, 1),  # three Ci blocks, the last overhanging
+    (4, 28, 28, 96, 6, 2, 2, 2, 0),  # a 2x2 stride-2 filter: every x pixel meets one tap
+]
+FEW_CO_CONFIGS = [  # BLOCK_N set to the problem's few-Co width
+    {"BLOCK_M": 64, "BLOCK_K": 32, "SPLIT_K": 0, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 5},
+    {"BLOCK_M": 64, "BLOCK_K": 64, "SPLIT_K": 16, "num_warps": 4, "num_stages": 4},
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV_FEW_CO, ids=_conv_ids)
+def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
+    """The few-Co kernel (grad_out gathered per tap, x read once): the configs whose BLOCK_N is
+    its B tile's width run it (gluon_host.runs_few_co), through the JIT and then its plan."""
+    N, H, W, Ci, Co, R, S, st, pd = case
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    dev = DeviceClass("sm_90", gh.num_sms(0))
+
+    def data(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+        return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
+
+    x, g, _ = data(0)
+    p = wgrad.problem(x, g, R, S, st, pd)
+    width = gh.few_co_width(p, wgrad.FEW_CO_NARROWEST)
+    tuned = [c for c in wgrad.prune(wgrad.config_space(p, dev), p, dev) if c["BLOCK_N"] == width]
+    configs = [dict(c, BLOCK_N=width) for c in FEW_CO_CONFIGS] + tuned[-1:]
+    configs = [c for c in configs if wgrad.resources_ok(c, p)]
+    assert len(configs) >= 3 and all(gh.runs_few_co(p, c, wgrad.FEW_CO_NARROWEST) for c in configs)
+    configs.append(wgrad.default_config(p, dev))  # either kernel, as an untuned call runs it
+    for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
+        x, g, ref = data(seed)
+        for c in configs:
+            _poison(Co * R * S * Ci, torch.bfloat16)
+            _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
+        _no_jit(monkeypatch, wgrad.conv2d_wgrad_few_co_kernel, gh.split_k_reduce_kernel)
+    # a grad_out that is not contiguous (a channels slice) is read through a copy, not a plan
+    g2 = torch.randn(N, P, Q, Co + 1, device="cuda", dtype=torch.bfloat16)[..., :Co]
+    monkeypatch.undo()
+    _check(wgrad.launch(configs[0], x, g2, R, S, st, pd), wgrad.reference(x.float(), g2.float(), R, S, st, pd), 1e-2)
+
+
 DGRAD_EXTRA = [
     (32, 14, 14, 512, 512, 3, 3, 2, 1),  # ResNet-50's strided 3x3: four phases of 4, 2, 2, 1 taps
     (8, 56, 56, 256, 512, 1, 1, 2, 0),  # strided 1x1: three phases no tap reaches (zeros)

@@ -46,6 +46,8 @@ def _problems(op: str):
         shapes += [(2, 8, 8, 64, 32, 1, 1, 1, 0), (2, 14, 14, 64, 64, 3, 3, 2, 1), (2, 16, 16, 3, 64, 7, 7, 2, 3)]
     else:  # few input channels: the packed-taps kernels (the stem; Ci = 4, Co padded for TMA)
         shapes += [(2, 16, 16, 3, 64, 7, 7, 2, 3), (1, 12, 12, 4, 40, 3, 3, 1, 1)]
+    if op == "conv2d_wgrad":  # few output channels: the few-Co kernels (an image head; strided, Ci padded)
+        shapes += [(1, 24, 24, 64, 3, 3, 3, 1, 1), (2, 16, 16, 36, 4, 3, 3, 2, 1)]
     for N, H, W, Ci, Co, R, S, st, pd in shapes:
         x = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
         if op == "conv2d_dgrad":
@@ -106,7 +108,8 @@ def test_a_launch_finds_what_the_tuner_compiled(mod, launches):
     for p in _problems(mod.OP):
         candidates = mod.prune(mod.config_space(p, device), p, device)
         # a spread of the candidates, every kind of launch among them (split-K and stream-K too)
-        for config in candidates[:: max(1, len(candidates) // 8)] + candidates[-3:]:
+        few_co = [c for c in candidates if mod.OP == "conv2d_wgrad" and gh.runs_few_co(p, c, mod.FEW_CO_NARROWEST)]
+        for config in candidates[:: max(1, len(candidates) // 8)] + candidates[-3:] + few_co[:2] + few_co[-2:]:
             launches.clear()
             mod.launch(config, *mod.inputs(p, "cpu"))
             assert _launch_keys(launches, arch) == _spec_keys(mod.compile_specs(p, config, device), arch), config

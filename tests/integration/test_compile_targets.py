@@ -11,8 +11,8 @@ is larger than the problem). For every config of the whole space:
 Registers are the one judgment call: a config whose registers spill (ptxas gives it a stack
 frame) still launches, so prune() may keep it, and it is slow, so prune() may drop it.
 The configs the rules drop are compiled too, to check the second point. Identical kernels
-are compiled once and in parallel on every core (tunecache.compile), so the whole run fits a
-CI budget on a 2-core machine.
+are compiled once and in parallel on every core (tunecache.compile), and the ring depths are
+sampled (_sampled), so the whole run fits a CI budget on a 2-core machine.
 
 Only compilation is checked here: that the Blackwell kernels compute the right answer needs a
 Blackwell GPU (the shared host code runs on an H100 through the Hopper backend's tests).
@@ -20,6 +20,7 @@ Blackwell GPU (the shared host code runs on an H100 through the Hopper backend's
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import time
@@ -59,16 +60,59 @@ def _show(reports: list[ConfigReport], limit: int = 8) -> str:
     return "\n".join(lines)
 
 
+def _ring(config: dict) -> str:
+    return "num_stages" if "num_stages" in config else "NUM_BUFFERS"
+
+
+def _families(configs: list[dict]) -> dict[str, list[dict]]:
+    """Configs that differ only in their ring's depth, shallowest first."""
+    fams: dict[str, list[dict]] = {}
+    for c in configs:
+        ring = _ring(c)
+        fams.setdefault(json.dumps({k: v for k, v in c.items() if k != ring}, sort_keys=True), []).append(c)
+    return {k: sorted(v, key=lambda c: c[_ring(c)]) for k, v in fams.items()}
+
+
+def _sampled(mod, configs: list[dict], problem: dict, device) -> list[dict]:
+    """The configs whose compile is not implied by another's. Within a family of ring depths the
+    kernel is the same code with a deeper ring (a loop bound and a modulus), and its shared
+    memory grows with the depth; prune() keeps a family's shallowest rings up to a depth and
+    drops the deeper ones (asserted here). So the shallowest and the deepest kept ring compile
+    and fit => every ring between them does, and the shallowest dropped one does not fit => no
+    deeper one does: those three are compiled, the rest follow (about half of the distinct
+    kernels of the spaces)."""
+    kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, problem, device)}
+    out = []
+    for fam in _families(configs).values():
+        is_kept = [json.dumps(c, sort_keys=True) in kept for c in fam]
+        depths = [c[_ring(c)] for c in fam]
+        assert is_kept == sorted(is_kept, reverse=True), (
+            f"{mod.KERNEL}: prune() keeps ring depths {[d for d, k in zip(depths, is_kept) if k]} of {depths} "
+            f"for {fam[0]}: not the shallowest ones, so a dropped ring sits between kept ones"
+        )
+        n = sum(is_kept)
+        picks = {0, n - 1, n} & set(range(len(fam))) if n else {0}
+        out += [fam[i] for i in sorted(picks)]
+    return out
+
+
 # the spaces are compiled a slice at a time: pytest shows progress, and a failure names its slice
-CHUNK = 240
+CHUNK = 120
+
+
+@functools.cache
+def _space_sample(op: str, backend: str) -> tuple[str, ...]:
+    mod = _module(op, backend)
+    device = device_for(TARGETS[backend])
+    return tuple(json.dumps(c) for c in _sampled(mod, list(space_for(mod.KERNEL)), canonical_problem(op), device))
 
 
 def _slices():
     for op in OPS:
         for backend in sorted(TARGETS):
             try:
-                n = len(space_for(f"{op}.{backend}"))
-            except KeyError:
+                n = len(_space_sample(op, backend))
+            except (KeyError, pytest.skip.Exception):
                 n = 0
             for i in range(max(1, -(-n // CHUNK))):
                 yield pytest.param(op, backend, i, id=f"{op}-{backend}-{i + 1}of{max(1, -(-n // CHUNK))}")
@@ -77,9 +121,23 @@ def _slices():
 @pytest.mark.parametrize("op,backend,part", list(_slices()))
 def test_space_compiles_and_pruning_agrees(op, backend, part, record_property):
     mod = _module(op, backend)
-    configs = list(space_for(mod.KERNEL))[part * CHUNK : (part + 1) * CHUNK]
-    label = f"configs {part * CHUNK}-"
+    configs = [json.loads(c) for c in _space_sample(op, backend)[part * CHUNK : (part + 1) * CHUNK]]
+    label = f"sampled configs {part * CHUNK}-"
     _compile_and_check(mod, canonical_problem(op), configs, TARGETS[backend], label, record_property)
+
+
+def test_the_sample_covers_every_kernel_kind_and_ring_depth():
+    """The sample still holds every ring depth of each space and, for every family the space
+    has, a config (no family is skipped whole)."""
+    for op in OPS:
+        for backend in sorted(TARGETS):
+            mod = _module(op, backend)
+            space = list(space_for(mod.KERNEL))
+            sample = [json.loads(c) for c in _space_sample(op, backend)]
+            ring = _ring(space[0])
+            assert {c[ring] for c in sample} == {c[ring] for c in space}, (op, backend)
+            assert _families(sample).keys() == _families(space).keys(), (op, backend)
+            assert len(sample) < len(space)
 
 
 # Few input channels take the packed-taps kernels (gluon_host.packs_taps). Every config the
@@ -98,6 +156,33 @@ def test_packed_taps_kernels_compile_and_pruning_agrees(op, backend, record_prop
     configs = mod.config_space(problem, device_for(arch))
     assert {s.name for s in mod.compile_specs(problem, configs[0], device_for(arch))} & {f"{op}_packed_kernel"}
     _compile_and_check(mod, problem, configs, arch, "packed-taps configs ", record_property)
+
+
+# Few output channels take the few-Co wgrad kernels where the config's BLOCK_N is their width
+# (gluon_host.runs_few_co). Every such config the backend would tune for an image head (the SD
+# VAE's decoder.conv_out), ring depths sampled as above, with the same two checks; and a strided
+# one (the gather's division by the stride) at the untuned call's tile.
+FEW_CO = {"N": 1, "H": 512, "W": 512, "Ci": 128, "Co": 3, "R": 3, "S": 3, "stride": 1, "padding": 1}
+FEW_CO["dtype"] = "bfloat16"
+
+
+@pytest.mark.parametrize("backend", sorted(TARGETS))
+def test_few_co_wgrad_kernels_compile_and_pruning_agrees(backend, record_property):
+    from tunecache_kernels import gluon_host as gh
+
+    mod = _module("conv2d_wgrad", backend)
+    arch = TARGETS[backend]
+    device = device_for(arch)
+    problem = canonical_problem("conv2d_wgrad", FEW_CO)
+    configs = [c for c in mod.config_space(problem, device) if gh.runs_few_co(problem, c, mod.FEW_CO_NARROWEST)]
+    assert gh.runs_few_co(problem, mod.default_config(problem, device), mod.FEW_CO_NARROWEST)
+    assert {s.name for s in mod.compile_specs(problem, configs[0], device)} & {"conv2d_wgrad_few_co_kernel"}
+    _compile_and_check(mod, problem, _sampled(mod, configs, problem, device), arch, "few-Co configs ", record_property)
+    strided = canonical_problem("conv2d_wgrad", dict(FEW_CO, N=2, H=64, W=64, stride=2))
+    cfg = dict(mod.default_config(problem, device))
+    assert gh.runs_few_co(strided, cfg, mod.FEW_CO_NARROWEST) and cfg in mod.prune([cfg], strided, device)
+    (report,) = compile_configs(mod, strided, [cfg], device)
+    assert report.ok, report.error
 
 
 def _compile_and_check(mod, problem: dict, configs: list[dict], arch: str, label: str, record_property) -> None:
