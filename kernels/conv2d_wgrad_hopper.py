@@ -839,19 +839,27 @@ def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     ce = _packed_constexprs(config)
     g_desc = gh.tiled_desc(gp.view(npq, gc), [bk, bm])
     compiled = conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, out if ws is None else ws, *ints, **ce)
-    reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
-    aligned = not (x.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
-    if key is not None and aligned:
-        ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
-        if ld is not None and (reduce is None or rd is not None):
-            plan = _GatherPlan()
-            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
-            plan.tail = direct.kernel_args(conv2d_wgrad_packed_kernel, (None,) * 3 + ints, ce)[3:]
-            plan.blk, plan.cols, plan.rows, plan.out_shape = [bk, bm], gc, npq, tuple(out.shape)
-            plan.few_co = False
-            _PLANS.put(key, plan)
+    _plan_gather(key, compiled, x, out, ws, ctas, (conv2d_wgrad_packed_kernel, ints, ce), [bk, bm], gc, npq, False)
     return out
+
+
+def _plan_gather(key, compiled, gathered, out, ws, ctas: int, kernel: tuple, blk, cols: int, rows: int, few_co: bool):
+    """Run the split reduction of a packed-taps or few-Co JIT launch (if split) and keep the
+    launch as a _GatherPlan under `key` where it can be replayed (16-byte aligned pointers);
+    kernel = (its JIT function, integer arguments, constexprs)."""
+    reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
+    aligned = not (gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
+    if key is None or not aligned:
+        return
+    ld = direct.DirectLauncher.of(compiled)
+    rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
+    if ld is not None and (reduce is None or rd is not None):
+        fn, ints, ce = kernel
+        plan = _GatherPlan()
+        plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
+        plan.tail = direct.kernel_args(fn, (None,) * 3 + ints, ce)[3:]
+        plan.blk, plan.cols, plan.rows, plan.out_shape, plan.few_co = blk, cols, rows, tuple(out.shape), few_co
+        _PLANS.put(key, plan)
 
 
 def _few_co_constexprs(c: dict, stride) -> dict:
@@ -877,18 +885,8 @@ def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     ce = _few_co_constexprs(config, stride)
     x_desc = gh.tiled_desc(xp.view(nhw, xc), [bk, bm])
     compiled = conv2d_wgrad_few_co_kernel[(ctas,)](x_desc, grad_out, out if ws is None else ws, *ints, **ce)
-    reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
-    aligned = not (grad_out.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
-    if key is not None and aligned:
-        ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
-        if ld is not None and (reduce is None or rd is not None):
-            plan = _GatherPlan()
-            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
-            plan.tail = direct.kernel_args(conv2d_wgrad_few_co_kernel, (None,) * 3 + ints, ce)[3:]
-            plan.blk, plan.cols, plan.rows, plan.out_shape = [bk, bm], xc, nhw, tuple(out.shape)
-            plan.few_co = True
-            _PLANS.put(key, plan)
+    kernel = (conv2d_wgrad_few_co_kernel, ints, ce)
+    _plan_gather(key, compiled, grad_out, out, ws, ctas, kernel, [bk, bm], xc, nhw, True)
     return out
 
 

@@ -255,6 +255,18 @@ def test_conv2d_wgrad_matches_torch(case):
         _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
 
 
+def _wgrad_data(case, seed: int):
+    """(x, grad_out, the reference grad_w) of a conv case, random from `seed`."""
+    N, H, W, Ci, Co, R, S, st, pd = case
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    torch.manual_seed(seed)
+    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+    return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
+
+
 PACKED_WGRAD_CONFIGS = [
     {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4},
     {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 0, "num_warps": 4, "num_stages": 2},
@@ -267,16 +279,10 @@ PACKED_WGRAD_CONFIGS = [
 @pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
 def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case):
     N, H, W, Ci, Co, R, S, st, pd = case
-    sh, sw = st if isinstance(st, tuple) else (st, st)
-    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
-    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
     dev = DeviceClass("sm_90", gh.num_sms(0))
 
     def data(seed):
-        torch.manual_seed(seed)
-        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
-        return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
+        return _wgrad_data(case, seed)
 
     x, g, _ = data(0)
     p = wgrad.problem(x, g, R, S, st, pd)
@@ -315,16 +321,10 @@ def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
     """The few-Co kernel (grad_out gathered per tap, x read once): the configs whose BLOCK_N is
     its B tile's width run it (gluon_host.runs_few_co), through the JIT and then its plan."""
     N, H, W, Ci, Co, R, S, st, pd = case
-    sh, sw = st if isinstance(st, tuple) else (st, st)
-    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
-    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
     dev = DeviceClass("sm_90", gh.num_sms(0))
 
     def data(seed):
-        torch.manual_seed(seed)
-        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
-        return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
+        return _wgrad_data(case, seed)
 
     x, g, _ = data(0)
     p = wgrad.problem(x, g, R, S, st, pd)
@@ -341,7 +341,7 @@ def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
             _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
         _no_jit(monkeypatch, wgrad.conv2d_wgrad_few_co_kernel, gh.split_k_reduce_kernel)
     # a grad_out that is not contiguous (a channels slice) is read through a copy, not a plan
-    g2 = torch.randn(N, P, Q, Co + 1, device="cuda", dtype=torch.bfloat16)[..., :Co]
+    g2 = torch.randn(*g.shape[:3], Co + 1, device="cuda", dtype=torch.bfloat16)[..., :Co]
     monkeypatch.undo()
     _check(wgrad.launch(configs[0], x, g2, R, S, st, pd), wgrad.reference(x.float(), g2.float(), R, S, st, pd), 1e-2)
 

@@ -250,3 +250,27 @@ def test_the_packed_taps_kernels_gather_x_and_multiply_on_tcgen05(op, packed_ptx
     assert loads and not any(loads), "the weights / grad_out come by plain tiled TMA, no im2col"
     # fprop's y leaves by TMA; wgrad's tiles (fp32 partials) from registers
     assert bool(re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == (op == "conv2d_fprop")
+
+
+# few output channels: the few-Co wgrad kernel (one tile per CTA): x by plain tiled TMA, read
+# once; grad_out gathered per tap through pointers, no per-element integer division at stride 1
+def test_the_few_co_wgrad_reads_x_by_tma_and_gathers_grad_out():
+    device = device_for(ARCH)
+    mod = conv2d_wgrad_blackwell
+    base = {"N": 1, "H": 512, "W": 512, "Ci": 128, "Co": 3, "R": 3, "S": 3, "padding": 1, "dtype": "bfloat16"}
+    jobs = []
+    for stride in (1, 2):
+        p = canonical_problem(mod.OP, dict(base, stride=stride))
+        cfg = dict(mod.default_config(canonical_problem(mod.OP, dict(base, stride=1)), device))
+        assert gh.runs_few_co(p, cfg, mod.FEW_CO_NARROWEST)
+        jobs.append((mod, p, cfg, 0))
+    unit, strided = (r["asm"]["ptx"] for r in compile_in_fresh_processes(jobs, device, ARCH))
+    for ptx in (unit, strided):
+        assert ".entry conv2d_wgrad_few_co_kernel" in ptx
+        assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx) and "wgmma" not in ptx
+        assert re.search(r"ld\.global(\.\w+)*\.b16", ptx), "grad_out is not gathered through pointers"
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.(im2col\.)?mbarrier", ptx)
+        assert loads and not any(loads), "x comes by plain tiled TMA, no im2col"
+    # per row and per column a few divisions either way; a stride adds two for every element
+    divs = [len(re.findall(r"\bdiv\.s32\b", ptx)) for ptx in (unit, strided)]
+    assert divs[1] >= divs[0] + 16, divs
