@@ -142,7 +142,7 @@ def test_the_sample_covers_every_kernel_kind_and_ring_depth():
 
 # Few input channels take the packed-taps kernels (gluon_host.packs_taps). Every config the
 # backend would tune for a stem-like conv (Co = 256, so that no N tile is pruned as too wide)
-# is compiled, with the same two checks.
+# is compiled, ring depths sampled as above, with the same two checks.
 PACKED = {"N": 32, "H": 224, "W": 224, "Ci": 3, "Co": 256, "R": 7, "S": 7, "stride": 2, "padding": 3}
 PACKED["dtype"] = "bfloat16"
 
@@ -155,6 +155,7 @@ def test_packed_taps_kernels_compile_and_pruning_agrees(op, backend, record_prop
     problem = canonical_problem(op, PACKED)
     configs = mod.config_space(problem, device_for(arch))
     assert {s.name for s in mod.compile_specs(problem, configs[0], device_for(arch))} & {f"{op}_packed_kernel"}
+    configs = _sampled(mod, configs, problem, device_for(arch))
     _compile_and_check(mod, problem, configs, arch, "packed-taps configs ", record_property)
 
 
