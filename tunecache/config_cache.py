@@ -48,6 +48,7 @@ class ConfigCache:
         self._lock = threading.Lock()
         self._generation: int | None = None
         self._generation_at = -float("inf")
+        self._copied: set[str] = set()  # digests whose fleet copy this process has written (or queued)
 
     # ---- where configs live ---------------------------------------------------------------
 
@@ -161,6 +162,10 @@ class ConfigCache:
             return None
         status, frec = fleet.fetch(key)
         if frec is None:
+            if status == "miss" and key.digest in self._copied:
+                # the copy this process queued may land after the fleet removed the winner
+                self._copied.discard(key.digest)
+                self.write_behind("remove a fleet copy", lambda store: store.delete_fleet_copy(key.digest))
             return None
         why = _why_not(frec, key, check)
         if why is not None:
@@ -170,6 +175,7 @@ class ConfigCache:
         frec.source = "fleet"
         generation = fleet.generation
         # write-through: the next process on this host needs no network
+        self._copied.add(key.digest)
         self.write_behind("keep a fleet copy", lambda store: store.put_fleet_copy(frec, generation))
         self.install_binaries(fleet, frec)
         return frec
