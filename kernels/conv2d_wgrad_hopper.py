@@ -863,12 +863,7 @@ def _plan_gather(key, compiled, gathered, out, ws, ctas: int, kernel: tuple, blk
 
 
 def _few_co_constexprs(c: dict, stride) -> dict:
-    return {
-        "BLOCK_N": c["BLOCK_N"],
-        "STAGES": c["num_stages"],
-        "STRIDED": tuple(stride) != (1, 1),
-        "num_warps": c["num_warps"],
-    }
+    return dict(_packed_constexprs(c), STRIDED=tuple(stride) != (1, 1))
 
 
 def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
