@@ -281,15 +281,12 @@ def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case):
     N, H, W, Ci, Co, R, S, st, pd = case
     dev = DeviceClass("sm_90", gh.num_sms(0))
 
-    def data(seed):
-        return _wgrad_data(case, seed)
-
-    x, g, _ = data(0)
+    x, g, _ = _wgrad_data(case, 0)
     p = wgrad.problem(x, g, R, S, st, pd)
     assert gh.packs_taps(p)
     configs = [wgrad.default_config(p, dev)] + [c for c in PACKED_WGRAD_CONFIGS if wgrad.resources_ok(c, p)]
     for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
-        x, g, ref = data(seed)
+        x, g, ref = _wgrad_data(case, seed)
         for c in configs:
             _poison(Co * R * S * Ci, torch.bfloat16)
             _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
@@ -323,10 +320,7 @@ def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
     N, H, W, Ci, Co, R, S, st, pd = case
     dev = DeviceClass("sm_90", gh.num_sms(0))
 
-    def data(seed):
-        return _wgrad_data(case, seed)
-
-    x, g, _ = data(0)
+    x, g, _ = _wgrad_data(case, 0)
     p = wgrad.problem(x, g, R, S, st, pd)
     width = gh.few_co_width(p, wgrad.FEW_CO_NARROWEST)
     tuned = [c for c in wgrad.prune(wgrad.config_space(p, dev), p, dev) if c["BLOCK_N"] == width]
@@ -335,7 +329,7 @@ def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
     assert len(configs) >= 3 and all(gh.runs_few_co(p, c, wgrad.FEW_CO_NARROWEST) for c in configs)
     configs.append(wgrad.default_config(p, dev))  # either kernel, as an untuned call runs it
     for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
-        x, g, ref = data(seed)
+        x, g, ref = _wgrad_data(case, seed)
         for c in configs:
             _poison(Co * R * S * Ci, torch.bfloat16)
             _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
