@@ -541,6 +541,10 @@ JIT_FUNCTIONS = (
 
 STREAM_K = gh.STREAM_K  # SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
 FEW_CO_NARROWEST = min(SPACES[OP].params["BLOCK_N"])  # the few-Co kernel's B tile is at least this wide
+# the packed-taps and few-Co kernels ring only the operand TMA reads, their pace set by the
+# other's gather: the rings of 6-12 that feed the TMA-only kernel made an image stem's wgrad
+# 20% slower where its tune could take them (H100, ResNet-50 conv1 at batch 32 and 128)
+GATHER_MAX_STAGES = 5
 
 
 def supports(p: dict, device) -> bool:
@@ -590,6 +594,8 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
     # two warpgroups split a 64-row tile along N: only worth it on wide tiles
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
+        return False
+    if _gathers(p, c) and c["num_stages"] > GATHER_MAX_STAGES:
         return False
     npq = p["N"] * p["P"] * p["Q"]
     if gh.runs_few_co(p, c, FEW_CO_NARROWEST):

@@ -52,7 +52,7 @@ SPACES = {
             "BLOCK_K": (32, 64, 128),
             "SPLIT_K": (-1, 0, 1, 2, 4, 8, 16, 32),
             "num_warps": (4, 8),
-            "num_stages": (2, 3, 4, 5),
+            "num_stages": (2, 3, 4, 5, 6, 8, 10, 12),
         }
     ),
     # grad_x by output phase: each phase's implicit GEMM is M = its pixels (TMA im2col of
