@@ -7,8 +7,9 @@ persistent matmul 001), widened where the hardware allows:
   the 512 columns of tensor memory exactly (NUM_ACC stays a parameter, at 2: a single
   accumulator serializes the epilogue with the next tile's main loop and frees nothing
   another CTA could use; it compiled and fit, and cost CI time for no candidate);
-- NUM_BUFFERS 2..6 operand stages: the seed figures show Blackwell still gaining at 4,
-  and small tiles leave room for more in the 227 KiB of shared memory;
+- NUM_BUFFERS 2..6 operand stages (the wgrad's also 8, 10, 12): the seed figures show
+  Blackwell still gaining at 4, and small tiles leave room for more in the 227 KiB of shared
+  memory;
 - GROUP_M (grouped tile order for L2 reuse) and SPLIT_K are runtime arguments of the
   kernels: they change the schedule, not the code, so configs that differ only in them
   share one compiled kernel (the matmul's split launches share one binary of their own, its
@@ -59,13 +60,15 @@ SPACES = {
     # M = Co, N = Ci at one filter tap (r, s), K = N*P*Q split SPLIT_K ways and reduced
     # deterministically by a second kernel; 0 takes the split count gluon_host's work model
     # finds fastest; -1 is stream-K (every CTA an equal run of (tile, k-step) iterations, the
-    # tiles CTAs share summed in CTA order): the Hopper wgrad's schedules.
+    # tiles CTAs share summed in CTA order): the Hopper wgrad's schedules. Rings up to 12 deep
+    # as the Hopper wgrad's: a 1x1 over many pixels waits on memory, and cuBLAS ran ResNet-50's
+    # on an H100 with 8 and 13 stages of K 64 (the packed-taps and few-Co kernels keep 4)
     "conv2d_wgrad": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
             "BLOCK_N": (64, 128, 256),
             "BLOCK_K": (64, 128),
-            "NUM_BUFFERS": _STAGES,
+            "NUM_BUFFERS": (*_STAGES, 8, 10, 12),
             "NUM_ACC": (2,),
             "SPLIT_K": (-1, 0, 1, 2, 4, 8, 16, 32),
             "num_warps": (4,),
