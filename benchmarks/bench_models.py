@@ -162,6 +162,9 @@ class Row:
     tuned_ms: float
     vendor_ms: float
     kernel: str = ""
+    # what the first call memoized: each entry's kernel, config and whether later calls launch
+    # through a direct plan (without one, a call's host time is Triton's launcher's)
+    entries: list = field(default_factory=list)
     ratio: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -225,10 +228,12 @@ def cases(layer: Layer):
 def run_layer(layer: Layer, rounds: int) -> list[Row]:
     import torch
 
+    from tunecache.ops import OP_LAUNCHERS
     from tunecache.timing import time_ms
 
     rows = []
     for op, ours, vendor in cases(layer):
+        before = {name: set(o.memo) for name, o in OP_LAUNCHERS.items()}
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ours()  # the first call: looked up, or tuned now (default settings)
@@ -238,9 +243,20 @@ def run_layer(layer: Layer, rounds: int) -> list[Row]:
         for _ in range(rounds):
             samples["ours"].append(time_ms(ours, True))
             samples["vendor"].append(time_ms(vendor, True))
-        rows.append(
-            Row(asdict(layer), op, first, statistics.median(samples["ours"]), statistics.median(samples["vendor"]))
-        )
+        row = Row(asdict(layer), op, first, statistics.median(samples["ours"]), statistics.median(samples["vendor"]))
+        for name, o in OP_LAUNCHERS.items():
+            for raw in set(o.memo) - before[name]:
+                e = o.memo[raw]
+                row.entries.append(
+                    {
+                        "op": name,
+                        "kernel": e.kernel,
+                        "config": e.config,
+                        "planned": getattr(e.run, "plan", None) is not None,
+                    }
+                )
+        row.kernel = ",".join(sorted({e["kernel"] for e in row.entries}))
+        rows.append(row)
     return rows
 
 
