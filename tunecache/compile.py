@@ -30,7 +30,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from . import settings
 from .errors import short
@@ -276,10 +276,75 @@ def compile_spec(spec: Any, arch: str):
     return triton.compile(src, target=target_of(arch), options=options)
 
 
-def report_spec(spec: Any, arch: str) -> KernelReport:
-    """Compile one spec and read what the compiler says about it; never raises."""
+class _Allocated(Exception):
+    """Raised by allocation_of's stand-in for the LLVM stage: the memory the passes allocated."""
+
+    def __init__(self, shared: int | None, tmem: int | None) -> None:
+        super().__init__(shared, tmem)
+        self.shared, self.tmem = shared, tmem
+
+
+def _allocation_hook(*args):
+    """Triton's add_stages_inspection_hook for allocation_of: called bare for the cache key it
+    adds (so nothing it leaves in Triton's cache is taken for a whole compile), then with the
+    backend's stages, whose LLVM stage becomes make_llir's passes up to the shared- and
+    tensor-memory allocation (Triton 3.9's nvidia backend), which then stops the compile."""
+    if not args:
+        return "tunecache-allocation-only", "tunecache-allocation-only"
+    backend, stages, options, _language, capability = args
+
+    def allocate(src, metadata):
+        from triton._C.libtriton import ir, nvidia, passes
+        from triton.backends.nvidia.compiler import get_ptx_version_from_options
+
+        ptx_version = get_ptx_version_from_options(options, backend.target.arch)
+        pm = ir.pass_manager(src.context)
+        passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+        passes.ttgpuir.add_allocate_warp_groups(pm, False)
+        passes.convert.add_scf_to_cf(pm)
+        passes.gluon.add_inliner(pm)
+        nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, capability, ptx_version)
+        nvidia.passes.ttnvgpuir.add_allocate_tensor_memory(pm)
+        pm.run(src, "tunecache_allocation")
+        raise _Allocated(src.get_int_attr("ttg.shared"), src.get_int_attr("ttg.tensor_memory_size"))
+
+    stages["llir"] = allocate
+
+
+def allocation_of(spec: Any, arch: str) -> tuple[int | None, int | None]:
+    """(shared bytes, tensor-memory columns) of a spec as the compiler allocates them, without
+    lowering to LLVM or running ptxas (most of a compile's time): enough to show that a config
+    cannot fit, not that it compiles."""
+    from triton import knobs
+
+    before = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = _allocation_hook
+    try:
+        kernel = compile_spec(spec, arch)
+    except _Allocated as a:
+        return a.shared, a.tmem
+    finally:
+        knobs.runtime.add_stages_inspection_hook = before
+    md = kernel.metadata  # found whole in Triton's cache
+    return int(md.shared), getattr(md, "tmem_size", None)
+
+
+def report_spec(spec: Any, arch: str, unfit_suffices: bool = False) -> KernelReport:
+    """Compile one spec and read what the compiler says about it; never raises.
+    unfit_suffices: a spec whose allocation alone does not fit the target is reported as not
+    compiled, without the rest of the compile (allocation_of)."""
     name = spec.name or getattr(spec.fn, "__name__", "kernel")
     t0 = time.perf_counter()
+    if unfit_suffices:
+        try:
+            shared, tmem = allocation_of(spec, arch)
+        except Exception:  # noqa: BLE001 - the whole compile below reports it
+            shared = tmem = None
+        probe = KernelReport(name, False, shared=shared, tmem=tmem, seconds=time.perf_counter() - t0)
+        why = resource_error(probe, arch)
+        if why is not None:
+            probe.error = f"{why} as allocated (not compiled further)"
+            return probe
     try:
         kernel = compile_spec(spec, arch)
     except Exception as e:  # a compile error is a result, not a failure of this tool
@@ -312,13 +377,19 @@ def _describe(e: BaseException) -> str:
 
 
 def _worker_compile(
-    module_name: str, problem: dict, config: dict, index: int, arch: str, device: tuple[str, int]
+    module_name: str,
+    problem: dict,
+    config: dict,
+    index: int,
+    arch: str,
+    device: tuple[str, int],
+    unfit_suffices: bool = False,
 ) -> KernelReport:
     import importlib
 
     mod = importlib.import_module(module_name)
     spec = mod.compile_specs(problem, config, DeviceClass(*device))[index]
-    return report_spec(spec, arch)
+    return report_spec(spec, arch, unfit_suffices)
 
 
 def _worker_asm(module_name: str, problem: dict, config: dict, index: int, arch: str, device: tuple[str, int]) -> dict:
@@ -420,11 +491,18 @@ def compile_configs(
     *,
     workers: int | None = None,
     cache_dir: str | None = None,
+    unfit_suffices: Callable[[dict], bool] | None = None,
 ) -> list[ConfigReport]:
     """Compile every kernel of every config for the device's target; one report per config,
-    in order. Identical specs are compiled once (in parallel across `workers` processes)."""
+    in order. Identical specs are compiled once (in parallel across `workers` processes).
+    unfit_suffices(config): only whether the config fits is asked (a check that pruning may drop
+    it): a kernel that only such configs need stops at its allocation where that does not fit."""
     configs = list(configs)
-    reports = dict(compile_configs_as_ready(mod, problem, configs, device, workers=workers, cache_dir=cache_dir))
+    reports = dict(
+        compile_configs_as_ready(
+            mod, problem, configs, device, workers=workers, cache_dir=cache_dir, unfit_suffices=unfit_suffices
+        )
+    )
     return [reports[i] for i in range(len(configs))]
 
 
@@ -436,6 +514,7 @@ def compile_configs_as_ready(
     *,
     workers: int | None = None,
     cache_dir: str | None = None,
+    unfit_suffices: Callable[[dict], bool] | None = None,
 ) -> Iterator[tuple[int, ConfigReport]]:
     """`compile_configs`, yielding (index, report) for each config as soon as all its kernels
     are compiled: the tuner times one candidate while the others still compile."""
@@ -462,6 +541,11 @@ def compile_configs_as_ready(
                 tasks.append((mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)))
                 entries.append((unique[k], False))
         plan.append(entries)
+    if unfit_suffices is not None:  # a kernel stops at its allocation only if no config needs more
+        whole = {
+            idx for c, e in enumerate(plan) if not isinstance(e, str) and not unfit_suffices(configs[c]) for idx, _ in e
+        }
+        tasks = [(*t, i not in whole) for i, t in enumerate(tasks)]
     waiting: dict[int, set[int]] = {}  # task index -> configs that need it
     left: dict[int, int] = {}  # config index -> tasks it still waits for
     for c, entry in enumerate(plan):

@@ -7,7 +7,8 @@ is larger than the problem). For every config of the whole space:
 - a config that passes the backend's prune() must compile and fit the device (the
   compiler's shared memory within the per-block limit, tensor memory within 512 columns);
 - a config that prune() drops must not be one that compiles and fits: pruning may only
-  remove what the compiler would reject or the device could not launch.
+  remove what the compiler would reject or the device could not launch (where the compiler's
+  allocation alone does not fit, the compile stops there: tunecache.compile.allocation_of).
 Registers are the one judgment call: a config whose registers spill (ptxas gives it a stack
 frame) still launches, so prune() may keep it, and it is slow, so prune() may drop it.
 The configs the rules drop are compiled too, to check the second point. Identical kernels
@@ -215,7 +216,11 @@ def _compile_and_check(mod, problem: dict, configs: list[dict], arch: str, label
     device = device_for(arch)
     t0 = time.perf_counter()
     kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, problem, device)}
-    reports = compile_configs(mod, problem, configs, device)
+    # a config prune() drops need only be shown not to fit: its kernels stop at the compiler's
+    # allocation where that does not fit (tunecache.compile.allocation_of), else compile whole
+    reports = compile_configs(
+        mod, problem, configs, device, unfit_suffices=lambda c: json.dumps(c, sort_keys=True) not in kept
+    )
     for r in reports:
         r.pruned = json.dumps(r.config, sort_keys=True) not in kept
     wall = time.perf_counter() - t0
@@ -291,6 +296,25 @@ def test_default_config_compiles_on_other_code_paths(op, backend):
 
 
 # ---- the compile path itself -------------------------------------------------------------------
+
+
+def test_the_allocation_alone_gives_the_whole_compiles_memory():
+    """A dropped config that needs only be shown not to fit stops at the compiler's memory
+    allocation (the space checks above): that reports the whole compile's shared and tensor
+    memory, for the shallowest ring prune() drops of a tile of each target."""
+    for op, backend in (("conv2d_wgrad", "hopper"), ("matmul", "hopper"), ("conv2d_wgrad", "blackwell")):
+        mod, arch = _module(op, backend), TARGETS[backend]
+        device, problem = device_for(arch), canonical_problem(op)
+        space = list(space_for(mod.KERNEL))
+        kept = {json.dumps(c, sort_keys=True) for c in mod.prune(space, problem, device)}
+        is_kept = [[json.dumps(c, sort_keys=True) in kept for c in f] for f in _families(space).values()]
+        fam, flags = next((f, k) for f, k in zip(_families(space).values(), is_kept) if k[0] and not k[-1])
+        dropped = fam[flags.index(False)]
+        (whole,) = compile_configs(mod, problem, [dropped], device)
+        (stopped,) = compile_configs(mod, problem, [dropped], device, unfit_suffices=lambda c: True)
+        assert whole.compiled and not whole.ok, (op, backend, whole.error)
+        assert not stopped.compiled and "as allocated" in stopped.error, (op, backend, stopped.error)
+        assert (stopped.shared, stopped.tmem) == (whole.shared, whole.tmem), (op, backend)
 
 
 def test_a_config_the_compiler_rejects_is_reported_not_raised():
