@@ -586,7 +586,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
         # M is Ci; the B tile spans every tap's channels (BLOCK_N)
         return (
             gh.few_co_split_worth_trying(c, p, sms)
-            and c["NUM_BUFFERS"] <= 4
+            and c["NUM_BUFFERS"] <= GATHER_MAX_STAGES
             and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["Ci"]))
         )
     ci = gh.padded_channels(p["Ci"], p["dtype"])
@@ -594,7 +594,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
         # the split count follows from the tiles (gluon_host.packed_wgrad_work); a B tile spans
         # packed taps, a whole filter at most
         ci = gh.packed_k(p)
-        if c["SPLIT_K"] != 0 or c["NUM_BUFFERS"] > 4:
+        if c["SPLIT_K"] != 0 or c["NUM_BUFFERS"] > GATHER_MAX_STAGES:
             return False
     if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
@@ -614,6 +614,9 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
 
 
 FEW_CO_NARROWEST = min(SPACES[OP].params["BLOCK_N"])  # the few-Co kernel's B tile is at least this wide
+# the packed-taps and few-Co kernels ring only the operand TMA reads, paced by the other's gather:
+# their rings stop at 4 (the Hopper backend's, at 5, measured)
+GATHER_MAX_STAGES = 4
 
 # bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
 # measured over the whole space with `tunecache compile --all`

@@ -325,7 +325,7 @@ def allocation_of(spec: Any, arch: str) -> tuple[int | None, int | None]:
         return a.shared, a.tmem
     finally:
         knobs.runtime.add_stages_inspection_hook = before
-    md = kernel.metadata  # found whole in Triton's cache
+    md = kernel.metadata  # the compile ran whole (the hook went unused): its own figures
     return int(md.shared), getattr(md, "tmem_size", None)
 
 

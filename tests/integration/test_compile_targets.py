@@ -307,8 +307,9 @@ def test_the_allocation_alone_gives_the_whole_compiles_memory():
         device, problem = device_for(arch), canonical_problem(op)
         space = list(space_for(mod.KERNEL))
         kept = {json.dumps(c, sort_keys=True) for c in mod.prune(space, problem, device)}
-        is_kept = [[json.dumps(c, sort_keys=True) in kept for c in f] for f in _families(space).values()]
-        fam, flags = next((f, k) for f, k in zip(_families(space).values(), is_kept) if k[0] and not k[-1])
+        fams = list(_families(space).values())
+        is_kept = [[json.dumps(c, sort_keys=True) in kept for c in f] for f in fams]
+        fam, flags = next((f, k) for f, k in zip(fams, is_kept) if k[0] and not k[-1])
         dropped = fam[flags.index(False)]
         (whole,) = compile_configs(mod, problem, [dropped], device)
         (stopped,) = compile_configs(mod, problem, [dropped], device, unfit_suffices=lambda c: True)
