@@ -624,7 +624,7 @@ class _Plan:
     """One (config, shapes, strides, dtype, stride, padding, device) launch, precomputed: see
     gluon_launch.DirectLauncher."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo", "reduce")
+    __slots__ = ("launcher", "maps", "grid0", "tail", "g_desc", "w_desc", "y_desc", "geo", "reduce", "idle")
 
     def run(self, grad_out: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
         geo = self.geo
@@ -637,10 +637,10 @@ class _Plan:
         py = gx.data_ptr()
         ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, self.y_desc(gx)))
         if self.reduce is None:
-            ld(self.grid0, stream, [*gm, *wm, *ym, py, gh.no_split_workspace(g.device), *self.tail])
+            ld(self.grid0, stream, [*gm, *wm, *ym, py, self.idle, *self.tail])
         else:
-            ws = self.reduce.workspace(g)
-            ld(self.grid0, stream, [*gm, *wm, *ym, py, ws, *self.tail])
+            ws = self.reduce.workspace(g, stream)
+            ld(self.grid0, stream, [*gm, *wm, *ym, py, ws.data_ptr(), *self.tail])
             self.reduce(stream, ws, gx)
         return gx
 
@@ -707,6 +707,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
             plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None,) * 5 + scalars, ce)[5:]
             plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
             plan.reduce = rd
+            plan.idle = gh.no_split_workspace(grad_out.device).data_ptr()  # the unsplit binary's workspace
             _PLANS.put(key, plan)
     return gx
 

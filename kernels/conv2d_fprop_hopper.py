@@ -570,44 +570,79 @@ class _Plan:
         "co_pad",
         "out_shape",
         "reduce",
+        "idle",
     )
 
     def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor:
         xp = gh.pad_last_dim(x, self.ci) if self.pad_x else x
         wp = gh.pad_last_dim(w, self.ci) if self.pad_w else w
-        y = x.new_empty(self.y_shape)
+        whole = self.co_pad == self.Co  # y is the output itself, made in its shape (no view per call)
+        y = x.new_empty(self.out_shape if whole else self.y_shape)
         px, pw, py = xp.data_ptr(), wp.data_ptr(), y.data_ptr()
         maps, ld = self.maps, self.launcher
         xm = maps.get((0, px)) or maps.put((0, px), ld.expand_desc(0, self.x_desc(xp)))
         wm = maps.get((1, pw)) or maps.put((1, pw), ld.expand_desc(1, self.w_desc(wp)))
-        ym = maps.get((2, py)) or maps.put((2, py), ld.expand_desc(2, gh.tiled_desc(y, self.y_blk)))
+        ym = maps.get((2, py))
+        if ym is None:
+            ym = maps.put((2, py), ld.expand_desc(2, gh.tiled_desc(y.view(self.y_shape), self.y_blk)))
         if self.reduce is None:
-            ld(self.grid0, stream, [*xm, *wm, *ym, gh.no_split_workspace(x.device), *self.tail])
+            ld(self.grid0, stream, [*xm, *wm, *ym, self.idle, *self.tail])
         else:
-            ws = self.reduce.workspace(x)
-            ld(self.grid0, stream, [*xm, *wm, *ym, ws, *self.tail])
+            ws = self.reduce.workspace(x, stream)
+            ld(self.grid0, stream, [*xm, *wm, *ym, ws.data_ptr(), *self.tail])
             self.reduce(stream, ws, y)
-        y = y if self.co_pad == self.Co else y[:, : self.Co].contiguous()
-        return y.view(self.out_shape)
+        return y if whole else y[:, : self.Co].contiguous().view(self.out_shape)
 
 
 class _PackedPlan:
     """A packed-taps launch (conv2d_fprop_packed_kernel), precomputed as _Plan."""
 
-    __slots__ = ("launcher", "maps", "grid0", "tail", "w_blk", "y_blk", "y_shape", "Co", "co_pad", "out_shape")
+    __slots__ = (
+        "launcher",
+        "maps",
+        "grid0",
+        "tail",
+        "w_blk",
+        "y_blk",
+        "y_shape",
+        "Co",
+        "co_pad",
+        "out_shape",
+        "w_copies",
+        "w_bufs",
+    )
+
+    def packed(self, w: torch.Tensor, stream: int) -> torch.Tensor:
+        """w as the kernel's [Co, K] rows (gluon_host.packed_weights). Where that is a padded
+        copy (an image stem's K = 7*7*3), into a buffer the plan keeps per stream, its padding
+        zeroed once: one copy launch, not a fresh padded tensor each call (a batch-1 stem's host
+        time). Under CUDA-graph capture, a fresh one: a graph must not share it with eager calls."""
+        if not self.w_copies or torch.cuda.is_current_stream_capturing():
+            return gh.packed_weights(w)
+        kept = self.w_bufs.get(stream)
+        if kept is None:
+            wp = gh.packed_weights(w)
+            self.w_bufs[stream] = (wp, wp[:, : w[0].numel()].unflatten(1, w.shape[1:]))
+            return wp
+        wp, rows = kept
+        rows.copy_(w)
+        return wp
 
     def run(self, x: torch.Tensor, w: torch.Tensor, stream: int) -> torch.Tensor | None:
-        if x.data_ptr() & 15:
+        px = x.data_ptr()
+        if px & 15:
             return None  # x_ptr was specialized 16-byte aligned: the JIT path
-        wp = gh.packed_weights(w)
-        y = x.new_empty(self.y_shape)
+        wp = self.packed(w, stream)
+        whole = self.co_pad == self.Co
+        y = x.new_empty(self.out_shape if whole else self.y_shape)
         pw, py = wp.data_ptr(), y.data_ptr()
         maps, ld = self.maps, self.launcher
         wm = maps.get((0, pw)) or maps.put((0, pw), ld.expand_desc(0, gh.tiled_desc(wp, self.w_blk)))
-        ym = maps.get((1, py)) or maps.put((1, py), ld.expand_desc(1, gh.tiled_desc(y, self.y_blk)))
-        ld(self.grid0, stream, [x.data_ptr(), *wm, *ym, *self.tail])
-        y = y if self.co_pad == self.Co else y[:, : self.Co].contiguous()
-        return y.view(self.out_shape)
+        ym = maps.get((1, py))
+        if ym is None:
+            ym = maps.put((1, py), ld.expand_desc(1, gh.tiled_desc(y.view(self.y_shape), self.y_blk)))
+        ld(self.grid0, stream, [px, *wm, *ym, *self.tail])
+        return y if whole else y[:, : self.Co].contiguous().view(self.out_shape)
 
 
 _PLANS = direct.PlanCache()
@@ -687,6 +722,7 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
             plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
             plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
             plan.reduce = rd
+            plan.idle = gh.no_split_workspace(x.device).data_ptr()  # the unsplit binary's workspace
             _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
@@ -716,6 +752,7 @@ def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, p
             plan.tail = direct.kernel_args(conv2d_fprop_packed_kernel, (None, None, None) + ints, ce)[3:]
             plan.w_blk, plan.y_blk, plan.y_shape = [bn, bk], [bm, bn], (M, co_pad)
             plan.Co, plan.co_pad, plan.out_shape = Co, co_pad, out_shape
+            plan.w_copies, plan.w_bufs = wp.data_ptr() != w.data_ptr(), {}
             _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(out_shape)

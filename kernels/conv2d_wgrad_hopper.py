@@ -690,23 +690,23 @@ class _Plan:
         gp = gh.pad_last_dim(g, self.ci_g) if self.pad_g else g
         out = x.new_empty(self.out_shape)
         mode = self.mode  # "direct", "split" or "stream"
-        ws = None if mode == "direct" else x.new_empty(self.ws_shape, dtype=torch.float32)
-        if (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
+        ws = None if mode == "direct" else gh.stream_workspace(x, stream, self.ws_shape)
+        po, pw = out.data_ptr(), 0 if ws is None else ws.data_ptr()  # ints to the launcher: no driver query
+        if (po | pw) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         px, pg = xp.data_ptr(), gp.data_ptr()
         maps, ld = self.maps, self.launcher
-        po = out.data_ptr()
         gm = maps.get((0, pg)) or maps.put((0, pg), ld.expand_desc(0, self.g_desc(gp)))
         xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
         cm = maps.get((2, po)) or maps.put((2, po), ld.expand_desc(2, self.c_desc(out)))
         if mode == "stream":
             flags = gh.zeroed_counters(x.device, stream, self.grid0)
-            ld(self.grid0, stream, [*gm, *xm, *cm, out, ws, flags, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, *cm, po, pw, flags.data_ptr(), *self.tail])
         elif mode == "split":
-            ld(self.grid0, stream, [*gm, *xm, *cm, ws, ws, ws, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, *cm, pw, pw, pw, *self.tail])
             self.reduce(stream, ws, out)
         else:
-            ld(self.grid0, stream, [*gm, *xm, *cm, out, out, out, *self.tail])
+            ld(self.grid0, stream, [*gm, *xm, *cm, po, po, po, *self.tail])
         return out if self.ci == self.Ci0 else out[..., : self.Ci0].contiguous()
 
 
@@ -721,14 +721,15 @@ class _GatherPlan:
         tiled, gathered = (x, g) if self.few_co else (g, x)
         tp = gh.pad_last_dim(tiled, self.cols)
         out = x.new_empty(self.out_shape)
-        ws = None if self.reduce is None else self.reduce.workspace(x)
-        if (gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15:
+        ws = None if self.reduce is None else self.reduce.workspace(x, stream)
+        pg, po = gathered.data_ptr(), out.data_ptr() if ws is None else ws.data_ptr()  # ints: no driver query
+        if (pg | po | out.data_ptr()) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
         pt = tp.data_ptr()
         dm = self.maps.get(pt) or self.maps.put(
             pt, self.launcher.expand_desc(0, gh.tiled_desc(tp.view(self.rows, self.cols), self.blk))
         )
-        self.launcher(self.grid0, stream, [*dm, gathered.data_ptr(), out if ws is None else ws, *self.tail])
+        self.launcher(self.grid0, stream, [*dm, pg, po, *self.tail])
         if ws is not None:
             self.reduce(stream, ws, out)
         return out

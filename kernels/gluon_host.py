@@ -18,6 +18,7 @@ Hopper code leaves Blackwell entries valid.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -414,6 +415,31 @@ def no_split_workspace(device) -> torch.Tensor:
     return ws
 
 
+_WORKSPACES: dict = {}
+
+# a planned split launch's fp32 partials up to this many bytes come from a buffer kept per
+# stream (stream_workspace); larger ones are allocated per call (their kernels are long enough
+# that the allocation's host time is hidden, and a kept one would pin that memory)
+KEPT_WORKSPACE_BYTES = 16 << 20
+
+
+def stream_workspace(like: torch.Tensor, stream: int, shape: tuple) -> torch.Tensor:
+    """Room for fp32 split-K partials of `shape`, for a planned launch on `stream` (which takes
+    its address: the tensor may be larger, and is not shaped). Up to KEPT_WORKSPACE_BYTES, one
+    buffer per (device, stream), grown as needed: safe to share, as the split kernel writes
+    every element its reduction reads (split_k_workspace) and launches on one stream run in
+    order; it saves an allocation's host time, which is a batch-1 layer's. Larger, and under
+    CUDA-graph capture (a graph's replays must not share one with work outside it), a fresh one."""
+    numel = math.prod(shape)
+    if numel * 4 > KEPT_WORKSPACE_BYTES or torch.cuda.is_current_stream_capturing():
+        return like.new_empty(shape, dtype=torch.float32)
+    key = (like.device, stream)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACES[key] = like.new_empty(max(numel, 1 << 16), dtype=torch.float32)
+    return buf
+
+
 _COUNTERS: dict = {}
 
 
@@ -565,11 +591,12 @@ class SplitReduce:
         r.tail = (out.numel(), ws.shape[0], block, SPLIT_K_REDUCE_WARPS)  # the constexprs last, in order
         return r
 
-    def workspace(self, like: torch.Tensor) -> torch.Tensor:
-        return like.new_empty(self.ws_shape, dtype=torch.float32)
+    def workspace(self, like: torch.Tensor, stream: int) -> torch.Tensor:
+        """The split kernel's partials (stream_workspace: launches take its address)."""
+        return stream_workspace(like, stream, self.ws_shape)
 
     def __call__(self, stream: int, ws: torch.Tensor, out: torch.Tensor) -> None:
-        self.launcher(self.grid0, stream, (ws, out, *self.tail))
+        self.launcher(self.grid0, stream, (ws.data_ptr(), out.data_ptr(), *self.tail))  # ints: no driver query
 
 
 def wgrad_out_numel(p: dict, gathers: bool = False) -> int:

@@ -385,34 +385,53 @@ class _Plan:
         "n_pad",
         "ws_shape",
         "tiles",
+        "idle",
     )
 
-    def run(self, a: torch.Tensor, b: torch.Tensor, stream: int) -> torch.Tensor:
-        # a_ok/b_ok: the strides suit TMA, so only the base address can force tma_ready's copy
-        av, bv = gh.matmul_views(a, b, self.swap, self.a_t, self.b_t)
-        pa, pb = av.data_ptr(), bv.data_ptr()
-        if not (self.a_ok and not pa & 15):
-            av = gh.tma_ready(av)
-            pa = av.data_ptr()
-        if not (self.b_ok and not pb & 15):
-            bv = gh.tma_ready(bv)
-            pb = bv.data_ptr()
-        c = a.new_empty(self.c_shape)
-        pc = c.data_ptr()
-        ws = (
-            gh.no_split_workspace(a.device)
-            if self.ws_shape is None
-            else a.new_empty(self.ws_shape, dtype=torch.float32)
-        )
-        if (pc | ws.data_ptr()) & 15:
-            return None  # pointer arguments were specialized 16-byte aligned: the JIT path
-        cnt = gh.zeroed_counters(a.device, stream, self.tiles)
+    def run(self, a: torch.Tensor, b: torch.Tensor, stream: int, out_shape: tuple | None = None):
+        """c = a @ b, or None where the JIT path must launch it. Pointers go to the launcher as
+        ints: a tensor costs it a data_ptr() call and a driver query each. `out_shape`: the
+        output's shape where it is not (M, N) (a pointwise conv's NHWC, the same bytes; only
+        where `reshapeable`); a and b then need only be tensors on the matmul operands' storage,
+        and a call whose operand descriptors are not cached yet returns None."""
+        x, y = (b, a) if self.swap else (a, b)
+        pa, pb = x.data_ptr(), y.data_ptr()
         maps, ld = self.maps, self.launcher
-        am = maps.get((0, pa)) or maps.put((0, pa), ld.expand_desc(0, gh.tiled_desc(av, self.a_blk)))
-        bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
-        cm = maps.get((2, pc)) or maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(c, self.c_blk)))
-        ld(self.grid0, stream, [*am, *bm, *cm, ws, c, cnt, *self.tail])
+        # a_ok/b_ok: the strides suit TMA, so only the base address can force tma_ready's copy
+        am = maps.get((0, pa)) if self.a_ok and not pa & 15 else None
+        bm = maps.get((1, pb)) if self.b_ok and not pb & 15 else None
+        if am is None or bm is None:
+            if out_shape is not None:
+                return None
+            av, bv = gh.matmul_views(a, b, self.swap, self.a_t, self.b_t)
+            if am is None:
+                av = av if self.a_ok and not pa & 15 else gh.tma_ready(av)
+                pa = av.data_ptr()
+                am = maps.get((0, pa)) or maps.put((0, pa), ld.expand_desc(0, gh.tiled_desc(av, self.a_blk)))
+            if bm is None:
+                bv = bv if self.b_ok and not pb & 15 else gh.tma_ready(bv)
+                pb = bv.data_ptr()
+                bm = maps.get((1, pb)) or maps.put((1, pb), ld.expand_desc(1, gh.tiled_desc(bv, self.b_blk)))
+        c = a.new_empty(self.c_shape if out_shape is None else out_shape)
+        pc = c.data_ptr()
+        if pc & 15:
+            return None  # pointer arguments were specialized 16-byte aligned: the JIT path
+        cm = maps.get((2, pc))
+        if cm is None:
+            cv = c if out_shape is None else c.view(self.c_shape)
+            cm = maps.put((2, pc), ld.expand_desc(2, gh.tiled_desc(cv, self.c_blk)))
+        if self.ws_shape is None:  # the unsplit binary reads neither the workspace nor the counters
+            ld(self.grid0, stream, [*am, *bm, *cm, self.idle, pc, self.idle, *self.tail])
+        else:
+            ws = gh.stream_workspace(a, stream, self.ws_shape)
+            cnt = gh.zeroed_counters(a.device, stream, self.tiles)
+            ld(self.grid0, stream, [*am, *bm, *cm, ws.data_ptr(), pc, cnt.data_ptr(), *self.tail])
         return c if self.n_pad == self.N else c[:, : self.N].contiguous()
+
+    @property
+    def reshapeable(self) -> bool:
+        """Whether run() can write an output of another shape (no padded columns to cut)."""
+        return self.n_pad == self.N
 
 
 _PLANS = direct.PlanCache()
@@ -480,6 +499,13 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
             plan.ws_shape, plan.tiles = (tuple(ws.shape) if split else None), tiles
+            plan.idle = gh.no_split_workspace(a.device).data_ptr()  # held for the process: a fixed address
+            # this launch's descriptors: the next call at these addresses (a pointwise conv's
+            # launch through launcher.AsMatmul needs them cached) builds none
+            made = ((0, a_src, a_desc, plan.a_ok), (1, b_src, b_desc, plan.b_ok), (2, c, c_desc, True))
+            for slot, t, desc, own in made:
+                if own:  # not a copy tma_ready made for this call alone
+                    plan.maps.put((slot, t.data_ptr()), ld.expand_desc(slot, desc))
             _PLANS.put(key, plan)
     return c if n_pad == N else c[:, :N].contiguous()
 

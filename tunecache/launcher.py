@@ -1,7 +1,8 @@
 """From a call to a launch: memo -> config cache (local store -> fleet) -> miss policy.
 
-The hot path is `Op.memo.get(raw)` in `ops`: a dict lookup on the raw shapes, strides,
-dtypes and arguments, then the cached launch. Everything below runs once per raw shape.
+The hot path is `Op.memo.get(raw)` in `ops` (a pointwise conv's: `Op.as_matmul.get(raw)`): a
+dict lookup on the raw shapes, strides, dtypes and arguments, then the cached launch.
+Everything below runs once per raw shape.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Op:
         self.name = name
         self.problem_fn = problem_fn
         self.memo: dict[tuple, Entry] = {}
+        self.as_matmul: dict[tuple, AsMatmul] = {}  # a pointwise conv's calls, under its own key
         self._lock = threading.Lock()
 
     def resolve(self, raw: tuple, args: tuple, device_tensor: Any) -> Entry:
@@ -176,6 +178,14 @@ class Op:
 
     def clear(self) -> None:
         self.memo.clear()
+        self.as_matmul.clear()
+
+    def remember_as_matmul(self, raw: tuple, matmul: "Op", mraw: tuple, out_shape: tuple) -> None:
+        """After a pointwise conv's call ran as the matmul `mraw`: launch its later calls
+        straight on that matmul's plan (AsMatmul), where the matmul's entry has one."""
+        fast = AsMatmul.of(matmul, mraw, out_shape)
+        if fast is not None:
+            self.as_matmul[raw] = fast
 
 
 def _then_release_writes(run: Callable[..., Any]) -> Callable[..., Any]:
@@ -234,6 +244,45 @@ class _Launch:
             if found is not None:
                 self.plan, self.dev = found
         return out
+
+
+class AsMatmul:
+    """A pointwise conv's launch as the matmul it is, memoized under the conv's own key
+    (`Op.as_matmul`): the matmul's memo entry and its plan, launched on the conv's tensors (the
+    matmul's operands are views on their storage) into an output made in the conv's shape. A
+    call then costs a lookup and the plan's launch, not three views and the matmul's key: for
+    a batch-1 1x1 conv (a 3-6 us kernel) the host's time is the call's. It stands while the
+    matmul memo holds that entry (a recheck or a fallback replaces it); there, and where the
+    plan cannot launch a call as is, and past a watched entry's recheck time, it returns None
+    and the caller takes the views' path."""
+
+    __slots__ = ("memo", "mraw", "entry", "launch", "out_shape")
+
+    @classmethod
+    def of(cls, matmul: Op, mraw: tuple, out_shape: tuple) -> "AsMatmul | None":
+        entry = matmul.memo.get(mraw)
+        launch = None if entry is None else entry.run
+        if type(launch) is not _Launch or launch.plan is None or not getattr(launch.plan, "reshapeable", False):
+            return None
+        fast = cls()
+        fast.memo, fast.mraw, fast.entry, fast.launch, fast.out_shape = matmul.memo, mraw, entry, launch, out_shape
+        return fast
+
+    def __call__(self, a, b):
+        """The output, or None: take the views' path (the matmul's own entry and launch)."""
+        entry = self.entry
+        if self.memo.get(self.mraw) is not entry or not direct.direct_launch_enabled():
+            return None
+        if entry.watch and time.monotonic() >= entry.recheck_at:
+            return None  # the matmul's resolve rechecks it
+        launch = self.launch
+        dev, stream = direct.current_device_and_stream()
+        if dev != launch.dev:
+            return None
+        try:
+            return launch.plan.run(a, b, stream, self.out_shape)
+        except Exception:  # noqa: BLE001 - the views' path launches it again, and falls back if it must
+            return None
 
 
 def _entry(

@@ -36,11 +36,23 @@ OP_LAUNCHERS = {op.name: op for op in (_matmul, _fprop, _wgrad, _dgrad)}  # each
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """c = a @ b for 2-D fp16/bf16/fp32 tensors, row- or column-major."""
-    raw = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
+    raw = _matmul_key(a, b)
     entry = _matmul.memo.get(raw)
     if entry is None or entry.watch:
         entry = _matmul.resolve(raw, (a, b), a)
     return entry.run(a, b)
+
+
+def _matmul_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
+
+
+def _as_matmul(op, raw: tuple, a: torch.Tensor, b: torch.Tensor, out_shape: tuple) -> torch.Tensor:
+    """A pointwise conv's call as the matmul a @ b (views on its tensors), its output viewed
+    as `out_shape`; its later calls launch straight on the matmul's plan (op.as_matmul)."""
+    out = matmul(a, b).view(out_shape)
+    op.remember_as_matmul(raw, _matmul, _matmul_key(a, b), out_shape)
+    return out
 
 
 def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
@@ -48,11 +60,16 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
     A pointwise conv runs as the matmul it is (geometry.runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:  # lists cannot key the memo
         stride, padding = _hashable(stride), _hashable(padding)
+    raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
+    fast = _fprop.as_matmul.get(raw)
+    if fast is not None:
+        y = fast(x, w)
+        if y is not None:
+            return y
     if w.dim() == 4 == x.dim() and runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
         n, h, wd, ci = x.shape
         if w.shape[3] == ci and x.is_contiguous() and w.is_contiguous():  # else the conv's checks or copies
-            return matmul(x.view(n * h * wd, ci), w.view(w.shape[0], ci).t()).view(n, h, wd, w.shape[0])
-    raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
+            return _as_matmul(_fprop, raw, x.view(n * h * wd, ci), w.view(w.shape[0], ci).t(), (n, h, wd, w.shape[0]))
     entry = _fprop.memo.get(raw)
     if entry is None or entry.watch:
         entry = _fprop.resolve(raw, (x, w, stride, padding), x)
@@ -64,13 +81,6 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
     pointwise conv's over few pixels runs as the matmul it is (geometry.wgrad_runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
-    if x.dim() == 4 == grad_out.dim() and wgrad_runs_as_matmul(
-        R, S, stride, padding, x.shape[0] * x.shape[1] * x.shape[2]
-    ):
-        n, h, wd, ci = x.shape
-        co = grad_out.shape[3]
-        if grad_out.shape[:3] == x.shape[:3] and x.is_contiguous() and grad_out.is_contiguous():  # else the checks
-            return matmul(grad_out.view(n * h * wd, co).t(), x.view(n * h * wd, ci)).view(co, 1, 1, ci)
     raw = (
         x.shape,
         x.stride(),
@@ -85,6 +95,18 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
         stride,
         padding,
     )
+    fast = _wgrad.as_matmul.get(raw)
+    if fast is not None:
+        gw = fast(grad_out, x)
+        if gw is not None:
+            return gw
+    if x.dim() == 4 == grad_out.dim() and wgrad_runs_as_matmul(
+        R, S, stride, padding, x.shape[0] * x.shape[1] * x.shape[2]
+    ):
+        n, h, wd, ci = x.shape
+        co = grad_out.shape[3]
+        if grad_out.shape[:3] == x.shape[:3] and x.is_contiguous() and grad_out.is_contiguous():  # else the checks
+            return _as_matmul(_wgrad, raw, grad_out.view(n * h * wd, co).t(), x.view(n * h * wd, ci), (co, 1, 1, ci))
     entry = _wgrad.memo.get(raw)
     if entry is None or entry.watch:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
@@ -99,12 +121,17 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
     if type(stride) is list or type(padding) is list:
         stride, padding = _hashable(stride), _hashable(padding)
     grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
+    raw = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, w.shape, w.stride(), w.dtype, w.device)
+    raw += (H, W, stride, padding)
+    fast = _dgrad.as_matmul.get(raw)
+    if fast is not None:
+        gx = fast(grad_out, w)
+        if gx is not None:
+            return gx
     if w.dim() == 4 == grad_out.dim() and runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
         n, p, q, co = grad_out.shape
         if (p, q) == (H, W) and w.shape[0] == co:  # else the dgrad's checks say what is wrong
-            return matmul(grad_out.view(n * p * q, co), w.view(co, w.shape[3])).view(n, p, q, w.shape[3])
-    raw = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, w.shape, w.stride(), w.dtype, w.device)
-    raw += (H, W, stride, padding)
+            return _as_matmul(_dgrad, raw, grad_out.view(n * p * q, co), w.view(co, w.shape[3]), (n, p, q, w.shape[3]))
     entry = _dgrad.memo.get(raw)
     if entry is None or entry.watch:
         entry = _dgrad.resolve(raw, (grad_out, w, H, W, stride, padding), grad_out)

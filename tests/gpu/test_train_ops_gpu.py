@@ -110,3 +110,71 @@ def test_a_calls_later_launches_run_the_plan_its_first_made_on_any_stream(untune
         side.synchronize()
         want = torchs()
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1 * want.abs().max().item() / 10)
+
+
+@pytest.mark.gpu
+def test_a_pointwise_convs_later_calls_launch_on_the_matmuls_plan(untuned, monkeypatch):
+    """A 1x1 conv runs as a matmul; once that matmul's entry has a plan, the conv's calls launch
+    on it under the conv's own key (launcher.AsMatmul: no views, no matmul key), with new data
+    at the same addresses; at new addresses, or once the matmul's entry is replaced, they take
+    the views' path again, and every answer is torch's."""
+    import dataclasses
+
+    ops.clear_memo()
+    dt = torch.bfloat16
+    x = torch.randn(1, 14, 14, 96, device="cuda", dtype=dt)
+    w = torch.randn(64, 1, 1, 96, device="cuda", dtype=dt)
+    g = torch.randn(1, 14, 14, 64, device="cuda", dtype=dt)
+    xn, wn, gn = (t.permute(0, 3, 1, 2).float() for t in (x, w, g))
+    F = torch.nn.functional
+    calls = {
+        "conv2d_fprop": (
+            lambda: ops.conv2d_fprop(x, w),
+            lambda: F.conv2d(xn, wn).permute(0, 2, 3, 1),
+        ),
+        "conv2d_wgrad": (
+            lambda: ops.conv2d_wgrad(x, g, 1, 1),
+            lambda: torch.nn.grad.conv2d_weight(xn, wn.shape, gn).permute(0, 2, 3, 1),
+        ),
+        "conv2d_dgrad": (
+            lambda: ops.conv2d_dgrad(g, w, 14, 14),
+            lambda: torch.nn.grad.conv2d_input(xn.shape, wn, gn).permute(0, 2, 3, 1),
+        ),
+    }
+    real_matmul, views = ops.matmul, []
+
+    def counted(a, b):
+        views.append(1)
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(ops, "matmul", counted)
+
+    def check(got, want):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+    for name, (ours, torchs) in calls.items():
+        check(ours(), torchs())  # the first call: through the views, makes the plan
+        assert len(ops.OP_LAUNCHERS[name].as_matmul) == 1, f"{name}: no launch on the matmul's plan kept"
+        views.clear()
+        for t in (x, w, g):
+            t.normal_()  # new data, the same addresses
+        xn, wn, gn = (t.permute(0, 3, 1, 2).float() for t in (x, w, g))
+        check(ours(), torchs())
+        assert not views, f"{name}: a later call took the views' path"
+    # new addresses: the views' path (it caches their descriptors), then the plan again
+    x, w, g = x.clone(), w.clone(), g.clone()
+    for name, (ours, torchs) in calls.items():
+        views.clear()
+        check(ours(), torchs())
+        assert views, f"{name}: new addresses launched on descriptors of the old ones"
+        views.clear()
+        check(ours(), torchs())
+        assert not views, name
+    # the matmul's entry replaced (as a recheck or a fallback does): the conv follows it
+    mm = ops.OP_LAUNCHERS["matmul"].memo
+    for raw in list(mm):
+        mm[raw] = dataclasses.replace(mm[raw])
+    for name, (ours, torchs) in calls.items():
+        views.clear()
+        check(ours(), torchs())
+        assert views, f"{name}: kept launching on a matmul entry the memo no longer holds"

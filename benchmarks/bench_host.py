@@ -1,0 +1,226 @@
+"""The host's share of a tuned call (issue 15): what a small layer costs when the GPU waits on Python.
+
+A batch-1 1x1 conv is a 3-6 us kernel; a call through `tunecache.ops` is tens of microseconds of
+Python, dispatch and launch before it. An inference loop then runs at the host's pace, and
+do_bench's per-call L2 flush (about 90 us of GPU time) hides that only while the host stays
+under it. For each layer, after its first call (tuned at default settings), ours and the
+vendor's op in the same run:
+
+  host  microseconds of host time per call (calls queued behind a GPU sleep: none waits)
+  loop  microseconds per call of back-to-back calls, no flush, synchronized at the end: what an
+        inference loop sees (ratio vendor / ours, > 1: tunecache is faster)
+
+    python benchmarks/bench_host.py [--layers resnet50-b1/layer1.conv1,...] [--breakdown]
+
+--breakdown also times each stage of our call (the memo lookup and views of `tunecache.ops`,
+the entry's launch, the plan's, the C launcher's alone, an output allocation). Writes JSON with a
+`summary` (per op: geomean and min of the loop ratio, host microseconds of both) to
+benchmarks/results/host-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_models import cases, layers_named, suite  # noqa: E402
+from common import device_info, geomean, write_results  # noqa: E402
+
+CALLS = 200
+
+
+def host_us(fn, calls: int = CALLS) -> float:
+    """Median over 5 batches of the host's microseconds per call, the calls queued behind a GPU
+    sleep long enough that none of them waits for the GPU."""
+    import torch
+
+    out = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000 * 40 * calls)  # ~40 us of GPU cycles a call at ~2 GHz
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def loop_us(fn, calls: int = CALLS) -> float:
+    """Median over 5 batches of microseconds per call, back to back, synchronized at the end."""
+    import torch
+
+    out = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(out)
+
+
+def timeline(fn, calls: int = 6) -> str:
+    """The GPU work of `calls` back-to-back calls: each kernel's name, start (us from the first)
+    and duration."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    t0 = ev[0].time_range.start if ev else 0
+    return "; ".join(f"{e.name[:40]} @{e.time_range.start - t0:.1f} +{e.device_time:.1f}" for e in ev)
+
+
+def breakdown(op: str, ours, vendor) -> dict:
+    """Host microseconds of each stage of one of our calls (the entry it memoized last)."""
+    import torch
+
+    from tunecache.ops import OP_LAUNCHERS
+    from tunecache_kernels import gluon_launch as direct
+
+    found = [o for o in OP_LAUNCHERS.values() if o.memo]
+    stages = {"ops call": host_us(ours)}
+    # the entry this call runs: the one whose run() sees a call of ours()
+    seen: list = []
+    for o in found:
+        for e in o.memo.values():
+            run = e.run
+
+            def spy(*args, _run=run, _e=e):
+                seen.append((_e, args))
+                return _run(*args)
+
+            e.run = spy
+            try:
+                ours()
+            finally:
+                e.run = run
+            if seen:
+                break
+        if seen:
+            break
+    if not seen:
+        return stages
+    entry, args = seen[0]
+    stages["entry.run (memo bypassed)"] = host_us(lambda: entry.run(*args))
+    plan = getattr(entry.run, "plan", None)
+    stages["device and stream"] = host_us(direct.current_device_and_stream)
+    if plan is not None:
+        stream = direct.current_device_and_stream()[1]
+        stages["plan.run"] = host_us(lambda: plan.run(args[0], args[1], stream))
+        captured: list = []
+        ld = plan.launcher
+
+        class Capture:
+            def __getattr__(self, k):
+                return getattr(ld, k)
+
+            def __call__(self, grid0, stream, a):
+                captured.append((grid0, stream, list(a)))
+                ld(grid0, stream, a)
+
+        plan.launcher = Capture()
+        try:
+            plan.run(args[0], args[1], stream)
+        finally:
+            plan.launcher = ld
+        if captured:
+            g0, st, la = captured[0]
+            stages["C launcher alone"] = host_us(lambda: ld(g0, st, la))
+            stages["C launcher alone, loop"] = loop_us(lambda: ld(g0, st, la))
+        stages["plan.run, loop"] = loop_us(lambda: plan.run(args[0], args[1], stream))
+    stages["ops call, loop"] = loop_us(ours)
+    stages["gpu timeline"] = timeline(ours)
+    stages["vendor gpu timeline"] = timeline(vendor)
+    t = args[0]
+    stages["new_empty (the output)"] = host_us(lambda: t.new_empty(t.shape))
+    stages["is_current_stream_capturing"] = host_us(torch.cuda.is_current_stream_capturing)
+    stages["entry"] = f"{entry.kernel} {entry.config} planned={plan is not None}"
+    return stages
+
+
+def _decode(lay) -> bool:
+    """Llama-3-8B's GEMMs at decode sizes (M 1 and 16), bf16: host-bound like batch-1 convs."""
+    return lay.model == "llama3-8b" and lay.dtype == "bfloat16" and lay.shape["M"] in (1, 16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--layers",
+        default="",
+        help="comma-separated model/name of the suite (default: resnet50-b1's, Llama-3-8B's at M 1, 16)",
+    )
+    ap.add_argument("--ops", default="conv2d_fprop,matmul", help="the ops timed, of those each layer has")
+    ap.add_argument("--breakdown", action="store_true", help="also time each stage of our call")
+    ap.add_argument("--out", default=None, help="results file name (default host-<device>)")
+    args = ap.parse_args(argv)
+    import torch
+
+    os.environ.setdefault(
+        "TUNECACHE_DB_URL", f"sqlite:///{Path(tempfile.mkdtemp(prefix='tunecache-host-')) / 's.sqlite'}"
+    )
+    if args.layers:
+        layers = layers_named(args.layers, ap)
+    else:
+        layers = [lay for lay in suite() if lay.model == "resnet50-b1" or _decode(lay)]
+    wanted = set(args.ops.split(","))
+    rows = []
+    for lay in layers:
+        name = f"{lay.model}/{lay.name}"
+        for op, ours, vendor in cases(lay):
+            if op not in wanted:
+                continue
+            ours()
+            vendor()
+            torch.cuda.synchronize()
+            row = {"layer": name, "op": op}
+            row["host_us_ours"], row["host_us_vendor"] = host_us(ours), host_us(vendor)
+            row["loop_us_ours"], row["loop_us_vendor"] = loop_us(ours), loop_us(vendor)
+            row["loop_ratio"] = row["loop_us_vendor"] / row["loop_us_ours"]
+            if args.breakdown:
+                row["stages_us"] = breakdown(op, ours, vendor)
+            rows.append(row)
+            print(
+                f"{name:38s} {op:13s} host {row['host_us_ours']:6.1f} us (vendor {row['host_us_vendor']:5.1f})"
+                f"  loop {row['loop_us_ours']:6.1f} us (vendor {row['loop_us_vendor']:5.1f})  {row['loop_ratio']:.3f}x",
+                flush=True,
+            )
+            for k, v in row.get("stages_us", {}).items():
+                print(f"    {k:32s} {v:.1f}" if isinstance(v, float) else f"    {k}: {v}")
+    info = device_info()
+    summary: dict = {"device": info.get("device")}
+    for op in sorted({r["op"] for r in rows}):
+        rs = [r for r in rows if r["op"] == op]
+        summary[op] = {
+            "loop_geomean": geomean([r["loop_ratio"] for r in rs]),
+            "loop_min": min(r["loop_ratio"] for r in rs),
+            "host_us_ours_median": statistics.median(r["host_us_ours"] for r in rs),
+            "host_us_vendor_median": statistics.median(r["host_us_vendor"] for r in rs),
+            "layers": len(rs),
+        }
+    summary["command"] = "python benchmarks/bench_host.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(summary)
+    name = args.out or f"host-{(info.get('device') or 'gpu').replace(' ', '_')}"
+    path = write_results(name, {"summary": summary, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
