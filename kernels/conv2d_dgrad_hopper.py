@@ -536,7 +536,7 @@ def _two_fit(c: dict) -> bool:
     and a loader warpgroup, 256 threads at num_warps 4, 128 registers each (launch_options),
     which hold an accumulator of up to 64 values a thread; at num_warps 8 (384 threads) two
     CTAs would leave 85 registers a thread."""
-    acc = c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])
+    acc = ghop.accumulator_per_thread(c)
     return 2 * (smem_bytes(c) + 1024) <= 228 * 1024 and c["num_warps"] == 4 and acc <= 64
 
 

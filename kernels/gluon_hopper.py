@@ -54,10 +54,15 @@ def warp_specialized_options(num_warps: int, ctas_per_sm: int = 1) -> dict:
     return {"maxnreg": 65536 // (ctas_per_sm * (num_warps + 4) * 32) // 8 * 8}
 
 
+def accumulator_per_thread(c: dict) -> int:
+    """The fp32 accumulator's values (registers) each thread of a config's tile holds."""
+    return c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])
+
+
 def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
     """What the compiler decides for a WGMMA kernel: shared memory within the limit, the fp32
     accumulator within the register budget (past 128 values per thread it spills)."""
-    return smem_bytes <= SMEM_LIMIT_BYTES and c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
+    return smem_bytes <= SMEM_LIMIT_BYTES and accumulator_per_thread(c) <= 128
 
 
 def _warps_fit(c: dict) -> bool:

@@ -32,6 +32,7 @@ pytest.importorskip("triton")
 
 from tunecache.compile import ConfigReport, canonical_problem, compile_configs, device_for
 from tunecache.shapes import OPS
+from tunecache_kernels.gluon_hopper import accumulator_per_thread
 from tunecache_kernels.spaces import space_for
 
 TARGETS = {"blackwell": "sm_100a", "hopper": "sm_90a"}
@@ -82,7 +83,7 @@ def _holds_no_accumulator(mod, c: dict) -> bool:
     launches another tile: gluon_host.matmul_as_launched.)"""
     if mod.BACKEND != "hopper" or c.get("SWAP_AB"):
         return False
-    return c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) >= 256
+    return accumulator_per_thread(c) >= 256
 
 
 def _sampled(mod, configs: list[dict], problem: dict, device) -> list[dict]:

@@ -19,6 +19,7 @@ from tunecache_kernels import gluon_host as gh
 from tunecache_kernels import gluon_launch as direct
 from tunecache_kernels import matmul_hopper as mm
 from tunecache_kernels import problems
+from tunecache_kernels.gluon_hopper import accumulator_per_thread
 from tunecache_kernels.spaces import space_for
 
 H100 = DeviceClass("sm_90", 132, "NVIDIA H100 80GB HBM3")
@@ -85,7 +86,7 @@ def test_pruned_configs_fit_shared_memory_and_stay_in_space(mod, p):
         # shared memory within the limit, the accumulator in the register file without spilling
         # (the wgrad's shared memory depends on whether the launch splits: on the device's SMs)
         assert mod.resources_ok(c, p, **({"sms": H100.sm_count} if mod is wgrad else {}))
-        assert c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"]) <= 128
+        assert accumulator_per_thread(c) <= 128
 
 
 @pytest.mark.parametrize("mod,p", PROBLEMS, ids=lambda x: getattr(x, "KERNEL", None))
