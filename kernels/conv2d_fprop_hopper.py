@@ -621,6 +621,8 @@ class _PackedPlan:
             return gh.packed_weights(w)
         kept = self.w_bufs.get(stream)
         if kept is None:
+            if len(self.w_bufs) >= gh.KEPT_WORKSPACES:
+                self.w_bufs.clear()  # streams made as a program goes: keep only the recent ones
             wp = gh.packed_weights(w)
             self.w_bufs[stream] = (wp, wp[:, : w[0].numel()].unflatten(1, w.shape[1:]))
             return wp

@@ -421,6 +421,7 @@ _WORKSPACES: dict = {}
 # stream (stream_workspace); larger ones are allocated per call (their kernels are long enough
 # that the allocation's host time is hidden, and a kept one would pin that memory)
 KEPT_WORKSPACE_BYTES = 16 << 20
+KEPT_WORKSPACES = 8  # (device, stream) pairs
 
 
 def stream_workspace(like: torch.Tensor, stream: int, shape: tuple) -> torch.Tensor:
@@ -436,6 +437,8 @@ def stream_workspace(like: torch.Tensor, stream: int, shape: tuple) -> torch.Ten
     key = (like.device, stream)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
+        if buf is None and len(_WORKSPACES) >= KEPT_WORKSPACES:
+            _WORKSPACES.clear()  # a program making streams as it goes: keep only the recent ones
         buf = _WORKSPACES[key] = like.new_empty(max(numel, 1 << 16), dtype=torch.float32)
     return buf
 

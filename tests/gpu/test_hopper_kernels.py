@@ -119,6 +119,25 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
         assert not gh.zeroed_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
 
 
+@gpu
+@pytest.mark.gpu
+def test_small_split_workspaces_are_kept_per_stream_and_bounded():
+    """gluon_host.stream_workspace: one buffer a stream for the small ones (no allocation a
+    call), a fresh one past KEPT_WORKSPACE_BYTES, and no more than KEPT_WORKSPACES kept while a
+    program makes streams as it goes."""
+    like = torch.empty(1, device="cuda")
+    here = torch.cuda.current_stream().cuda_stream
+    kept = gh.stream_workspace(like, here, (4, 100, 64))
+    assert gh.stream_workspace(like, here, (2, 100, 64)).data_ptr() == kept.data_ptr()
+    big = gh.stream_workspace(like, here, (gh.KEPT_WORKSPACE_BYTES // 4 + 1,))
+    assert big.data_ptr() != kept.data_ptr()
+    for _ in range(2 * gh.KEPT_WORKSPACES):
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert gh.stream_workspace(like, side.cuda_stream, (8,)).data_ptr() != kept.data_ptr()
+    assert len(gh._WORKSPACES) <= gh.KEPT_WORKSPACES
+
+
 # the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,
 # strides 1-3, paddings 0-1 (the batch-128 half on the smaller channel pairing)
 CONV_GRID = [
