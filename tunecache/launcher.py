@@ -229,12 +229,9 @@ class _Launch:
     def __call__(self, *args):
         plan = self.plan
         try:
-            if plan is not None and direct.direct_launch_enabled():
-                dev, stream = direct.current_device_and_stream()
-                if dev == self.dev:
-                    out = plan.run(args[0], args[1], stream)
-                    if out is not None:
-                        return out
+            out = None if plan is None else self.planned(args[0], args[1])
+            if out is not None:
+                return out
             out = self.launch(self.config, *args)
         except Exception as e:  # noqa: BLE001 - a bad config never fails the user's call
             return self.op.fall_back(self.raw, self.op.memo[self.raw], e, args)
@@ -244,6 +241,18 @@ class _Launch:
             if found is not None:
                 self.plan, self.dev = found
         return out
+
+    def planned(self, a, b, out_shape: tuple | None = None):
+        """The plan's launch of a call on a and b (out_shape: the matmul plan's, AsMatmul's), or
+        None: no plan, direct launches off or hooked, another current device, or the plan
+        declines the call."""
+        plan = self.plan
+        if plan is None or not direct.direct_launch_enabled():
+            return None
+        dev, stream = direct.current_device_and_stream()
+        if dev != self.dev:
+            return None
+        return plan.run(a, b, stream) if out_shape is None else plan.run(a, b, stream, out_shape)
 
 
 class AsMatmul:
@@ -271,16 +280,12 @@ class AsMatmul:
     def __call__(self, a, b):
         """The output, or None: take the views' path (the matmul's own entry and launch)."""
         entry = self.entry
-        if self.memo.get(self.mraw) is not entry or not direct.direct_launch_enabled():
+        if self.memo.get(self.mraw) is not entry:
             return None
         if entry.watch and time.monotonic() >= entry.recheck_at:
             return None  # the matmul's resolve rechecks it
-        launch = self.launch
-        dev, stream = direct.current_device_and_stream()
-        if dev != launch.dev:
-            return None
         try:
-            return launch.plan.run(a, b, stream, self.out_shape)
+            return self.launch.planned(a, b, self.out_shape)
         except Exception:  # noqa: BLE001 - the views' path launches it again, and falls back if it must
             return None
 
