@@ -621,7 +621,7 @@ class _PackedPlan:
             return gh.packed_weights(w)
         kept = self.w_bufs.get(stream)
         if kept is None:
-            if len(self.w_bufs) >= gh.KEPT_WORKSPACES:
+            if len(self.w_bufs) >= gh.KEPT_STREAMS:
                 self.w_bufs.clear()  # streams made as a program goes: keep only the recent ones
             wp = gh.packed_weights(w)
             self.w_bufs[stream] = (wp, wp[:, : w[0].numel()].unflatten(1, w.shape[1:]))

@@ -415,13 +415,29 @@ def no_split_workspace(device) -> torch.Tensor:
     return ws
 
 
+KEPT_STREAMS = 8  # the (device, stream) pairs a per-stream buffer is kept for
+
+
+def _per_stream(kept: dict, device, stream: int, numel: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The buffer `kept` holds for (device, stream), of at least `numel` elements; `make(numel)`
+    makes one where it is missing or too small. Shared by the launches on one stream (they run
+    in order). At most KEPT_STREAMS streams' buffers are kept (a program making streams as it
+    goes keeps only the recent ones)."""
+    key = (device, stream)
+    buf = kept.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is None and len(kept) >= KEPT_STREAMS:
+            kept.clear()
+        buf = kept[key] = make(numel)
+    return buf
+
+
 _WORKSPACES: dict = {}
 
 # a planned split launch's fp32 partials up to this many bytes come from a buffer kept per
 # stream (stream_workspace); larger ones are allocated per call (their kernels are long enough
 # that the allocation's host time is hidden, and a kept one would pin that memory)
 KEPT_WORKSPACE_BYTES = 16 << 20
-KEPT_WORKSPACES = 8  # (device, stream) pairs
 
 
 def stream_workspace(like: torch.Tensor, stream: int, shape: tuple) -> torch.Tensor:
@@ -434,13 +450,9 @@ def stream_workspace(like: torch.Tensor, stream: int, shape: tuple) -> torch.Ten
     numel = math.prod(shape)
     if numel * 4 > KEPT_WORKSPACE_BYTES or torch.cuda.is_current_stream_capturing():
         return like.new_empty(shape, dtype=torch.float32)
-    key = (like.device, stream)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is None and len(_WORKSPACES) >= KEPT_WORKSPACES:
-            _WORKSPACES.clear()  # a program making streams as it goes: keep only the recent ones
-        buf = _WORKSPACES[key] = like.new_empty(max(numel, 1 << 16), dtype=torch.float32)
-    return buf
+    return _per_stream(
+        _WORKSPACES, like.device, stream, numel, lambda n: like.new_empty(max(n, 1 << 16), dtype=torch.float32)
+    )
 
 
 _COUNTERS: dict = {}
@@ -449,17 +461,19 @@ _COUNTERS: dict = {}
 def zeroed_counters(device, stream: int, n: int) -> torch.Tensor:
     """At least `n` zeroed int32 counters for a kernel that leaves them zeroed: the matmuls'
     per-tile split arrivals (finish_split_tile), the wgrad's stream-K flags. One buffer per
-    (device, stream) serves every such launch (launches on one stream run in order; another
-    stream gets its own). Under CUDA-graph capture each launch gets a fresh buffer, its zeroing
-    captured with it: a graph's replays cannot count on what ran outside it. `device`: a
-    tensor's (a torch.device), called on every launch, so nothing here is rebuilt per call."""
+    (device, stream) serves every such launch (_per_stream). Under CUDA-graph capture each
+    launch gets a fresh buffer, its zeroing captured with it: a graph's replays cannot count on
+    what ran outside it. `device`: a tensor's (a torch.device), called on every launch, so
+    nothing here is rebuilt per call."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(max(n, 1), device=device, dtype=torch.int32)
-    key = (device, stream)
-    cnt = _COUNTERS.get(key)
-    if cnt is None or cnt.numel() < n:
-        cnt = _COUNTERS[key] = torch.zeros(max(1024, pow2_at_least(n)), device=device, dtype=torch.int32)
-    return cnt
+    return _per_stream(
+        _COUNTERS,
+        device,
+        stream,
+        n,
+        lambda k: torch.zeros(max(1024, pow2_at_least(k)), device=device, dtype=torch.int32),
+    )
 
 
 @gluon.jit

@@ -123,7 +123,7 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
 @pytest.mark.gpu
 def test_small_split_workspaces_are_kept_per_stream_and_bounded():
     """gluon_host.stream_workspace: one buffer a stream for the small ones (no allocation a
-    call), a fresh one past KEPT_WORKSPACE_BYTES, and no more than KEPT_WORKSPACES kept while a
+    call), a fresh one past KEPT_WORKSPACE_BYTES, and no more than KEPT_STREAMS kept while a
     program makes streams as it goes."""
     like = torch.empty(1, device="cuda")
     here = torch.cuda.current_stream().cuda_stream
@@ -131,11 +131,11 @@ def test_small_split_workspaces_are_kept_per_stream_and_bounded():
     assert gh.stream_workspace(like, here, (2, 100, 64)).data_ptr() == kept.data_ptr()
     big = gh.stream_workspace(like, here, (gh.KEPT_WORKSPACE_BYTES // 4 + 1,))
     assert big.data_ptr() != kept.data_ptr()
-    for _ in range(2 * gh.KEPT_WORKSPACES):
+    for _ in range(2 * gh.KEPT_STREAMS):
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             assert gh.stream_workspace(like, side.cuda_stream, (8,)).data_ptr() != kept.data_ptr()
-    assert len(gh._WORKSPACES) <= gh.KEPT_WORKSPACES
+    assert len(gh._WORKSPACES) <= gh.KEPT_STREAMS
 
 
 # the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,

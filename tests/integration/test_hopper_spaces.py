@@ -376,3 +376,20 @@ def test_the_packed_wgrad_splits_its_pixels_until_the_sms_are_busy_and_never_run
     assert splits <= min(k_steps, cap)
     if k_steps >= cap:
         assert 2 * splits > cap
+
+
+def test_a_per_stream_buffer_is_shared_on_its_stream_grown_and_bounded():
+    """gluon_host._per_stream (the planned launches' kept workspaces and split counters): one
+    buffer a stream, shared while it is large enough, remade larger, another stream's its own,
+    and no more than KEPT_STREAMS kept while streams come and go."""
+    kept: dict = {}
+    cpu = torch.device("cpu")
+    first = gh._per_stream(kept, cpu, 1, 10, torch.zeros)
+    assert gh._per_stream(kept, cpu, 1, 8, torch.zeros) is first
+    grown = gh._per_stream(kept, cpu, 1, 20, torch.zeros)
+    assert grown is not first and grown.numel() == 20
+    assert gh._per_stream(kept, cpu, 2, 4, torch.zeros) is not grown
+    for stream in range(3, 3 + 2 * gh.KEPT_STREAMS):
+        mine = gh._per_stream(kept, cpu, stream, 4, torch.zeros)
+        assert kept[(cpu, stream)] is mine
+        assert len(kept) <= gh.KEPT_STREAMS
