@@ -32,26 +32,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_models import cases, layers_named, suite  # noqa: E402
-from common import device_info, geomean, write_results  # noqa: E402
+from common import device_info, geomean, host_us, kernels_of, write_results  # noqa: E402
 
-CALLS = 200
-
-
-def host_us(fn, calls: int = CALLS) -> float:
-    """Median over 5 batches of the host's microseconds per call, the calls queued behind a GPU
-    sleep long enough that none of them waits for the GPU."""
-    import torch
-
-    out = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000 * 40 * calls)  # ~40 us of GPU cycles a call at ~2 GHz
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
+CALLS = 200  # calls per timing, the median of 5 batches (host_us, loop_us)
 
 
 def loop_us(fn, calls: int = CALLS) -> float:
@@ -72,18 +55,7 @@ def loop_us(fn, calls: int = CALLS) -> float:
 def timeline(fn, calls: int = 6) -> str:
     """The GPU work of `calls` back-to-back calls: each kernel's name, start (us from the first)
     and duration."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    t0 = ev[0].time_range.start if ev else 0
-    return "; ".join(f"{e.name[:40]} @{e.time_range.start - t0:.1f} +{e.device_time:.1f}" for e in ev)
+    return "; ".join(f"{k['name'][:40]} @{k['start_us']:.1f} +{k['us']:.1f}" for k in kernels_of(fn, calls))
 
 
 def breakdown(op: str, ours, vendor) -> dict:
@@ -94,7 +66,7 @@ def breakdown(op: str, ours, vendor) -> dict:
     from tunecache_kernels import gluon_launch as direct
 
     found = [o for o in OP_LAUNCHERS.values() if o.memo]
-    stages = {"ops call": host_us(ours)}
+    stages = {"ops call": host_us(ours, CALLS, 5)}
     # the entry this call runs: the one whose run() sees a call of ours()
     seen: list = []
     for o in found:
@@ -117,12 +89,12 @@ def breakdown(op: str, ours, vendor) -> dict:
     if not seen:
         return stages
     entry, args = seen[0]
-    stages["entry.run (memo bypassed)"] = host_us(lambda: entry.run(*args))
+    stages["entry.run (memo bypassed)"] = host_us(lambda: entry.run(*args), CALLS, 5)
     plan = getattr(entry.run, "plan", None)
-    stages["device and stream"] = host_us(direct.current_device_and_stream)
+    stages["device and stream"] = host_us(direct.current_device_and_stream, CALLS, 5)
     if plan is not None:
         stream = direct.current_device_and_stream()[1]
-        stages["plan.run"] = host_us(lambda: plan.run(args[0], args[1], stream))
+        stages["plan.run"] = host_us(lambda: plan.run(args[0], args[1], stream), CALLS, 5)
         captured: list = []
         ld = plan.launcher
 
@@ -141,15 +113,15 @@ def breakdown(op: str, ours, vendor) -> dict:
             plan.launcher = ld
         if captured:
             g0, st, la = captured[0]
-            stages["C launcher alone"] = host_us(lambda: ld(g0, st, la))
+            stages["C launcher alone"] = host_us(lambda: ld(g0, st, la), CALLS, 5)
             stages["C launcher alone, loop"] = loop_us(lambda: ld(g0, st, la))
         stages["plan.run, loop"] = loop_us(lambda: plan.run(args[0], args[1], stream))
     stages["ops call, loop"] = loop_us(ours)
     stages["gpu timeline"] = timeline(ours)
     stages["vendor gpu timeline"] = timeline(vendor)
     t = args[0]
-    stages["new_empty (the output)"] = host_us(lambda: t.new_empty(t.shape))
-    stages["is_current_stream_capturing"] = host_us(torch.cuda.is_current_stream_capturing)
+    stages["new_empty (the output)"] = host_us(lambda: t.new_empty(t.shape), CALLS, 5)
+    stages["is_current_stream_capturing"] = host_us(torch.cuda.is_current_stream_capturing, CALLS, 5)
     stages["entry"] = f"{entry.kernel} {entry.config} planned={plan is not None}"
     return stages
 
@@ -190,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             vendor()
             torch.cuda.synchronize()
             row = {"layer": name, "op": op}
-            row["host_us_ours"], row["host_us_vendor"] = host_us(ours), host_us(vendor)
+            row["host_us_ours"], row["host_us_vendor"] = host_us(ours, CALLS, 5), host_us(vendor, CALLS, 5)
             row["loop_us_ours"], row["loop_us_vendor"] = loop_us(ours), loop_us(vendor)
             row["loop_ratio"] = row["loop_us_vendor"] / row["loop_us_ours"]
             if args.breakdown:

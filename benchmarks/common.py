@@ -19,6 +19,42 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
 
 
+def host_us(fn, calls: int = 50, batches: int = 1) -> float:
+    """Microseconds of host time per call of `fn` (the median of `batches` runs of `calls`
+    calls): the calls are queued behind a GPU sleep long enough that none of them waits for the
+    GPU."""
+    import statistics
+
+    import torch
+
+    out = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000 // 1000 * 50)  # ~50 ms of GPU cycles at ~2 GHz
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def kernels_of(fn, calls: int = 1) -> list[dict]:
+    """The GPU kernels (and copies) `calls` calls of `fn` run, in order: each one's name, device
+    microseconds and start (microseconds after the first's), from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start if events else 0
+    return [{"name": e.name[:90], "us": e.device_time, "start_us": e.time_range.start - t0} for e in events]
+
+
 def device_info() -> dict:
     import torch
     import triton

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_models import cases, layers_named  # noqa: E402
-from common import device_info, geomean, write_results  # noqa: E402
+from common import device_info, geomean, host_us, kernels_of, write_results  # noqa: E402
 
 DEFAULT_LAYERS = (
     "resnet50-b32/layer4.conv2_first",
@@ -35,37 +34,6 @@ DEFAULT_LAYERS = (
     "resnet50-b128/layer2.downsample",
     "resnet50-b32/layer1.conv2",
 )
-
-
-def host_us(fn, calls: int = 50) -> float:
-    """Microseconds of host time per call: the calls are queued behind a GPU sleep long enough
-    that none of them waits for the GPU."""
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000 // 1000 * 50)  # ~50 ms of GPU cycles at ~2 GHz
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
-def kernels_of(fn) -> list[dict]:
-    """The GPU kernels (and copies) one call runs, with their device microseconds."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            out.append({"name": e.name[:90], "us": e.device_time})
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 from bench_train import batches, build, pretune, step, time_steps  # noqa: E402
-from common import device_info, write_results  # noqa: E402
-from profile_dgrad import host_us  # noqa: E402
+from common import device_info, host_us, write_results  # noqa: E402
 
 
 def kernels_per_step(model, opt, data, steps: int) -> tuple[dict[str, tuple[float, int]], float]:
