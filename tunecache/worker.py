@@ -326,4 +326,12 @@ def run_worker(
         return worker.run(max_jobs=max_jobs)
     except KeyboardInterrupt:
         log.info("tunecache: worker %s interrupted; a job it held went back to the queue", worker.owner)
+        _forget_interrupt()
         return worker.outcomes
+
+
+def _forget_interrupt() -> None:
+    """CPython exits by SIGINT (status -2; 130 in a shell) once a KeyboardInterrupt has passed
+    through code compiled from a string (`exec` of source: dataclasses, namedtuples, Triton's
+    binders), even one handled since, as a stopped worker's is; the next such run clears it."""
+    exec("pass")

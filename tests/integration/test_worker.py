@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -134,6 +136,24 @@ def test_without_a_fleet_the_worker_serves_the_local_queue(tmp_path):
     assert rec is not None and rec.source == "worker"
     assert store.trials(key.digest), "the worker keeps every trial in the local store"
     store.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_worker_stopped_inside_code_compiled_from_a_string_exits_0(sig):
+    """The signal may land while code made from a string runs (a dataclass or namedtuple being
+    made, a Triton binder): CPython then exited by SIGINT after the worker had handled it."""
+    body = (
+        "import os, signal, time\n"
+        "import tunecache.worker as w\n"
+        "class Interrupted:\n"
+        "    owner, outcomes = 'w', []\n"
+        "    def __init__(self, *a, **k): pass\n"
+        f"    def run(self, max_jobs=None): exec('os.kill(os.getpid(), {int(sig)}); time.sleep(30)')\n"
+        "w.Worker = Interrupted\n"
+        "print(w.run_worker())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
