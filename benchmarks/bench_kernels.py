@@ -63,7 +63,7 @@ def quick_candidates(op: str, mod, p: dict, device) -> list[dict]:
     first candidates, see gluon_hopper.quick_subset)."""
     from tunecache_kernels import gluon_hopper as ghop
 
-    pruned = [c for c in mod.config_space(p, device) if mod.resources_ok(c)]
+    pruned = mod.prune(mod.config_space(p, device), p, device)
     return ghop.quick_subset(op, pruned, p, device.sm_count)
 
 

@@ -46,7 +46,6 @@ from . import KernelSpec, problems
 from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
-from .conv2d_fprop_hopper import _next_k
 from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
@@ -308,7 +307,7 @@ def _load_partition(
                 Q2,
                 IM2COL,
             )
-            c0, tap, u, wrapped = _next_k(c0, tap, u, Co, kr, ks, BLOCK_K)
+            c0, tap, u, wrapped = gh.next_conv_k(c0, tap, u, Co, kr, ks, BLOCK_K)
             use += 1
 
 
@@ -506,18 +505,21 @@ def config_space(p: dict, device) -> list[dict]:
     """The space, less configs that would run but cannot help on this problem. Resource limits
     are left to prune(), which must agree with the compiler."""
     sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
+    return [c for c in SPACES[OP] if not resources_ok(c, p, sms) or worth_trying(c, p, sms)]
 
 
-def resources_ok(c: dict, p: dict | None = None) -> bool:
-    """The resource rule (prune() applies it; it must agree with the compiler)."""
-    return ghop.wgmma_resources_ok(c, smem_bytes(c))
+def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler) for the binary c
+    launches on p (split or not)."""
+    split = p is not None and sms is not None and _splits_of(p, c, sms)[0] > 1
+    return ghop.wgmma_resources_ok(c, smem_bytes(c, tile=not split))
 
 
-def smem_bytes(c: dict, itemsize: int = 2) -> int:
-    """The ring, its barriers and the epilogue's tile."""
+def smem_bytes(c: dict, itemsize: int = 2, tile: bool = True) -> int:
+    """The ring, its barriers and the epilogue's tile (`tile`; the split binary's fp32 partials
+    leave from registers)."""
     ring = c["num_stages"] * ((c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize + 16)
-    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize
+    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize * tile
 
 
 def _as_fprop(p: dict) -> dict:
@@ -586,7 +588,7 @@ def _splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first (the forward conv's order)."""
-    kept = [c for c in configs if resources_ok(c)]
+    kept = [c for c in configs if resources_ok(c, p, gh.sm_count_of(device))]
     return ghop.quick_first("conv2d_fprop", kept, _as_fprop(p), gh.sm_count_of(device))
 
 
@@ -599,7 +601,7 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, **one, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, **one, "num_warps": 4, "num_stages": 4}
-    if not (resources_ok(c) and worth_trying(c, p, gh.sm_count_of(device))):
+    if not (resources_ok(c, p, gh.sm_count_of(device)) and worth_trying(c, p, gh.sm_count_of(device))):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))

@@ -19,6 +19,12 @@ the same host code the Hopper backend runs.
 The k-steps walk the channel blocks of a tap before the next tap: the weight tile's columns
 advance contiguously, and a channel block that overhangs Ci reads zeros from im2col (TMA's
 out-of-bounds fill), so the neighbouring tap's weights it meets add nothing.
+
+Where the tiles leave SMs idle (batch 1, few output channels), SPLIT_K 0 splits each tile's
+k-steps the work model's number of ways (gluon_host.fprop_splits, the Hopper fprop's rule):
+work items are (split, tile) pairs numbered split-major, and the split binary's epilogue
+writes each one's fp32 partial from tensor memory for gluon_host.split_k_reduce to sum in
+split order.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from .gluon_blackwell import (
     likeliest_first,
     mma_partition,
     ring_slot,
+    split_k_range,
+    store_acc_masked,
     tma_store_epilogue,
 )
 from .spaces.blackwell import SPACES
@@ -62,6 +70,8 @@ reference = problems.conv2d_fprop_reference
 flops = problems.conv2d_flops
 
 _DTYPES = ("float16", "bfloat16")
+# the kernel's shape arguments: unspecialized i32, so one compile per config serves every shape
+_SHAPE_ARGS = ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m")
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -79,7 +89,7 @@ def _load_partition(
     num_pid_n,
     group_m,
     Ci,
-    RS,
+    R,
     S,
     PQ,
     Q,
@@ -87,6 +97,8 @@ def _load_partition(
     stride_w,
     pad_h,
     pad_w,
+    num_work,
+    k_per_split,
     IM2COL: gl.constexpr,
 ):
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
@@ -95,9 +107,11 @@ def _load_partition(
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     ci_blocks = gl.cdiv(Ci, BLOCK_K)
+    tiles = num_pid_m * num_pid_n
     use = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, group_m)
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        split, k_start, k_count = split_k_range(work_id, tiles, R * S * ci_blocks, k_per_split)
+        pid_m, pid_n = grouped_tile(work_id - split * tiles, num_pid_m, num_pid_n, group_m)
         # first output pixel of the tile -> the top-left corner of its window in the input
         m0 = pid_m * BLOCK_M
         n = m0 // PQ
@@ -105,34 +119,58 @@ def _load_partition(
         h0 = (pq // Q) * stride_h - pad_h
         w0 = (pq % Q) * stride_w - pad_w
         off_n = pid_n * BLOCK_N
-        for rs in range(RS):
-            r = (rs // S).to(gl.int16)
-            s = (rs % S).to(gl.int16)
-            for cb in range(ci_blocks):
-                c0 = cb * BLOCK_K
-                slot, phase = ring_slot(use, NUM_BUFFERS)
-                mbarrier.wait(empty.index(slot), phase ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, nbytes)
-                if IM2COL:
-                    tma.async_load_im2col(x_desc, [n, h0, w0, c0], [r, s], bar, a_bufs.index(slot))
-                else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
-                    tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot))
-                tma.async_load(w_desc, [off_n, rs * Ci + c0], bar, b_bufs.index(slot))
-                use += 1
+        # the split's first k-step -> its tap (r, s) and channel block; then stepped, not divided
+        tap = k_start // ci_blocks
+        c0 = (k_start - tap * ci_blocks) * BLOCK_K
+        r = tap // S
+        s = tap - r * S
+        for _k in range(k_count):
+            slot, phase = ring_slot(use, NUM_BUFFERS)
+            mbarrier.wait(empty.index(slot), phase ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            if IM2COL:
+                offsets = [r.to(gl.int16), s.to(gl.int16)]
+                tma.async_load_im2col(x_desc, [n, h0, w0, c0], offsets, bar, a_bufs.index(slot))
+            else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
+                tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot))
+            tma.async_load(w_desc, [off_n, (r * S + s) * Ci + c0], bar, b_bufs.index(slot))
+            c0, r, s, wrapped = gh.next_conv_k(c0, r, s, Ci, R, S, BLOCK_K)
+            use += 1
 
 
-@gluon.jit(
-    do_not_specialize=["M", "Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m"]
-)
+@gluon.jit
+def _partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW):
+    """The split binary's epilogue: each work item's fp32 partial from tensor memory into its
+    split's slab of ws [splits, M, LDW], summed afterwards by gluon_host.split_k_reduce (the
+    Hopper fprop's deterministic second pass)."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
+    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    tiles = num_pid_m * num_pid_n
+    acc_use = 0
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        split = work_id // tiles
+        pid_m, pid_n = grouped_tile(work_id - split * tiles, num_pid_m, num_pid_n, group_m)
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        base = ws_ptr + split.to(gl.int64) * M * LDW
+        store_acc_masked(
+            acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, pid_m * BLOCK_M, M, LDW, pid_n * BLOCK_N, LDW
+        )
+        acc_use += 1
+
+
+@gluon.jit(do_not_specialize=[*_SHAPE_ARGS, "SPLITS", "K_PER", "LDW"])
 def conv2d_fprop_kernel(
     x_desc,
     w_desc,
     y_desc,
+    ws_ptr,
     M,
     Co,
     Ci,
-    RS,
+    R,
     S,
     PQ,
     Q,
@@ -141,19 +179,25 @@ def conv2d_fprop_kernel(
     pad_h,
     pad_w,
     group_m,
+    SPLITS,
+    K_PER,
+    LDW,
     NUM_BUFFERS: gl.constexpr,
     NUM_ACC: gl.constexpr,
     IM2COL: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     """x_desc: im2col over x [N, H, W, Ci] (IM2COL) or tiles of x as [N*H*W, Ci];
-    w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co] in [BLOCK_M, epilogue slice] blocks."""
+    w_desc: tiles of w [Co, R*S*Ci]; y_desc: y [M, Co] in [BLOCK_M, epilogue slice] blocks.
+    SPLIT (the tiles leave SMs idle: batch 1, few output channels): work items are (split,
+    tile) pairs numbered split-major, K_PER k-steps each, and ws_ptr [SPLITS, M, LDW] fp32
+    (LDW: y's row, Co padded) receives their partials; the unsplit binary ignores all four."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = y_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
@@ -167,56 +211,53 @@ def conv2d_fprop_kernel(
 
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(Co, BLOCK_N)
-    k_iters = RS * gl.cdiv(Ci, BLOCK_K)
-    gl.warp_specialize(
-        [
-            (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-            (
-                mma_partition,
-                (
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    acc_tmem,
-                    acc_ready,
-                    acc_empty,
-                    num_pid_m * num_pid_n,
-                    num_pid_m * num_pid_n,
-                    k_iters,
-                    k_iters,
-                    False,
-                    True,
-                ),
-            ),
-            (
-                _load_partition,
-                (
-                    x_desc,
-                    w_desc,
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    num_pid_m,
-                    num_pid_n,
-                    group_m,
-                    Ci,
-                    RS,
-                    S,
-                    PQ,
-                    Q,
-                    stride_h,
-                    stride_w,
-                    pad_h,
-                    pad_w,
-                    IM2COL,
-                ),
-            ),
-        ],
-        [1, 1],
-        [WORKER_REGS, WORKER_REGS],
-    )
+    tiles = num_pid_m * num_pid_n
+    k_iters = R * S * gl.cdiv(Ci, BLOCK_K)
+    if SPLIT:
+        num_work = tiles * SPLITS
+        k_per_split = K_PER
+    else:
+        num_work = tiles
+        k_per_split = k_iters
+    # the partitions' argument lists written out in each launch: a tuple kept in a variable
+    # loses its constexpr members
+    # fmt: off
+    if SPLIT:
+        gl.warp_specialize(
+            [
+                (_partial_epilogue, (
+                    ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW,
+                )),
+                (mma_partition, (
+                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, k_iters,
+                    k_per_split, False, True,
+                )),
+                (_load_partition, (
+                    x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
+                    stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,
+                )),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
+    else:
+        c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+        gl.warp_specialize(
+            [
+                (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
+                (mma_partition, (
+                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, k_iters,
+                    k_per_split, False, True,
+                )),
+                (_load_partition, (
+                    x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
+                    stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,
+                )),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
+    # fmt: on
 
     invalidate_ring(ready)
     invalidate_ring(empty)
@@ -329,19 +370,26 @@ def supports(p: dict, device) -> bool:
 def config_space(p: dict, device) -> list[dict]:
     """The space less configs that cannot help on this problem (worth_trying). Resource limits
     are left to prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if worth_trying(c, p)]
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
 
 
-def worth_trying(c: dict, p: dict) -> bool:
+def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
     """The performance rule (config_space() applies it): no tile far larger than the problem. A
     k-step covers one filter tap, so channel blocks beyond the (padded) Ci only read zeros; wide
-    N tiles beyond Co compute padding. Whether it fits the device is resources_ok()'s question."""
+    N tiles beyond Co compute padding; a 16-wide N tile only for an image head's few output
+    channels; SPLIT_K 0 only where the work model splits (else the same launch as 1). Whether
+    it fits the device is resources_ok()'s question."""
+    if c["SPLIT_K"] == 0 and gh.fprop_splits(p, c, sms)[0] == 1:
+        return False
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     if gh.packs_taps(p):
         # the packed kernel's ring holds weights (L2-resident) and A tiles written a step ahead
         ci = gh.packed_k(p)
-        if c["NUM_BUFFERS"] > 3:
+        if c["NUM_BUFFERS"] > 3 or c["BLOCK_N"] < 32:
             return False
+    if c["BLOCK_N"] < 32 and gh.padded_channels(p["Co"], p["dtype"]) > c["BLOCK_N"]:
+        return False
     return (
         c["BLOCK_K"] <= max(32, gh.pow2_at_least(ci))
         and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Co"]))
@@ -358,11 +406,12 @@ def epilogue_n(c: dict) -> int:
 _SMEM_OVERHEAD = 256
 
 
-def smem_bytes(c: dict, p: dict) -> int:
-    """Operand ring + two epilogue staging slices + barriers (+ the compiler's few bytes)."""
+def smem_bytes(c: dict, p: dict, split: bool = False) -> int:
+    """Operand ring + two epilogue staging slices (not in the split binary, whose partials
+    leave from registers) + barriers (+ the compiler's few bytes)."""
     item = gh.ITEMSIZE[p["dtype"]]
     ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item
+    staging = 0 if split else 2 * c["BLOCK_M"] * epilogue_n(c) * item
     return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
 
 
@@ -370,26 +419,37 @@ def tmem_columns(c: dict) -> int:
     return c["NUM_ACC"] * c["BLOCK_N"]
 
 
-def resources_ok(c: dict, p: dict) -> bool:
+def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared and
-    tensor memory."""
-    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+    tensor memory of the binary this config launches on this problem (split or not)."""
+    split = gh.fprop_splits(p, c, sms)[0] > 1
+    return smem_bytes(c, p, split) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
-    return likeliest_first([c for c in configs if resources_ok(c, p)])
+    sms = gh.sm_count_of(device)
+    return likeliest_first([c for c in configs if resources_ok(c, p, sms)])
 
 
 def default_config(p: dict, device) -> dict:
+    """The Hopper fprop's choice by shape class: 128-row tiles (64 for 64 pixels or fewer) as
+    wide as Co allows, a 16- or 32-wide one for an image head, and the work model's split
+    (SPLIT_K 0) where it splits."""
+    sms = gh.sm_count_of(device)
     ci = gh.padded_channels(p["Ci"], p["dtype"])
+    co = gh.padded_channels(p["Co"], p["dtype"])
     bk = min(64, max(32, gh.pow2_at_least(ci)))
-    bn = 256 if p["Co"] >= 256 else 128 if p["Co"] >= 128 else 64
-    c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "num_warps": 4}
+    bn = 256 if p["Co"] >= 256 else 128 if p["Co"] >= 128 else 64 if co > 32 else 32 if co > 16 else 16
+    bm = 128 if p["gemm_M"] > 64 else 64
+    c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8}
+    c.update(SPLIT_K=0, num_warps=4)
     if gh.packs_taps(p):
-        c.update(BLOCK_N=min(bn, 128), BLOCK_K=32, NUM_BUFFERS=2)
+        c.update(BLOCK_N=max(32, min(bn, 128)), BLOCK_K=32, NUM_BUFFERS=2, SPLIT_K=1)
+    if c["SPLIT_K"] == 0 and gh.fprop_splits(p, c, sms)[0] == 1:
+        c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
     space = config_space(p, device)
-    if c not in space or not resources_ok(c, p):
+    if c not in space or not resources_ok(c, p, sms):
         fitting = prune(space, p, device)
         c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"]))
     return c
@@ -398,8 +458,8 @@ def default_config(p: dict, device) -> dict:
 # ---- host side ---------------------------------------------------------------------------------
 
 
-def _constexprs(c: dict, im2col: bool) -> dict:
-    return {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col}
+def _constexprs(c: dict, im2col: bool, split: bool) -> dict:
+    return {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col, "SPLIT": split}
 
 
 def _blocks(c: dict):
@@ -434,26 +494,18 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     w_desc = gh.tiled_desc(wp.view(Co, R * S * Ci), w_blk)
     y_desc = gh.tiled_desc(y, y_blk)
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"])
-    grid = gh.persistent_grid(tiles, gh.num_sms(x.device))
+    sms = gh.num_sms(x.device)
+    k_steps = R * S * triton.cdiv(Ci, config["BLOCK_K"])
+    n_split, per = gh.modeled_splits(config, tiles, k_steps, M * co_pad, sms)
+    split = n_split > 1
+    ws = gh.split_k_workspace(n_split, M, co_pad, x.device) if split else gh.no_split_workspace(x.device)
+    grid = gh.persistent_grid(tiles * n_split, sms)
+    scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"], n_split, per, co_pad)
     conv2d_fprop_kernel[grid](
-        x_desc,
-        w_desc,
-        y_desc,
-        M,
-        Co,
-        Ci,
-        R * S,
-        S,
-        P * Q,
-        Q,
-        sh,
-        sw,
-        ph,
-        pw,
-        config["GROUP_M"],
-        num_warps=config["num_warps"],
-        **_constexprs(config, im2col),
+        x_desc, w_desc, y_desc, ws, *scalars, num_warps=config["num_warps"], **_constexprs(config, im2col, split)
     )
+    if split:
+        gh.split_k_reduce(ws, y)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
 
@@ -473,22 +525,18 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         fn = conv2d_fprop_packed_kernel
         return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col)
+    split = gh.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
+    ce = _constexprs(config, im2col, split)
     sig = {
         "x_desc": gh.im2col_desc_sig(dt, x_blk) if im2col else gh.desc_sig(dt, x_blk),
         "w_desc": gh.desc_sig(dt, w_blk),
         "y_desc": gh.desc_sig(dt, y_blk),
+        "ws_ptr": "*fp32",
     }
-    sig.update(
-        {k: "i32" for k in ("M", "Co", "Ci", "RS", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m")}
-    )
+    sig.update({k: "i32" for k in (*_SHAPE_ARGS, "SPLITS", "K_PER", "LDW")})
     sig.update({k: "constexpr" for k in ce})
-    return [
-        KernelSpec(
-            fn=conv2d_fprop_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="conv2d_fprop_kernel",
-        )
-    ]
+    spec = KernelSpec(
+        fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_fprop_kernel"
+    )
+    numel = p["gemm_M"] * gh.padded_channels(p["Co"], dt)  # y, the reduction's outputs
+    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

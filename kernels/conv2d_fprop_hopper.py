@@ -133,22 +133,6 @@ def _issue_load(
 
 
 @gluon.jit
-def _next_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
-    """Advance (channel block, tap) by one k-step without dividing; `done` when the tile's
-    k-loop wraps around."""
-    c0 = c0 + BLOCK_K
-    wrap_c = c0 >= Ci
-    c0 = gl.where(wrap_c, 0, c0)
-    s = gl.where(wrap_c, s + 1, s)
-    wrap_s = s == S
-    s = gl.where(wrap_s, 0, s)
-    r = gl.where(wrap_s, r + 1, r)
-    done = r == R
-    r = gl.where(done, 0, r)
-    return c0, r, s, done
-
-
-@gluon.jit
 def _load_partition(
     x_desc,
     w_desc,
@@ -212,7 +196,7 @@ def _load_partition(
             slot = use % STAGES
             mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
             _issue_load(slot, m0, n0, img, h0, w0, c0, r, s, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready, IM2COL)
-            c0, r, s, wrapped = _next_k(c0, r, s, Ci, R, S, BLOCK_K)
+            c0, r, s, wrapped = gh.next_conv_k(c0, r, s, Ci, R, S, BLOCK_K)
             use += 1
 
 
@@ -465,18 +449,22 @@ def config_space(p: dict, device) -> list[dict]:
     tiles, narrow two-warpgroup tiles). Resource limits are left to
     prune(), which must agree with the compiler."""
     sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if not resources_ok(c) or worth_trying(c, p, sms)]
+    return [c for c in SPACES[OP] if not resources_ok(c, p, sms) or worth_trying(c, p, sms)]
 
 
-def resources_ok(c: dict, p: dict | None = None) -> bool:
+def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
-    and the accumulator's registers."""
-    return ghop.wgmma_resources_ok(c, smem_bytes(c))
+    and the accumulator's registers of the binary c launches on p (split or not)."""
+    split = p is not None and sms is not None and gh.fprop_splits(p, c, sms)[0] > 1
+    return ghop.wgmma_resources_ok(c, smem_bytes(c, tma_out=not split))
 
 
-def smem_bytes(c: dict, itemsize: int = 2) -> int:
+def smem_bytes(c: dict, itemsize: int = 2, tma_out: bool = True) -> int:
+    """The ring, its barriers and the y tile TMA stores from (tma_out; the split binary's fp32
+    partials leave from registers)."""
     ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
-    return ring + c["BLOCK_M"] * c["BLOCK_N"] * itemsize + 16 * c["num_stages"] + 1024
+    y_tile = c["BLOCK_M"] * c["BLOCK_N"] * itemsize if tma_out else 0
+    return ring + y_tile + 16 * c["num_stages"] + 1024
 
 
 def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
@@ -485,7 +473,7 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    if c.get("SPLIT_K", 1) == 0 and _splits_of(p, c, sms)[0] == 1:
+    if c.get("SPLIT_K", 1) == 0 and gh.fprop_splits(p, c, sms)[0] == 1:
         return False  # the model does not split (or the packed kernel): the unsplit launch
     if gh.packs_taps(p):
         # the packed kernel's ring holds weights only (L2-resident): depth buys nothing that the
@@ -502,8 +490,8 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
-    kept = [c for c in configs if resources_ok(c)]
-    return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
+    sms = gh.sm_count_of(device)
+    return ghop.quick_first(OP, [c for c in configs if resources_ok(c, p, sms)], p, sms)
 
 
 def default_config(p: dict, device) -> dict:
@@ -524,9 +512,9 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}
-    if c["SPLIT_K"] == 0 and _splits_of(p, c, gh.sm_count_of(device))[0] == 1:
+    if c["SPLIT_K"] == 0 and gh.fprop_splits(p, c, gh.sm_count_of(device))[0] == 1:
         c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
-    if not (resources_ok(c) and worth_trying(c, p, gh.sm_count_of(device))):
+    if not (resources_ok(c, p, gh.sm_count_of(device)) and worth_trying(c, p, gh.sm_count_of(device))):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))
@@ -538,16 +526,6 @@ def default_config(p: dict, device) -> dict:
 
 def _constexprs(c: dict, im2col: bool, split: bool) -> dict:
     return {"STAGES": c["num_stages"], "IM2COL": im2col, "SPLIT": split, "num_warps": c["num_warps"]}
-
-
-def _splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
-    """(splits, k-steps per split) of config c on problem p (gluon_host.modeled_splits); the
-    packed-taps kernel never splits."""
-    k_steps = p["R"] * p["S"] * gh.cdiv(gh.padded_channels(p["Ci"], p["dtype"]), c["BLOCK_K"])
-    if gh.packs_taps(p):
-        return 1, k_steps
-    tiles = gh.cdiv(p["gemm_M"], c["BLOCK_M"]) * gh.cdiv(p["Co"], c["BLOCK_N"])
-    return gh.modeled_splits(c, tiles, k_steps, p["gemm_M"] * gh.padded_channels(p["Co"], p["dtype"]), sms)
 
 
 class _Plan:
@@ -771,7 +749,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         fn = conv2d_fprop_packed_kernel
         return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
-    split = _splits_of(p, config, gh.sm_count_of(device))[0] > 1
+    split = gh.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
     ce = _constexprs(config, im2col, split)
     sig = {
         "x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),

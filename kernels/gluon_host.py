@@ -302,6 +302,32 @@ def modeled_splits(c: dict, tiles: int, k_steps: int, out_elems: int, sms: int) 
     return split_k_plan(k_steps, auto_splits(tiles, k_steps, sms, out_elems, c))
 
 
+def fprop_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of forward-conv config c on problem p, both backends' rule
+    (modeled_splits); the packed-taps kernel never splits."""
+    k_steps = p["R"] * p["S"] * cdiv(padded_channels(p["Ci"], p["dtype"]), c["BLOCK_K"])
+    if packs_taps(p):
+        return 1, k_steps
+    tiles = cdiv(p["gemm_M"], c["BLOCK_M"]) * cdiv(p["Co"], c["BLOCK_N"])
+    return modeled_splits(c, tiles, k_steps, p["gemm_M"] * padded_channels(p["Co"], p["dtype"]), sms)
+
+
+@gluon.jit
+def next_conv_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
+    """An implicit-GEMM conv's next k-step: (channel block, tap) advanced by one without
+    dividing, channel blocks of a tap before the next tap; `done` when the tile's k-loop wraps."""
+    c0 = c0 + BLOCK_K
+    wrap_c = c0 >= Ci
+    c0 = gl.where(wrap_c, 0, c0)
+    s = gl.where(wrap_c, s + 1, s)
+    wrap_s = s == S
+    s = gl.where(wrap_s, 0, s)
+    r = gl.where(wrap_s, r + 1, r)
+    done = r == R
+    r = gl.where(done, 0, r)
+    return c0, r, s, done
+
+
 # ---- split-K of a matmul: the rules both Gluon matmuls follow ---------------------------------
 
 

@@ -44,15 +44,18 @@ SPACES = {
             "num_warps": (4,),
         }
     ),
-    # implicit GEMM: M = N*P*Q output pixels (TMA im2col rows), N = Co, K = R*S*Ci
+    # implicit GEMM: M = N*P*Q output pixels (TMA im2col rows), N = Co, K = R*S*Ci; SPLIT_K and
+    # BLOCK_N 16 as the Hopper fprop's: 0 splits the k-steps the work model's number of ways
+    # where the tiles leave SMs idle (batch 1), 1 never splits; a 16-wide tile for an image head
     "conv2d_fprop": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
-            "BLOCK_N": (32, 64, 128, 256),
+            "BLOCK_N": (16, 32, 64, 128, 256),
             "BLOCK_K": (32, 64, 128),
             "NUM_BUFFERS": _STAGES,
             "NUM_ACC": (2,),
             "GROUP_M": (1, 4, 8),
+            "SPLIT_K": (0, 1),
             "num_warps": (4,),
         }
     ),

@@ -32,6 +32,7 @@ from tunecache_kernels import (
 from tunecache_kernels import gluon_host as gh
 
 ARCH = "sm_100a"
+FPROP_B1 = {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1}
 # each kernel on a problem and config that take the path named: (op, problem overrides, module,
 # config overrides of the default config)
 KERNELS = {
@@ -42,6 +43,8 @@ KERNELS = {
     "matmul-swap": ("matmul", {"M": 1, "N": 4096, "K": 4096}, matmul_blackwell, {"SWAP_AB": 1, "SPLIT_K": 1}),
     "matmul-swap-split": ("matmul", {"M": 1, "N": 4096, "K": 4096}, matmul_blackwell, {"SWAP_AB": 1, "SPLIT_K": 0}),
     "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell, {}),
+    # batch 1 at 7x7: 16 tiles on 148 SMs, so the default config splits K (the split binary)
+    "conv2d_fprop-split": ("conv2d_fprop", FPROP_B1, conv2d_fprop_blackwell, {}),
     "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {}),
     "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gh.STREAM_K}),
     # stride 1: one phase, a TMA-store epilogue; stride 2: four phases stored from registers
@@ -68,6 +71,11 @@ PARTITIONS = {
     ),
     "conv2d_fprop": (
         gluon_blackwell.tma_store_epilogue,
+        gluon_blackwell.mma_partition,
+        conv2d_fprop_blackwell._load_partition,
+    ),
+    "conv2d_fprop-split": (
+        conv2d_fprop_blackwell._partial_epilogue,
         gluon_blackwell.mma_partition,
         conv2d_fprop_blackwell._load_partition,
     ),
@@ -99,6 +107,7 @@ TMA_STORE = {
     "matmul-swap": False,
     "matmul-swap-split": False,
     "conv2d_fprop": True,
+    "conv2d_fprop-split": False,
     "conv2d_wgrad": False,
     "conv2d_wgrad-stream": False,
     "conv2d_dgrad": True,
@@ -134,6 +143,17 @@ def test_the_decode_problem_takes_the_split_binary():
     assert names == ["matmul_kernel"]  # the split binary sums its own partials
     big = _problem("matmul")
     assert not gh.split_binary(matmul_blackwell.default_config(big, device), 1)
+
+
+def test_a_batch_1_conv_takes_the_split_binary_and_its_reduction():
+    device = device_for(ARCH)
+    p = _problem("conv2d_fprop-split")
+    config = conv2d_fprop_blackwell.default_config(p, device)
+    assert config["SPLIT_K"] == 0 and gh.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
+    names = [spec.name for spec in conv2d_fprop_blackwell.compile_specs(p, config, device)]
+    assert names == ["conv2d_fprop_kernel", "split_k_reduce"]
+    big = _problem("conv2d_fprop")
+    assert conv2d_fprop_blackwell.default_config(big, device)["SPLIT_K"] == 1
 
 
 @pytest.mark.parametrize("kernel", ["matmul-split", "matmul-swap-split"])

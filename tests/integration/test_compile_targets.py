@@ -186,6 +186,27 @@ def test_packed_taps_kernels_compile_and_pruning_agrees(op, backend, record_prop
     _compile_and_check(mod, problem, configs, arch, "packed-taps configs ", record_property)
 
 
+# Batch 1 at 7x7 (ResNet-50's layer4: 16 tiles of 128 x 256 on 132 or 148 SMs): every config
+# that splits K (SPLIT_K 0, where the work model splits) launches the split binary, whose fp32
+# partials leave from registers: no output tile in shared memory, so deeper rings fit than in
+# the unsplit binary, and prune() must know which binary a config launches.
+SPLIT_CONV = {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1}
+SPLIT_CONV["dtype"] = "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "op,backend", [("conv2d_fprop", "hopper"), ("conv2d_fprop", "blackwell"), ("conv2d_dgrad", "hopper")]
+)
+def test_split_conv_kernels_compile_and_pruning_agrees(op, backend, record_property):
+    mod = _module(op, backend)
+    device = device_for(TARGETS[backend])
+    problem = canonical_problem(op, SPLIT_CONV)
+    configs = [c for c in mod.config_space(problem, device) if c["SPLIT_K"] == 0]
+    assert configs and {s.name for s in mod.compile_specs(problem, configs[0], device)} >= {"split_k_reduce"}
+    configs = _sampled(mod, configs, problem, device)
+    _compile_and_check(mod, problem, configs, TARGETS[backend], "split configs ", record_property)
+
+
 # Few output channels take the few-Co wgrad kernels where the config's BLOCK_N is their width
 # (gluon_host.runs_few_co). Every such config the backend would tune for an image head (the SD
 # VAE's decoder.conv_out), ring depths sampled as above, with the same two checks; and a strided
@@ -259,8 +280,22 @@ VARIANTS = {
     ],
     "conv2d_fprop": [
         {"N": 8, "H": 28, "W": 28, "Ci": 64, "Co": 128, "R": 1, "S": 1, "stride": 1, "padding": 0, "dtype": "float16"},
-        # few tiles (batch 1 at 7x7): the Hopper default splits K (the split binary and its reduction)
+        # few tiles (batch 1 at 7x7): the default splits K (the split binary and its reduction)
         {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
+        # and a batch-1 1x1 (x read by plain tiled TMA) that splits; an image head (a 16-wide N tile)
+        {
+            "N": 1,
+            "H": 14,
+            "W": 14,
+            "Ci": 1024,
+            "Co": 256,
+            "R": 1,
+            "S": 1,
+            "stride": 1,
+            "padding": 0,
+            "dtype": "float16",
+        },  # noqa: E501
+        {"N": 1, "H": 64, "W": 64, "Ci": 128, "Co": 3, "R": 3, "S": 3, "stride": 1, "padding": 1, "dtype": "bfloat16"},
         {"N": 4, "H": 224, "W": 224, "Ci": 3, "Co": 64, "R": 7, "S": 7, "stride": 2, "padding": 3, "dtype": "bfloat16"},
     ],
     "conv2d_wgrad": [
