@@ -14,6 +14,9 @@ warp-specialized pipeline of conv2d_fprop_blackwell:
                             otherwise masked stores from registers into the phase's positions
                             of grad_x, each thread's channels one store of up to 16 bytes.
 Phases no tap reaches (a filter smaller than its stride) are zeroed by the host.
+A stride-1 dgrad whose tiles leave SMs idle splits its k-steps (SPLIT_K 0, the work model's
+count: gluon_host.dgrad_splits, the Hopper dgrad's rule) into fp32 partials written from
+tensor memory (gluon_blackwell.partial_epilogue) and summed in split order by split_k_reduce.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .gluon_blackwell import (
     invalidate_ring,
     likeliest_first,
     mma_chain,
+    partial_epilogue,
     ring_slot,
     tma_store_epilogue,
 )
@@ -65,6 +69,22 @@ def _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M: gl.c
     """Tile id (phase-major) -> (its phase, first pixel of the phase's walk, first channel)."""
     pid_m, pid_n = grouped_tile(tile_id % tiles_per_phase, num_pid_m, num_pid_n, group_m)
     return tile_id // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _work(work_id, tiles, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K: gl.constexpr):
+    """Work item -> (tile id, phase-major; its first k-step and k-step count). A tile's k-steps
+    are its phase's taps times Co's blocks; in the split binary (a stride-1 dgrad: one phase)
+    work items are (split, tile) pairs numbered split-major, K_PER k-steps of the tile's each
+    (the unsplit binary's K_PER covers every phase's k-steps: one item a tile)."""
+    split = work_id // (n_phases * tiles)
+    tile_id = work_id - split * (n_phases * tiles)
+    phase = tile_id // tiles
+    kr0 = phase // PS
+    ks0 = phase % PS
+    k_total = ((R - kr0 + stride_h - 1) // stride_h) * ((S - ks0 + stride_w - 1) // stride_w) * gl.cdiv(Co, BLOCK_K)
+    k_start = split * K_PER
+    return tile_id, k_start, gl.minimum(K_PER, k_total - k_start)
 
 
 @gluon.jit
@@ -94,6 +114,8 @@ def _load_partition(
     pad_w,
     PH,
     PW,
+    num_work,
+    K_PER,
     IM2COL: gl.constexpr,
 ):
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
@@ -104,7 +126,10 @@ def _load_partition(
     c_blocks = gl.cdiv(Co, BLOCK_K)
     tiles_per_phase = num_pid_m * num_pid_n
     use = 0
-    for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        tile_id, k_start, k_count = _work(
+            work_id, tiles_per_phase, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K
+        )
         phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
         kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
@@ -113,22 +138,25 @@ def _load_partition(
         pq = m0 % PQ2
         p0 = pq // Q2
         q0 = pq % Q2
-        for t in range(kr):
-            for u in range(ks):
-                col = ((kr0 + stride_h * t) * S + ks0 + stride_w * u) * Ciw + n0
-                for cblk in range(c_blocks):
-                    c0 = cblk * BLOCK_K
-                    slot, ring_phase = ring_slot(use, NUM_BUFFERS)
-                    mbarrier.wait(empty.index(slot), ring_phase ^ 1)
-                    bar = ready.index(slot)
-                    mbarrier.expect(bar, nbytes)
-                    if IM2COL:
-                        offs = [(ca - t + PH).to(gl.int16), (cb - u + PW).to(gl.int16)]
-                        tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot))
-                    else:  # 1x1, stride 1, no padding: grad_out is the GEMM's A as it lies
-                        tma.async_load(g_desc, [m0, c0], bar, a_bufs.index(slot))
-                    tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot))
-                    use += 1
+        # the first k-step -> its tap (t, u) of the phase and Co block; then stepped, not divided
+        tap = k_start // c_blocks
+        c0 = (k_start - tap * c_blocks) * BLOCK_K
+        t = tap // ks
+        u = tap - t * ks
+        for _k in range(k_count):
+            col = ((kr0 + stride_h * t) * S + ks0 + stride_w * u) * Ciw + n0
+            slot, ring_phase = ring_slot(use, NUM_BUFFERS)
+            mbarrier.wait(empty.index(slot), ring_phase ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            if IM2COL:
+                offs = [(ca - t + PH).to(gl.int16), (cb - u + PW).to(gl.int16)]
+                tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot))
+            else:  # 1x1, stride 1, no padding: grad_out is the GEMM's A as it lies
+                tma.async_load(g_desc, [m0, c0], bar, a_bufs.index(slot))
+            tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot))
+            c0, t, u, wrapped = gh.next_conv_k(c0, t, u, Co, kr, ks, BLOCK_K)
+            use += 1
 
 
 @gluon.jit
@@ -149,20 +177,19 @@ def _mma_partition(
     S,
     stride_h,
     stride_w,
+    num_work,
+    K_PER,
 ):
-    """The MMA warp: each tile's k-steps (its phase's taps times Co's blocks) into the next free
-    accumulator; B is w's own [BLOCK_K, BLOCK_N] tile, N-major, fed as it lies."""
+    """The MMA warp: each work item's k-steps (its phase's taps times Co's blocks, or its split's
+    share of them) into the next free accumulator; B is w's own [BLOCK_K, BLOCK_N] tile,
+    N-major, fed as it lies."""
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    c_blocks = gl.cdiv(Co, BLOCK_K)
     tiles_per_phase = num_pid_m * num_pid_n
     use = 0
     acc_use = 0
-    for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
-        phase = tile_id // tiles_per_phase
-        kr0 = phase // PS
-        ks0 = phase % PS
-        k_count = ((R - kr0 + stride_h - 1) // stride_h) * ((S - ks0 + stride_w - 1) // stride_w) * c_blocks
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        _, _, k_count = _work(work_id, tiles_per_phase, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K)
         acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
         mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
         use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_count, use, False, False)
@@ -231,12 +258,13 @@ def _phase_store_epilogue(
         acc_use += 1
 
 
-@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "group_m"])  # one binary for every shape
+@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
     w_desc,
     y_desc,
     gx_ptr,
+    ws_ptr,
     M2,
     Ci,
     Co,
@@ -256,15 +284,21 @@ def conv2d_dgrad_kernel(
     PS,
     n_phases,
     group_m,
+    SPLITS,
+    K_PER,
     NUM_BUFFERS: gl.constexpr,
     NUM_ACC: gl.constexpr,
     IM2COL: gl.constexpr,
     TMA_STORE: gl.constexpr,
     VEC: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     """g_desc: im2col over grad_out [N, P, Q, Co] (the phases' shared stride-1 walk of M2 pixels,
     halo PH x PW) or its tiles as [N*P*Q, Co]; w_desc: tiles of w [Co, R*S*Ciw]; y_desc: grad_x
-    as [N*H*W, Ci] in [BLOCK_M, epilogue slice] blocks (TMA_STORE: stride 1), gx_ptr grad_x."""
+    as [N*H*W, Ci] in [BLOCK_M, epilogue slice] blocks (TMA_STORE: stride 1), gx_ptr grad_x.
+    K_PER: k-steps a work item (at least every phase's, unsplit). SPLIT (a stride-1 dgrad whose
+    tiles leave SMs idle): SPLITS work items a tile, whose fp32 partials go to ws_ptr
+    [SPLITS, M2, Ci] for split_k_reduce."""
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
@@ -284,65 +318,44 @@ def conv2d_dgrad_kernel(
 
     num_pid_m = gl.cdiv(M2, BLOCK_M)
     num_pid_n = gl.cdiv(Ci, BLOCK_N)
-    # two calls, not one with the epilogue chosen before it: Gluon takes each partition's
-    # function and arguments as written in the call
-    if TMA_STORE:  # one phase, whose walk is grad_x's own pixels
+    num_work = n_phases * num_pid_m * num_pid_n
+    if SPLIT:
+        num_work = num_work * SPLITS
+    # one call a binary, each with its partitions' arguments written out: Gluon takes each
+    # partition's function and arguments as written in the call (a tuple kept in a variable
+    # loses its constexpr members)
+    # fmt: off
+    if SPLIT:  # one phase, split: fp32 partials
+        gl.warp_specialize(
+            [
+                (partial_epilogue, (
+                    ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M2, Ci,
+                )),
+                (_mma_partition, (
+                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
+                    PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
+                )),
+                (_load_partition, (
+                    g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
+                    Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
+                )),
+            ],
+            [1, 1],
+            [WORKER_REGS, WORKER_REGS],
+        )
+    elif TMA_STORE:  # one phase, whose walk is grad_x's own pixels
         c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
         gl.warp_specialize(
             [
                 (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-                (
-                    _mma_partition,
-                    (
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        acc_tmem,
-                        acc_ready,
-                        acc_empty,
-                        num_pid_m,
-                        num_pid_n,
-                        n_phases,
-                        PS,
-                        Co,
-                        R,
-                        S,
-                        stride_h,
-                        stride_w,
-                    ),
-                ),
-                (
-                    _load_partition,
-                    (
-                        g_desc,
-                        w_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        num_pid_m,
-                        num_pid_n,
-                        group_m,
-                        n_phases,
-                        PS,
-                        Co,
-                        Ciw,
-                        R,
-                        S,
-                        H,
-                        W,
-                        PQ2,
-                        Q2,
-                        stride_h,
-                        stride_w,
-                        pad_h,
-                        pad_w,
-                        PH,
-                        PW,
-                        IM2COL,
-                    ),
-                ),
+                (_mma_partition, (
+                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
+                    PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
+                )),
+                (_load_partition, (
+                    g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
+                    Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
+                )),
             ],
             [1, 1],
             [WORKER_REGS, WORKER_REGS],
@@ -350,89 +363,23 @@ def conv2d_dgrad_kernel(
     else:
         gl.warp_specialize(
             [
-                (
-                    _phase_store_epilogue,
-                    (
-                        gx_ptr,
-                        acc_tmem,
-                        acc_ready,
-                        acc_empty,
-                        num_pid_m,
-                        num_pid_n,
-                        group_m,
-                        n_phases,
-                        PS,
-                        Ci,
-                        R,
-                        S,
-                        H,
-                        W,
-                        M2,
-                        PQ2,
-                        Q2,
-                        stride_h,
-                        stride_w,
-                        pad_h,
-                        pad_w,
-                        VEC,
-                    ),
-                ),
-                (
-                    _mma_partition,
-                    (
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        acc_tmem,
-                        acc_ready,
-                        acc_empty,
-                        num_pid_m,
-                        num_pid_n,
-                        n_phases,
-                        PS,
-                        Co,
-                        R,
-                        S,
-                        stride_h,
-                        stride_w,
-                    ),
-                ),
-                (
-                    _load_partition,
-                    (
-                        g_desc,
-                        w_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        num_pid_m,
-                        num_pid_n,
-                        group_m,
-                        n_phases,
-                        PS,
-                        Co,
-                        Ciw,
-                        R,
-                        S,
-                        H,
-                        W,
-                        PQ2,
-                        Q2,
-                        stride_h,
-                        stride_w,
-                        pad_h,
-                        pad_w,
-                        PH,
-                        PW,
-                        IM2COL,
-                    ),
-                ),
+                (_phase_store_epilogue, (
+                    gx_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Ci, R, S,
+                    H, W, M2, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, VEC,
+                )),
+                (_mma_partition, (
+                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
+                    PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
+                )),
+                (_load_partition, (
+                    g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
+                    Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
+                )),
             ],
             [1, 1],
             [WORKER_REGS, WORKER_REGS],
         )
+    # fmt: on
 
     invalidate_ring(ready)
     invalidate_ring(empty)
@@ -457,12 +404,16 @@ def supports(p: dict, device) -> bool:
 def config_space(p: dict, device) -> list[dict]:
     """The space less configs that cannot help on this problem (worth_trying). Resource limits
     are left to prune(), which must agree with the compiler."""
-    return [c for c in SPACES[OP] if worth_trying(c, p)]
+    sms = gh.sm_count_of(device)
+    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
 
 
-def worth_trying(c: dict, p: dict) -> bool:
+def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
     """The performance rule: no tile far larger than the problem. A k-step covers one tap's
-    Co channels (grad_out's, padded); N is Ci; M a phase's walk."""
+    Co channels (grad_out's, padded); N is Ci; M a phase's walk. SPLIT_K 0 only where the work
+    model splits (else the same launch as 1)."""
+    if c["SPLIT_K"] == 0 and gh.dgrad_problem_splits(p, c, sms)[0] == 1:
+        return False
     co = gh.padded_channels(p["Co"], p["dtype"])
     p2, q2, _, _ = gh.dgrad_walk(p)
     return (
@@ -481,11 +432,12 @@ def epilogue_n(c: dict) -> int:
 _SMEM_OVERHEAD = 256
 
 
-def smem_bytes(c: dict, p: dict) -> int:
-    """Operand ring + barriers (+ two epilogue staging slices where the epilogue is a TMA store)."""
+def smem_bytes(c: dict, p: dict, split: bool = False) -> int:
+    """Operand ring + barriers (+ two epilogue staging slices where the epilogue is a TMA store,
+    not in the split binary, whose partials leave from registers)."""
     item = gh.ITEMSIZE[p["dtype"]]
     ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if gh.dgrad_tma_store_ok(p) else 0
+    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if gh.dgrad_tma_store_ok(p) and not split else 0
     return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
 
 
@@ -493,23 +445,35 @@ def tmem_columns(c: dict) -> int:
     return c["NUM_ACC"] * c["BLOCK_N"]
 
 
-def resources_ok(c: dict, p: dict) -> bool:
-    """The resource rule (prune() applies it; it must agree with the compiler)."""
-    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
+    """The resource rule (prune() applies it; it must agree with the compiler) for the binary c
+    launches on p (split or not)."""
+    split = gh.dgrad_problem_splits(p, c, sms)[0] > 1
+    return smem_bytes(c, p, split) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
-    return likeliest_first([c for c in configs if resources_ok(c, p)])
+    sms = gh.sm_count_of(device)
+    return likeliest_first([c for c in configs if resources_ok(c, p, sms)])
 
 
 def default_config(p: dict, device) -> dict:
+    """128-row tiles (64 for a walk of 64 pixels or fewer) as wide as Ci allows, and the work
+    model's split (SPLIT_K 0) where a
+    stride-1 dgrad's tiles leave SMs idle (the Hopper dgrad's choice)."""
+    sms = gh.sm_count_of(device)
     co = gh.padded_channels(p["Co"], p["dtype"])
     bk = min(64, max(32, gh.pow2_at_least(co)))
     bn = 256 if p["Ci"] >= 256 else 128 if p["Ci"] >= 128 else 64
-    c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "num_warps": 4}
+    p2, q2, _, _ = gh.dgrad_walk(p)
+    bm = 128 if p["N"] * p2 * q2 > 64 else 64
+    c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "SPLIT_K": 0}
+    c["num_warps"] = 4
+    if gh.dgrad_problem_splits(p, c, sms)[0] == 1:
+        c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
     space = config_space(p, device)
-    if c not in space or not resources_ok(c, p):
+    if c not in space or not resources_ok(c, p, sms):
         fitting = prune(space, p, device)
         c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["NUM_BUFFERS"]))
     return c
@@ -518,9 +482,9 @@ def default_config(p: dict, device) -> dict:
 # ---- host side ---------------------------------------------------------------------------------
 
 
-def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int) -> dict:
+def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int, split: bool) -> dict:
     ce = {"NUM_BUFFERS": c["NUM_BUFFERS"], "NUM_ACC": c["NUM_ACC"], "IM2COL": im2col}
-    return {**ce, "TMA_STORE": tma_store, "VEC": vec}
+    return {**ce, "TMA_STORE": tma_store, "VEC": vec, "SPLIT": split}
 
 
 def _blocks(c: dict):
@@ -537,17 +501,28 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
     gx = geo.new_grad_x(g)
     # the pointer epilogue's stand-in keeps the descriptor's type
     y = gx.view(-1, geo.Ci) if geo.tma_store else torch.empty(y_blk, device=g.device, dtype=g.dtype)
-    grid = gh.persistent_grid(geo.tiles(config["BLOCK_M"], config["BLOCK_N"]), gh.num_sms(g.device))
+    sms = gh.num_sms(g.device)
+    tiles = geo.tiles(config["BLOCK_M"], config["BLOCK_N"])
+    k_steps = geo.R * geo.S * gh.cdiv(geo.co, config["BLOCK_K"])  # every phase's at most
+    n_split, per = gh.dgrad_splits(config, st, tiles, k_steps, gx.numel(), sms)
+    split = n_split > 1
+    ws = gh.split_k_workspace(n_split, geo.m2, geo.Ci, g.device) if split else gh.no_split_workspace(g.device)
+    grid = gh.persistent_grid(tiles * n_split, sms)
     conv2d_dgrad_kernel[grid](
         geo.g_desc(g, g_blk),
         geo.w_desc(wp, w_blk),
         gh.tiled_desc(y, y_blk),
         gx,
+        ws,
         *geo.ints,
         config["GROUP_M"],
+        n_split,
+        per,
         num_warps=config["num_warps"],
-        **_constexprs(config, geo.im2col, geo.tma_store, geo.vec),
+        **_constexprs(config, geo.im2col, geo.tma_store, geo.vec, split),
     )
+    if split:
+        gh.split_k_reduce(ws, gx)
     return gx
 
 
@@ -555,21 +530,19 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     g_blk, w_blk, y_blk = _blocks(config)
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt))
+    split = gh.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
+    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt), split)
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, g_blk) if im2col else gh.desc_sig(dt, g_blk),
         "w_desc": gh.desc_sig(dt, w_blk),
         "y_desc": gh.desc_sig(dt, y_blk),
         "gx_ptr": gh.ptr_sig(dt),
+        "ws_ptr": "*fp32",
     }
-    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "group_m")})
+    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER")})
     sig.update({k: "constexpr" for k in ce})
-    return [
-        KernelSpec(
-            fn=conv2d_dgrad_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="conv2d_dgrad_kernel",
-        )
-    ]
+    spec = KernelSpec(
+        fn=conv2d_dgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_dgrad_kernel"
+    )
+    numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
+    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

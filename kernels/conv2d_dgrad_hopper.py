@@ -511,7 +511,7 @@ def config_space(p: dict, device) -> list[dict]:
 def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler) for the binary c
     launches on p (split or not)."""
-    split = p is not None and sms is not None and _splits_of(p, c, sms)[0] > 1
+    split = p is not None and sms is not None and gh.dgrad_problem_splits(p, c, sms)[0] > 1
     return ghop.wgmma_resources_ok(c, smem_bytes(c, tile=not split))
 
 
@@ -556,7 +556,7 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
         return False  # two warpgroups on a 64-row tile split N: below 128 columns each gets a sliver
     if ctas_per_sm(c) == 2 and not (_two_fit(c) and _tiles(p, c) > sms):
         return False  # the second CTA would wait for the first, or the grid is the one-CTA launch
-    if c.get("SPLIT_K", 1) == 0 and _splits_of(p, c, sms)[0] == 1:
+    if c.get("SPLIT_K", 1) == 0 and gh.dgrad_problem_splits(p, c, sms)[0] == 1:
         return False  # the model does not split: the unsplit launch
     g = _as_fprop(p)
     if c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(g["Ci"], p["dtype"]))):
@@ -570,20 +570,6 @@ def _tiles(p: dict, c: dict) -> int:
     p2, q2, _, _ = gh.dgrad_walk(p)
     phases = gh.dgrad_phases(p, ZERO_PHASES)  # the tiles the launch's grid walks (DgradGeometry.tiles)
     return phases * gh.cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * gh.cdiv(p["Ci"], c["BLOCK_N"])
-
-
-def splits(c: dict, stride, tiles: int, k_steps: int, out_elems: int, sms: int) -> tuple[int, int]:
-    """(splits, k-steps per split) of config c's launch (gluon_host.modeled_splits); only a
-    stride-1 dgrad splits, its one phase's walk being grad_x's own pixels (the partials' layout)."""
-    if tuple(stride) != (1, 1):
-        return 1, k_steps
-    return gh.modeled_splits(c, tiles, k_steps, out_elems, sms)
-
-
-def _splits_of(p: dict, c: dict, sms: int) -> tuple[int, int]:
-    k_steps = p["R"] * p["S"] * gh.cdiv(gh.padded_channels(p["Co"], p["dtype"]), c["BLOCK_K"])
-    st = (p["stride_h"], p["stride_w"])
-    return splits(c, st, _tiles(p, c), k_steps, p["N"] * p["H"] * p["W"] * p["Ci"], sms)
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -691,7 +677,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     gx = geo.new_grad_x(g)
     sms = gh.num_sms(g.device)
     tiles = geo.tiles(bm, bn)
-    n_split, per = splits(config, st, tiles, geo.R * geo.S * gh.cdiv(geo.co, bk), gx.numel(), sms)
+    n_split, per = gh.dgrad_splits(config, st, tiles, geo.R * geo.S * gh.cdiv(geo.co, bk), gx.numel(), sms)
     split = n_split > 1
     grid = gh.persistent_grid(tiles * n_split, sms, ctas_per_sm(config))
     ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec, split)
@@ -718,7 +704,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    split = _splits_of(p, config, gh.sm_count_of(device))[0] > 1
+    split = gh.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
     ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt), split)
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),

@@ -54,9 +54,9 @@ from .gluon_blackwell import (
     invalidate_ring,
     likeliest_first,
     mma_partition,
+    partial_epilogue,
     ring_slot,
     split_k_range,
-    store_acc_masked,
     tma_store_epilogue,
 )
 from .spaces.blackwell import SPACES
@@ -139,28 +139,6 @@ def _load_partition(
             use += 1
 
 
-@gluon.jit
-def _partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW):
-    """The split binary's epilogue: each work item's fp32 partial from tensor memory into its
-    split's slab of ws [splits, M, LDW], summed afterwards by gluon_host.split_k_reduce (the
-    Hopper fprop's deterministic second pass)."""
-    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
-    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
-    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
-    tiles = num_pid_m * num_pid_n
-    acc_use = 0
-    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        split = work_id // tiles
-        pid_m, pid_n = grouped_tile(work_id - split * tiles, num_pid_m, num_pid_n, group_m)
-        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
-        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
-        base = ws_ptr + split.to(gl.int64) * M * LDW
-        store_acc_masked(
-            acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, pid_m * BLOCK_M, M, LDW, pid_n * BLOCK_N, LDW
-        )
-        acc_use += 1
-
-
 @gluon.jit(do_not_specialize=[*_SHAPE_ARGS, "SPLITS", "K_PER", "LDW"])
 def conv2d_fprop_kernel(
     x_desc,
@@ -225,7 +203,7 @@ def conv2d_fprop_kernel(
     if SPLIT:
         gl.warp_specialize(
             [
-                (_partial_epilogue, (
+                (partial_epilogue, (
                     ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW,
                 )),
                 (mma_partition, (

@@ -185,6 +185,29 @@ def store_acc_masked(acc, acc_free, base, row0, n_rows, row_stride, col0, n_cols
         gl.store(row_ptrs + cols[None, :], part.to(base.dtype.element_ty), mask=row_ok & (cols[None, :] < n_cols))
 
 
+@gluon.jit
+def partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW):
+    """The epilogue of a conv's split binary (fprop; a stride-1 dgrad): work items are (split,
+    tile) pairs numbered split-major, and each one's fp32 partial goes from tensor memory into
+    its split's slab of ws [splits, M, LDW] (rows of M pixels), summed afterwards in split order
+    by gluon_host.split_k_reduce (the Hopper convs' deterministic second pass)."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    BLOCK_M: gl.constexpr = acc_tmem.shape[1]
+    BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    tiles = num_pid_m * num_pid_n
+    acc_use = 0
+    for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        split = work_id // tiles
+        pid_m, pid_n = grouped_tile(work_id - split * tiles, num_pid_m, num_pid_n, group_m)
+        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+        mbarrier.wait(acc_ready.index(acc_slot), acc_phase)
+        base = ws_ptr + split.to(gl.int64) * M * LDW
+        store_acc_masked(
+            acc_tmem.index(acc_slot), acc_empty.index(acc_slot), base, pid_m * BLOCK_M, M, LDW, pid_n * BLOCK_N, LDW
+        )
+        acc_use += 1
+
+
 @gluon.constexpr_function
 def epilogue_width(block_n):
     """Columns per epilogue slice: 64 fp32 registers per thread at 4 warps and BLOCK_M=128."""

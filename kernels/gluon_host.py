@@ -312,6 +312,23 @@ def fprop_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
     return modeled_splits(c, tiles, k_steps, p["gemm_M"] * padded_channels(p["Co"], p["dtype"]), sms)
 
 
+def dgrad_splits(c: dict, stride, tiles: int, k_steps: int, out_elems: int, sms: int) -> tuple[int, int]:
+    """(splits, k-steps per split) of a dgrad launch, both backends' rule (modeled_splits): only
+    a stride-1 dgrad splits, its one phase's walk being grad_x's own pixels (the partials' layout)."""
+    if tuple(stride) != (1, 1):
+        return 1, k_steps
+    return modeled_splits(c, tiles, k_steps, out_elems, sms)
+
+
+def dgrad_problem_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
+    """dgrad_splits of config c on problem p (a split launch has one phase: its tiles are the walk's)."""
+    k_steps = p["R"] * p["S"] * cdiv(padded_channels(p["Co"], p["dtype"]), c["BLOCK_K"])
+    p2, q2, _, _ = dgrad_walk(p)
+    tiles = cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * cdiv(p["Ci"], c["BLOCK_N"])
+    st = (p["stride_h"], p["stride_w"])
+    return dgrad_splits(c, st, tiles, k_steps, p["N"] * p["H"] * p["W"] * p["Ci"], sms)
+
+
 @gluon.jit
 def next_conv_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
     """An implicit-GEMM conv's next k-step: (channel block, tap) advanced by one without

@@ -78,7 +78,9 @@ SPACES = {
         }
     ),
     # grad_x by output phase (conv2d_dgrad_hopper's schedule): M = a phase's pixels (TMA im2col
-    # of grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid
+    # of grad_out), N = Ci, K = its taps * Co; every phase's tiles in one persistent grid.
+    # SPLIT_K as the Hopper dgrad's: 0 splits a stride-1 dgrad's k-steps the work model's number
+    # of ways where its tiles leave SMs idle, 1 never splits
     "conv2d_dgrad": ConfigSpace(
         {
             "BLOCK_M": (64, 128),
@@ -87,6 +89,7 @@ SPACES = {
             "NUM_BUFFERS": _STAGES,
             "NUM_ACC": (2,),
             "GROUP_M": (1, 4, 8),
+            "SPLIT_K": (0, 1),
             "num_warps": (4,),
         }
     ),

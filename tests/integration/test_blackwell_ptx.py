@@ -32,7 +32,7 @@ from tunecache_kernels import (
 from tunecache_kernels import gluon_host as gh
 
 ARCH = "sm_100a"
-FPROP_B1 = {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1}
+SPLIT_B1 = {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1}
 # each kernel on a problem and config that take the path named: (op, problem overrides, module,
 # config overrides of the default config)
 KERNELS = {
@@ -44,12 +44,14 @@ KERNELS = {
     "matmul-swap-split": ("matmul", {"M": 1, "N": 4096, "K": 4096}, matmul_blackwell, {"SWAP_AB": 1, "SPLIT_K": 0}),
     "conv2d_fprop": ("conv2d_fprop", {}, conv2d_fprop_blackwell, {}),
     # batch 1 at 7x7: 16 tiles on 148 SMs, so the default config splits K (the split binary)
-    "conv2d_fprop-split": ("conv2d_fprop", FPROP_B1, conv2d_fprop_blackwell, {}),
+    "conv2d_fprop-split": ("conv2d_fprop", SPLIT_B1, conv2d_fprop_blackwell, {}),
     "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {}),
     "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gh.STREAM_K}),
     # stride 1: one phase, a TMA-store epilogue; stride 2: four phases stored from registers
     "conv2d_dgrad": ("conv2d_dgrad", {}, conv2d_dgrad_blackwell, {}),
     "conv2d_dgrad-strided": ("conv2d_dgrad", {"stride": 2}, conv2d_dgrad_blackwell, {}),
+    # batch 1 at 7x7, stride 1: the default config splits K (partials from tensor memory)
+    "conv2d_dgrad-split": ("conv2d_dgrad", SPLIT_B1, conv2d_dgrad_blackwell, {}),
 }
 # the partitions each kernel's warp_specialize runs: (default/epilogue, MMA, load)
 PARTITIONS = {
@@ -75,7 +77,7 @@ PARTITIONS = {
         conv2d_fprop_blackwell._load_partition,
     ),
     "conv2d_fprop-split": (
-        conv2d_fprop_blackwell._partial_epilogue,
+        gluon_blackwell.partial_epilogue,
         gluon_blackwell.mma_partition,
         conv2d_fprop_blackwell._load_partition,
     ),
@@ -99,6 +101,11 @@ PARTITIONS = {
         conv2d_dgrad_blackwell._mma_partition,
         conv2d_dgrad_blackwell._load_partition,
     ),
+    "conv2d_dgrad-split": (
+        gluon_blackwell.partial_epilogue,
+        conv2d_dgrad_blackwell._mma_partition,
+        conv2d_dgrad_blackwell._load_partition,
+    ),
 }
 # the split binary's partials and wgrad's tiles leave from registers (masked global stores)
 TMA_STORE = {
@@ -112,6 +119,7 @@ TMA_STORE = {
     "conv2d_wgrad-stream": False,
     "conv2d_dgrad": True,
     "conv2d_dgrad-strided": False,
+    "conv2d_dgrad-split": False,
 }
 IM2COL = {k: op.startswith("conv") for k, (op, *_) in KERNELS.items()}
 
@@ -145,15 +153,17 @@ def test_the_decode_problem_takes_the_split_binary():
     assert not gh.split_binary(matmul_blackwell.default_config(big, device), 1)
 
 
-def test_a_batch_1_conv_takes_the_split_binary_and_its_reduction():
+@pytest.mark.parametrize("op", ["conv2d_fprop", "conv2d_dgrad"])
+def test_a_batch_1_conv_takes_the_split_binary_and_its_reduction(op):
     device = device_for(ARCH)
-    p = _problem("conv2d_fprop-split")
-    config = conv2d_fprop_blackwell.default_config(p, device)
-    assert config["SPLIT_K"] == 0 and gh.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
-    names = [spec.name for spec in conv2d_fprop_blackwell.compile_specs(p, config, device)]
-    assert names == ["conv2d_fprop_kernel", "split_k_reduce"]
-    big = _problem("conv2d_fprop")
-    assert conv2d_fprop_blackwell.default_config(big, device)["SPLIT_K"] == 1
+    mod = KERNELS[op][2]
+    config = mod.default_config(_problem(f"{op}-split"), device)
+    assert config["SPLIT_K"] == 0
+    assert [spec.name for spec in mod.compile_specs(_problem(f"{op}-split"), config, device)] == [
+        f"{op}_kernel",
+        "split_k_reduce",
+    ]
+    assert mod.default_config(_problem(op), device)["SPLIT_K"] == 1  # batch 32: the tiles fill the GPU
 
 
 @pytest.mark.parametrize("kernel", ["matmul-split", "matmul-swap-split"])

@@ -195,7 +195,13 @@ SPLIT_CONV["dtype"] = "bfloat16"
 
 
 @pytest.mark.parametrize(
-    "op,backend", [("conv2d_fprop", "hopper"), ("conv2d_fprop", "blackwell"), ("conv2d_dgrad", "hopper")]
+    "op,backend",
+    [
+        ("conv2d_fprop", "hopper"),
+        ("conv2d_fprop", "blackwell"),
+        ("conv2d_dgrad", "hopper"),
+        ("conv2d_dgrad", "blackwell"),
+    ],
 )
 def test_split_conv_kernels_compile_and_pruning_agrees(op, backend, record_property):
     mod = _module(op, backend)
