@@ -41,7 +41,8 @@ def _problems(op: str):
         yield problems.matmul_problem(torch.empty(1, 512), torch.empty(512, 384)) | {"dtype": "bfloat16"}
         yield problems.matmul_problem(torch.empty(16, 512), torch.empty(384, 512).t()) | {"dtype": "float16"}
         return
-    shapes = [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0)]
+    # batch 1 at 7x7: few tiles, so the convs' SPLIT_K 0 launches the split binary and its reduction
+    shapes = [(2, 9, 9, 64, 64, 3, 3, 1, 1), (2, 8, 8, 32, 96, 1, 1, 2, 0), (1, 7, 7, 512, 512, 3, 3, 1, 1)]
     if op == "conv2d_dgrad":  # the pointwise (tiled A, TMA store), a strided 3x3, the stem (Ci = 3)
         shapes += [(2, 8, 8, 64, 32, 1, 1, 1, 0), (2, 14, 14, 64, 64, 3, 3, 2, 1), (2, 16, 16, 3, 64, 7, 7, 2, 3)]
     else:  # few input channels: the packed-taps kernels (the stem; Ci = 4, Co padded for TMA)
@@ -101,17 +102,22 @@ def _spec_keys(specs, arch: str) -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("mod", HOPPER + BLACKWELL, ids=lambda m: m.KERNEL)
-def test_a_launch_finds_what_the_tuner_compiled(mod, launches):
+def test_a_launch_finds_what_the_tuner_compiled(mod, launches, monkeypatch):
     device = device_for("sm_90a" if mod in HOPPER else "sm_100a")
+    monkeypatch.setattr(gh, "num_sms", lambda dev=None: gh.sm_count_of(device))  # the compile's SMs
     arch = arch_of(device)
-    checked = 0
+    checked = splits = 0
     for p in _problems(mod.OP):
         candidates = mod.prune(mod.config_space(p, device), p, device)
         # a spread of the candidates, every kind of launch among them (split-K and stream-K too)
         few_co = [c for c in candidates if mod.OP == "conv2d_wgrad" and gh.runs_few_co(p, c, mod.FEW_CO_NARROWEST)]
-        for config in candidates[:: max(1, len(candidates) // 8)] + candidates[-3:] + few_co[:2] + few_co[-2:]:
+        split = [c for c in candidates if c.get("SPLIT_K") == 0][:2]
+        for config in candidates[:: max(1, len(candidates) // 8)] + candidates[-3:] + few_co[:2] + few_co[-2:] + split:
             launches.clear()
             mod.launch(config, *mod.inputs(p, "cpu"))
             assert _launch_keys(launches, arch) == _spec_keys(mod.compile_specs(p, config, device), arch), config
             checked += 1
+            splits += len(launches) > 1  # a second launch: the split reduction
     assert checked >= 8
+    if mod.OP in ("conv2d_fprop", "conv2d_dgrad"):
+        assert splits, "no split launch (the kernel and its reduction) was checked"
