@@ -278,21 +278,24 @@ def config_space(p: dict, device) -> list[dict]:
     tiles, narrow two-warpgroup tiles, splits of a GEMM whose tiles fill the GPU). Resource
     limits are left to prune(), which must agree with the compiler."""
     sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if not resources_ok(c, p) or worth_trying(c, p, sms)]
+    return [c for c in SPACES[OP] if not resources_ok(c, p, sms) or worth_trying(c, p, sms)]
 
 
-def resources_ok(c: dict, p: dict | None = None) -> bool:
+def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
-    and the accumulator's registers."""
-    k, _ = gh.matmul_as_launched(c, p)
-    return ghop.wgmma_resources_ok(k, smem_bytes(k))
+    and the accumulator's registers of the binary c launches on p (SPLIT_K 0 runs the split
+    binary where the work model splits: gluon_host.split_binary)."""
+    k, q = gh.matmul_as_launched(c, p)
+    split = q is not None and sms is not None and gh.split_binary(k, gh.matmul_splits(q, k, sms)[0])
+    return ghop.wgmma_resources_ok(k, smem_bytes(k, split=split))
 
 
-def smem_bytes(c: dict, itemsize: int = 2) -> int:
+def smem_bytes(c: dict, itemsize: int = 2, split: bool = False) -> int:
     """The ring, the output tile TMA stores from (not in a split or swapped binary: they store
     from registers), the barriers; c as launched."""
     ring = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
-    c_tile = 0 if c.get("SPLIT_K", 1) >= 2 or c.get("SWAP_AB") else c["BLOCK_M"] * c["BLOCK_N"] * itemsize
+    from_registers = split or c.get("SPLIT_K", 1) >= 2 or c.get("SWAP_AB")
+    c_tile = 0 if from_registers else c["BLOCK_M"] * c["BLOCK_N"] * itemsize
     return ring + c_tile + 8 * c["num_stages"] + 1024
 
 
@@ -315,8 +318,8 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first."""
-    kept = [c for c in configs if resources_ok(c, p)]
-    return ghop.quick_first(OP, kept, p, gh.sm_count_of(device))
+    sms = gh.sm_count_of(device)
+    return ghop.quick_first(OP, [c for c in configs if resources_ok(c, p, sms)], p, sms)
 
 
 def default_config(p: dict, device) -> dict:
@@ -337,7 +340,7 @@ def default_config(p: dict, device) -> dict:
         c |= {"SWAP_AB": 1, "SPLIT_K": 1}
     if not worth_trying(c, p, sms):
         c["SPLIT_K"] = 1
-    if not (resources_ok(c, p) and worth_trying(c, p, sms)):
+    if not (resources_ok(c, p, sms) and worth_trying(c, p, sms)):
         fitting = prune(config_space(p, device), p, device)
         if fitting:
             c = max(fitting, key=lambda x: (x["BLOCK_M"] * x["BLOCK_N"], x["BLOCK_K"], x["num_stages"]))

@@ -186,29 +186,33 @@ def test_packed_taps_kernels_compile_and_pruning_agrees(op, backend, record_prop
     _compile_and_check(mod, problem, configs, arch, "packed-taps configs ", record_property)
 
 
-# Batch 1 at 7x7 (ResNet-50's layer4: 16 tiles of 128 x 256 on 132 or 148 SMs): every config
-# that splits K (SPLIT_K 0, where the work model splits) launches the split binary, whose fp32
-# partials leave from registers: no output tile in shared memory, so deeper rings fit than in
-# the unsplit binary, and prune() must know which binary a config launches.
+# Few output tiles: batch 1 at 7x7 (ResNet-50's layer4: 16 tiles of 128 x 256 on 132 or 148 SMs)
+# and a decode GEMM (M = 16). Every config that splits K there (SPLIT_K 0 where the work model
+# splits) launches the split binary, whose fp32 partials leave from registers: no output tile in
+# shared memory, so deeper rings fit than in the unsplit binary, and prune() must know which
+# binary a config launches.
 SPLIT_CONV = {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1}
-SPLIT_CONV["dtype"] = "bfloat16"
+SPLIT_PROBLEMS = {
+    "conv2d_fprop": SPLIT_CONV,
+    "conv2d_dgrad": SPLIT_CONV,
+    "matmul": {"M": 16, "N": 4096, "K": 4096, "a_layout": "row", "b_layout": "col"},
+}
 
 
-@pytest.mark.parametrize(
-    "op,backend",
-    [
-        ("conv2d_fprop", "hopper"),
-        ("conv2d_fprop", "blackwell"),
-        ("conv2d_dgrad", "hopper"),
-        ("conv2d_dgrad", "blackwell"),
-    ],
-)
-def test_split_conv_kernels_compile_and_pruning_agrees(op, backend, record_property):
+def _runs_split(mod, problem: dict, config: dict, device) -> bool:
+    """The launch is a split one: a conv's with its reduction, a matmul's split binary."""
+    specs = mod.compile_specs(problem, config, device)
+    return any(s.name == "split_k_reduce" or s.constexprs.get("SPLIT") for s in specs)
+
+
+@pytest.mark.parametrize("backend", sorted(TARGETS))
+@pytest.mark.parametrize("op", sorted(SPLIT_PROBLEMS))
+def test_split_kernels_compile_and_pruning_agrees(op, backend, record_property):
     mod = _module(op, backend)
     device = device_for(TARGETS[backend])
-    problem = canonical_problem(op, SPLIT_CONV)
-    configs = [c for c in mod.config_space(problem, device) if c["SPLIT_K"] == 0]
-    assert configs and {s.name for s in mod.compile_specs(problem, configs[0], device)} >= {"split_k_reduce"}
+    problem = canonical_problem(op, dict(SPLIT_PROBLEMS[op], dtype="bfloat16"))
+    configs = [c for c in mod.config_space(problem, device) if c["SPLIT_K"] == 0 and not c.get("SWAP_AB")]
+    assert configs and all(_runs_split(mod, problem, c, device) for c in configs)
     configs = _sampled(mod, configs, problem, device)
     _compile_and_check(mod, problem, configs, TARGETS[backend], "split configs ", record_property)
 
