@@ -503,8 +503,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
     y = gx.view(-1, geo.Ci) if geo.tma_store else torch.empty(y_blk, device=g.device, dtype=g.dtype)
     sms = gh.num_sms(g.device)
     tiles = geo.tiles(config["BLOCK_M"], config["BLOCK_N"])
-    k_steps = geo.R * geo.S * gh.cdiv(geo.co, config["BLOCK_K"])  # every phase's at most
-    n_split, per = gh.dgrad_splits(config, st, tiles, k_steps, gx.numel(), sms)
+    n_split, per = geo.splits(config, sms)
     split = n_split > 1
     ws = gh.split_k_workspace(n_split, geo.m2, geo.Ci, g.device) if split else gh.no_split_workspace(g.device)
     grid = gh.persistent_grid(tiles * n_split, sms)

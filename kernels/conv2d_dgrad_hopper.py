@@ -677,7 +677,7 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     gx = geo.new_grad_x(g)
     sms = gh.num_sms(g.device)
     tiles = geo.tiles(bm, bn)
-    n_split, per = gh.dgrad_splits(config, st, tiles, geo.R * geo.S * gh.cdiv(geo.co, bk), gx.numel(), sms)
+    n_split, per = geo.splits(config, sms)
     split = n_split > 1
     grid = gh.persistent_grid(tiles * n_split, sms, ctas_per_sm(config))
     ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec, split)

@@ -841,6 +841,7 @@ class DgradGeometry:
         p = {"H": H, "W": W, "R": R, "S": S, "Ci": Ci, "dtype": dtype_name(dtype)}
         p.update({"stride_h": sh, "stride_w": sw, "pad_h": ph, "pad_w": pw})
         self.N, self.P, self.Q, self.Co, self.R, self.S, self.Ci, self.H, self.W = N, P, Q, Co, R, S, Ci, H, W
+        self.stride = (sh, sw)
         self.co = padded_channels(Co, dtype)
         self.ciw = Ci if (R * S * Ci) % tma_multiple(dtype) == 0 else padded_channels(Ci, dtype)
         self.p2, self.q2, self.halo_h, self.halo_w = dgrad_walk(p)
@@ -872,6 +873,13 @@ class DgradGeometry:
 
     def tiles(self, block_m: int, block_n: int) -> int:
         return self.phases * -(-self.m2 // block_m) * -(-self.Ci // block_n)
+
+    def splits(self, c: dict, sms: int) -> tuple[int, int]:
+        """(splits, k-steps per split) of config c's launch (dgrad_splits); unsplit, the k-steps
+        cover every phase's."""
+        k_steps = self.R * self.S * cdiv(self.co, c["BLOCK_K"])
+        out_elems = self.N * self.H * self.W * self.Ci  # grad_x
+        return dgrad_splits(c, self.stride, self.tiles(c["BLOCK_M"], c["BLOCK_N"]), k_steps, out_elems, sms)
 
 
 # ---- packed taps: the im2col of a conv with few input channels ----------------------------------
