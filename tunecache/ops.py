@@ -36,7 +36,10 @@ OP_LAUNCHERS = {op.name: op for op in (_matmul, _fprop, _wgrad, _dgrad)}  # each
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """c = a @ b for 2-D fp16/bf16/fp32 tensors, row- or column-major."""
-    raw = _matmul_key(a, b)
+    return _run_matmul(_matmul_key(a, b), a, b)
+
+
+def _run_matmul(raw: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     entry = _matmul.memo.get(raw)
     if entry is None or entry.watch:
         entry = _matmul.resolve(raw, (a, b), a)
@@ -50,8 +53,9 @@ def _matmul_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
 def _as_matmul(op, raw: tuple, a: torch.Tensor, b: torch.Tensor, out_shape: tuple) -> torch.Tensor:
     """A pointwise conv's call as the matmul a @ b (views on its tensors), its output viewed
     as `out_shape`; its later calls launch straight on the matmul's plan (op.as_matmul)."""
-    out = matmul(a, b).view(out_shape)
-    op.remember_as_matmul(raw, _matmul, _matmul_key(a, b), out_shape)
+    mraw = _matmul_key(a, b)
+    out = _run_matmul(mraw, a, b).view(out_shape)
+    op.remember_as_matmul(raw, _matmul, mraw, out_shape)
     return out
 
 

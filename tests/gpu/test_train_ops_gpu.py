@@ -141,13 +141,13 @@ def test_a_pointwise_convs_later_calls_launch_on_the_matmuls_plan(untuned, monke
             lambda: torch.nn.grad.conv2d_input(xn.shape, wn, gn).permute(0, 2, 3, 1),
         ),
     }
-    real_matmul, views = ops.matmul, []
+    real_run, views = ops._run_matmul, []
 
-    def counted(a, b):
+    def counted(raw, a, b):  # the views' path runs the matmul's memo entry through this
         views.append(1)
-        return real_matmul(a, b)
+        return real_run(raw, a, b)
 
-    monkeypatch.setattr(ops, "matmul", counted)
+    monkeypatch.setattr(ops, "_run_matmul", counted)
 
     def check(got, want):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
