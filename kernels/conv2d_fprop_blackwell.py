@@ -407,7 +407,7 @@ def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
     """Configs that fit the device, the likeliest winners first (gluon_blackwell.likeliest_first)."""
     sms = gh.sm_count_of(device)
-    return likeliest_first([c for c in configs if resources_ok(c, p, sms)])
+    return likeliest_first([c for c in configs if resources_ok(c, p, sms)], gh.tap_k_step(p["Ci"]))
 
 
 def default_config(p: dict, device) -> dict:

@@ -217,23 +217,24 @@ def epilogue_width(block_n):
 # ---- candidate order (host side) -------------------------------------------------------------
 
 
-def likeliest_first(configs: list[dict]) -> list[dict]:
+def likeliest_first(configs: list[dict], k_step: int = 64) -> list[dict]:
     """`configs` (those that fit the device) with the likeliest winners first, for a capped tune
     (TUNECACHE_MAX_CANDIDATES, 48 by default, times the first ones): every tile at the deepest
     ring that fits it (the seeds' persistent kernels still gained at 4 stages), GROUP_M 8 and a
-    K step of 64 (then 128, then 32) before shallower rings; the unsplit and modeled schedules
+    K step of `k_step` (64, or a conv's gluon_host.tap_k_step; then longer, then shorter steps)
+    before shallower rings; the unsplit and modeled schedules
     (SPLIT_K 1 and 0) before explicit split counts and stream-K. In the spaces' own order, a
     capped tune of a 4096^3 matmul timed 46 configs of 64-row tiles and 2 of 128 rows."""
 
     shortfall = ring_shortfall(configs, "NUM_BUFFERS")
 
     def likeliness(c: dict) -> tuple:
-        k_step = 0 if c["BLOCK_K"] == 64 else 1 if c["BLOCK_K"] > 64 else 2
+        step = 0 if c["BLOCK_K"] == k_step else 1 if c["BLOCK_K"] > k_step else 2
         return (
             c.get("SPLIT_K", 1) not in (0, 1),
             shortfall(c),
             c.get("GROUP_M", 8) != 8,
-            k_step,
+            step,
         )
 
     return sorted(configs, key=likeliness)

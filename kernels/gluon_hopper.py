@@ -10,7 +10,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least, ring_shortfall
+from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least, ring_shortfall, tap_k_step
 
 # ---- device code -------------------------------------------------------------------------------
 
@@ -72,16 +72,22 @@ def _warps_fit(c: dict) -> bool:
     return area == 128 * 128 or (c["num_warps"] == 8) == (area > 128 * 128)
 
 
-def _k_step_first(c: dict) -> bool:
-    """K steps a capped tune times first: 64, and per tile the step that keeps one stage of the
-    ring between 24 and 48 KB, halved where two CTAs share an SM (CTAS_PER_SM): 128 for tiles of
-    M + N <= 192 (its ring still 4 or more deep), 32 for M + N >= 384 (a stage of 64 is 48 KB or
-    more there: 3 deep at most; 32 holds the same K in twice the stages). H100: 128x256x32
-    six-stage won ResNet-50's 512-channel 3x3 fprop at 7x7, 64x128x128 its 1x1 wgrad at 14x14,
-    both past the cap of the 64-only subset; H200: 128x128x32 two CTAs a SM its strided dgrads."""
+def _k_step_first(c: dict, step: int = 64) -> bool:
+    """K steps a capped tune times first: `step` (64, or a conv's gluon_host.tap_k_step), and per
+    tile the step that keeps one stage of the ring between 24 and 48 KB, halved where two CTAs
+    share an SM (CTAS_PER_SM): 128 for tiles of M + N <= 192 (its ring still 4 or more deep), 32
+    for M + N >= 384 (a stage of 64 is 48 KB or more there: 3 deep at most; 32 holds the same K
+    in twice the stages). H100: 128x256x32 six-stage won ResNet-50's 512-channel 3x3 fprop at
+    7x7, 64x128x128 its 1x1 wgrad at 14x14, both past the cap of the 64-only subset; H200:
+    128x128x32 two CTAs a SM its strided dgrads."""
     stage_kb = (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 / 1024
     per_cta = c.get("CTAS_PER_SM", 1)
-    return c["BLOCK_K"] == 64 or 24 / per_cta <= stage_kb <= 48 / per_cta
+    return c["BLOCK_K"] == step or 24 / per_cta <= stage_kb <= 48 / per_cta
+
+
+def _lead_k_step(op: str, p: dict) -> int:
+    """64, or a conv's tap_k_step (the dgrad's problem comes as the GEMM it is: Ci reduced)."""
+    return tap_k_step(p["Ci"]) if op == "conv2d_fprop" else 64
 
 
 def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[dict]:
@@ -107,8 +113,9 @@ def quick_subset(op: str, configs: list[dict], p: dict, sm_count: int) -> list[d
             if c["SPLIT_K"] in (-1, 0, fill, max(1, fill // 2)) and _warps_fit(c):
                 out.append(c)
         return sorted(out, key=lambda c: c["SPLIT_K"] not in (-1, 0))
+    step = _lead_k_step(op, p)
     for c in configs:
-        if not _k_step_first(c) and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
+        if not _k_step_first(c, step) and not (op == "conv2d_fprop" and c["BLOCK_K"] >= pow2_at_least(p["Ci"])):
             continue
         if c.get("GROUP_M", 8) != 8:
             continue
@@ -134,10 +141,11 @@ def quick_first(op: str, configs: list[dict], p: dict, sm_count: int) -> list[di
     first = quick_subset(op, configs, p, sm_count)
     rest = [c for c in configs if c not in first]
     shortfall = ring_shortfall(configs, "num_stages")
+    step = _lead_k_step(op, p)
 
     def likeliness(c: dict) -> tuple:
         # matmul's split counts other than the model's come after every unsplit candidate
         explicit_split = op == "matmul" and c["SPLIT_K"] not in (0, 1)
-        return (explicit_split, c["BLOCK_K"] < 64, shortfall(c), c.get("GROUP_M", 8) != 8)
+        return (explicit_split, c["BLOCK_K"] < step, shortfall(c), c.get("GROUP_M", 8) != 8)
 
     return first + sorted(rest, key=likeliness)

@@ -117,3 +117,19 @@ def test_a_capped_tune_sees_every_tile_at_its_deepest_ring(mod, p):
     seen = {(tile(c), c["NUM_BUFFERS"]) for c in first if c.get("GROUP_M", 8) == 8}
     assert all((t, n) in seen for t, n in deepest.items()), sorted(set(deepest.items()) - seen)
     assert any(c["BLOCK_M"] == 128 for c in first) == any(c["BLOCK_M"] == 128 for c in pruned)
+
+
+@pytest.mark.parametrize("channels,lead", [(160, 32), (128, 64)])
+def test_a_conv_whose_taps_64_does_not_divide_leads_with_k_steps_of_32(channels, lead):
+    """The Hopper convs' rule (gluon_host.tap_k_step), kept in step: a capped tune of a conv
+    over 160 channels times steps of 32 before steps of 64 that pad each tap to 192."""
+    from tunecache_kernels import conv2d_dgrad_blackwell as dgrad
+
+    x = torch.empty(32, 17, 17, channels, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(channels, 7, 1, channels, dtype=torch.bfloat16, device="meta")
+    for mod, p in (
+        (fprop, problems.conv2d_fprop_problem(x, w, 1, (3, 0))),
+        (dgrad, problems.conv2d_dgrad_problem(x, w, 17, 17, 1, (3, 0))),
+    ):
+        ordered = mod.prune(mod.config_space(p, B200), p, B200)
+        assert ordered[0]["BLOCK_K"] == lead, (mod.KERNEL, ordered[0])

@@ -393,3 +393,21 @@ def test_a_per_stream_buffer_is_shared_on_its_stream_grown_and_bounded():
         mine = gh._per_stream(kept, cpu, stream, 4, torch.zeros)
         assert kept[(cpu, stream)] is mine
         assert len(kept) <= gh.KEPT_STREAMS
+
+
+@pytest.mark.parametrize("mod", [fprop, dgrad], ids=["fprop", "dgrad"])
+def test_a_capped_tune_of_a_160_channel_conv_times_k_steps_of_32(mod):
+    """Steps of 64 pad each tap of 160 channels to 192 (gluon_host.tap_k_step): Inception's 7x1
+    conv was won by 256x64x32 (H100: 16.1 us, the capped tune's 64-step pick 17.4 us, 0.84x
+    cuDNN's dgrad), a config past the cap until the step of 32 led the order."""
+    from tunecache import settings
+
+    x, w = _meta(32, 17, 17, 160), _meta(160, 7, 1, 160)
+    if mod is fprop:
+        p = problems.conv2d_fprop_problem(x, w, 1, (3, 0))
+    else:
+        p = problems.conv2d_dgrad_problem(x, w, 17, 17, 1, (3, 0))
+    capped = mod.prune(mod.config_space(p, H100), p, H100)[: settings.max_candidates()]
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) for c in capped}
+    assert (256, 64, 32, 4, 6) in tiles
+    assert gh.tap_k_step(160) == 32 and gh.tap_k_step(128) == gh.tap_k_step(192) == gh.tap_k_step(32) == 64
