@@ -398,8 +398,8 @@ def test_a_per_stream_buffer_is_shared_on_its_stream_grown_and_bounded():
 @pytest.mark.parametrize("mod", [fprop, dgrad], ids=["fprop", "dgrad"])
 def test_a_capped_tune_of_a_160_channel_conv_times_k_steps_of_32(mod):
     """Steps of 64 pad each tap of 160 channels to 192 (gluon_host.tap_k_step): Inception's 7x1
-    conv was won by 256x64x32 (H100: 16.1 us, the capped tune's 64-step pick 17.4 us, 0.84x
-    cuDNN's dgrad), a config past the cap until the step of 32 led the order."""
+    conv was won by 256x64x32 (H100: 16.1 us; the capped tune's pick 17.4 us, 0.84x cuDNN's
+    dgrad), a config past the cap until the step of 32 led the order."""
     from tunecache import settings
 
     x, w = _meta(32, 17, 17, 160), _meta(160, 7, 1, 160)
