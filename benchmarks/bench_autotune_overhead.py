@@ -56,7 +56,7 @@ def main() -> None:
     configs = [triton.Config({"BLOCK": 256}, num_warps=2), triton.Config({"BLOCK": 1024}, num_warps=4)]
     bench = {}
     if interpret:  # a smoke run: triton.autotune finds no benchmarker there, so it gets ours
-        from tunecache.timing import wall_clock_bench
+        from tunecache.tuning.timing import wall_clock_bench
 
         bench = {"do_bench": wall_clock_bench}
     by_triton = triton.runtime.autotuner.autotune(configs=configs, key=["n"], **bench)(add_one)

@@ -27,11 +27,12 @@ def main() -> None:
 
     import torch
 
-    from tunecache import registry
-    from tunecache.isolated import Worker
+    from tunecache import backends
     from tunecache.key import cuda_device, interpreter_device
-    from tunecache.timing import time_ms
-    from tunecache.tuner import QUICK_TIMING, TOLERANCE, Trials, make_key, relative_error
+    from tunecache.tuning.accuracy import TOLERANCE, relative_error
+    from tunecache.tuning.isolated import Worker
+    from tunecache.tuning.timing import time_ms
+    from tunecache.tuning.tuner import QUICK_TIMING, Trials, make_key
 
     on_gpu = torch.cuda.is_available()
     device = cuda_device(0) if on_gpu else interpreter_device()
@@ -41,7 +42,7 @@ def main() -> None:
         op_problem["M"], op_problem["K"], device=torch_device, dtype=torch.bfloat16 if on_gpu else torch.float32
     )
     b = torch.randn(op_problem["K"], op_problem["N"], device=torch_device, dtype=a.dtype)
-    mod = registry.backend_for("matmul", device, registry.backend_module("matmul", "portable").problem(a, b))
+    mod = backends.backend_for("matmul", device, backends.backend_module("matmul", "portable").problem(a, b))
     problem = mod.problem(a, b)
     config = mod.default_config(problem, device)
     key = make_key(mod, problem, device)

@@ -9,7 +9,7 @@ benchmarks/results/.
     python benchmarks/bench_kernels.py --ops conv2d_wgrad   # one op
     python benchmarks/bench_kernels.py --full               # the whole pruned space (slow)
 
-Tuning goes through tunecache.tuner.tune (store=None: nothing is persisted), over the whole
+Tuning goes through tunecache.tuning.tuner.tune (store=None: nothing is persisted), over the whole
 pruned space with --full, or with --quick over a subset per shape (the deepest pipeline that
 fits for each tile shape, a few split-K factors): tuning every shape over the full space
 takes far longer than a benchmark run should. Every tuned candidate is checked against the
@@ -149,10 +149,10 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from tunecache import timing
     from tunecache.errors import short
     from tunecache.key import cuda_device
-    from tunecache.tuner import tune
+    from tunecache.tuning import timing
+    from tunecache.tuning.tuner import tune
 
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)

@@ -229,7 +229,7 @@ def run_layer(layer: Layer, rounds: int) -> list[Row]:
     import torch
 
     from tunecache.ops import OP_LAUNCHERS
-    from tunecache.timing import time_ms
+    from tunecache.tuning.timing import time_ms
 
     rows = []
     for op, ours, vendor in cases(layer):

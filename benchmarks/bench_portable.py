@@ -36,11 +36,13 @@ def main() -> None:
 
     import torch
 
-    from tunecache import registry, timing
+    from tunecache import backends
     from tunecache.key import cuda_device
     from tunecache.shapes import canonical_problem
     from tunecache.store import default_store
-    from tunecache.tuner import relative_error, tune
+    from tunecache.tuning import timing
+    from tunecache.tuning.accuracy import relative_error
+    from tunecache.tuning.tuner import tune
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev = cuda_device(0)
@@ -48,7 +50,7 @@ def main() -> None:
     print(f"{'op':14} {'problem':58} {'default':>9} {'tuned':>9} {'torch':>9} {'tuned/def':>9} {'tune s':>7}")
     for op, given in SHAPES:
         p = canonical_problem(op, given)
-        mod = registry.backend_module(op, "portable")
+        mod = backends.backend_module(op, "portable")
         t0 = time.perf_counter()
         res = tune(mod, p, dev, source="bench")
         default_store().put_config(res.record(dev), res.trials, run_id=res.run_id)

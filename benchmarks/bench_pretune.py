@@ -3,7 +3,7 @@
 A warm-up pretune fills Triton's cache (so the runs measure tuning, not compiling, which
 shares the host's CPU cores whatever the GPU count); then the manifest is pretuned twice
 from an empty store, on GPU 0 alone and on every GPU, each at default settings, each with
-a fresh runner server (tunecache.forkserver) as a host that never ran tunecache has.
+a fresh runner server (tunecache.tuning.forkserver) as a host that never ran tunecache has.
 
     python benchmarks/bench_pretune.py [--manifest resnet50] [--gpus 0,1]
 

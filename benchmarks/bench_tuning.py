@@ -37,7 +37,7 @@ from common import RESULTS, device_info, write_results  # noqa: E402
 def cold_env(triton_cache: Path, store: Path) -> dict:
     """A child's environment for a cold first call: its own Triton cache and SQLite store, no
     fleet, and the default miss policy and candidate cap. The host's runner server
-    (tunecache.forkserver) is this run's own: its first tune starts it, importing torch, as on a
+    (tunecache.tuning.forkserver) is this run's own: its first tune starts it, importing torch, as on a
     host where tunecache never ran."""
     env = {
         **os.environ,
@@ -53,7 +53,7 @@ def cold_env(triton_cache: Path, store: Path) -> dict:
 
 def stop_runner_servers(runtime: Path) -> None:
     """Stop the runner servers this run's children started (else they idle out)."""
-    from tunecache import forkserver
+    from tunecache.tuning import forkserver
 
     for sock in runtime.glob("*.sock"):
         forkserver.stop(str(sock))
@@ -106,23 +106,23 @@ class Keep(logging.Handler):
     def emit(self, record):
         if hasattr(record, "timeline"):
             timelines.append(record.timeline)
-logging.getLogger("tunecache.tuner").addHandler(Keep())
-logging.getLogger("tunecache.tuner").setLevel(logging.INFO)
+logging.getLogger("tunecache.tuning.tuner").addHandler(Keep())
+logging.getLogger("tunecache.tuning.tuner").setLevel(logging.INFO)
 from tunecache.shapes import canonical_problem
 import tunecache.ops as ops
-from tunecache import registry
+from tunecache import backends
 from tunecache.key import device_of
 op, shape = sys.argv[1], json.loads(sys.argv[2])
 p = canonical_problem(op, shape)
-mod = registry.backends_for(op, device_of(torch.empty(1, device="cuda")), p)[0]
+mod = backends.backends_for(op, device_of(torch.empty(1, device="cuda")), p)[0]
 args = mod.inputs(p, "cuda")
 """
 
 OPS_CHILD = (
     FIRST_CALL_PRELUDE
     + """
-from tunecache.config_cache import CACHE
-from tunecache.tuner import make_key
+from tunecache.cache.config_cache import CACHE
+from tunecache.tuning.tuner import make_key
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 getattr(ops, op)(*args)
@@ -142,12 +142,12 @@ print(json.dumps({"seconds": seconds, "kernel": mod.KERNEL, "config": rec.config
 
 SIDE_BY_SIDE = """
 import json, sys, statistics, torch
-from tunecache import registry
+from tunecache import backends
 from tunecache.shapes import canonical_problem
-from tunecache.timing import time_ms
+from tunecache.tuning.timing import time_ms
 op, shape, kernel, configs = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 p = canonical_problem(op, shape)
-mod = registry.module_for_kernel(kernel)
+mod = backends.module_for_kernel(kernel)
 args = mod.inputs(p, "cuda")
 ms = {n: [] for n in configs}
 for _ in range(15):  # interleaved rounds: a ~30 us kernel drifts by 2-3% between rounds

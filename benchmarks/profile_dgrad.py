@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from tunecache.timing import time_ms
+    from tunecache.tuning.timing import time_ms
 
     layers = layers_named(args.layers, ap)
     rows = []

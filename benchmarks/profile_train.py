@@ -75,7 +75,8 @@ def host_per_layer(batch: int, profile_python: bool = False) -> dict[str, float]
     channels_last) down the layers of the stack: the op itself, the custom op, the module's
     forward, and the module's forward + backward, against torch.nn.Conv2d's."""
     import tunecache.nn
-    from tunecache import custom_ops, ops
+    from tunecache import ops
+    from tunecache.ops import custom as custom_ops
 
     torch.manual_seed(0)
     cl = torch.channels_last

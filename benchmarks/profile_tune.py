@@ -10,7 +10,7 @@ tuner's timeline beside it and writes JSON to benchmarks/results/profile-tune-<d
         [--runs 2]
 
 --runs 2 profiles a second cold tune (its own store and Triton cache) on a host whose runner
-server the first one started (tunecache.forkserver): its workers are forked, torch imported.
+server the first one started (tunecache.tuning.forkserver): its workers are forked, torch imported.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from common import device_info, write_results  # noqa: E402
 CHILD = (
     FIRST_CALL_PRELUDE
     + r"""
-from tunecache import isolated
+from tunecache.tuning import isolated
 events = []
 t0 = [None]
 def now():
@@ -49,7 +49,7 @@ def traced_request(self, msg, timeout):
     finally:
         events.append({"role": self.role, "pid": self.pid, "what": msg.get("cmd"), "start": start, "end": now()})
 isolated.Worker.spawn, isolated.Worker._request = traced_spawn, traced_request
-from tunecache.config_cache import CACHE
+from tunecache.cache.config_cache import CACHE
 def traced(name, fn):
     def call(*a, **k):
         start = now()
@@ -60,7 +60,7 @@ def traced(name, fn):
     return call
 for name in ("get", "keep_tuned"):
     setattr(CACHE, name, traced(name, getattr(CACHE, name)))
-import tunecache.tuner as tuner
+import tunecache.tuning.tuner as tuner
 for name, given in (("QUICK_TIMING", sys.argv[3]), ("SETTLE_TIMING", sys.argv[4])):
     if given:
         warmup, rep = (float(x) for x in given.split(","))

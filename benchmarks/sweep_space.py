@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(
         "TUNECACHE_DB_URL", f"sqlite:///{Path(tempfile.mkdtemp(prefix='tunecache-sweep-')) / 's.sqlite'}"
     )
-    from tunecache import launcher
+    from tunecache.ops import launcher
 
     results = []
     real_tune = launcher.tune

@@ -1,25 +1,17 @@
 """tunecache's kernels, one backend per module, named `<op>_<backend>.py`.
 
-Every backend module exposes the same contract, which the launcher and tuner rely on:
+Every backend module meets the contract in backend.py (`Backend`, and `GluonBackend` /
+`PlannedBackend` for what the Gluon and the Hopper backends add), which the launcher and the
+tuner rely on and tests/unit/test_kernel_backend_protocol.py checks.
 
-    OP, BACKEND, KERNEL          "matmul", "hopper", "matmul.hopper"
-    JIT_FUNCTIONS                the @jit functions it launches (their source keys the cache)
-    supports(problem, device)    can this backend run this problem on this DeviceClass?
-    problem(*args, **kw)         checks the arguments, returns the canonical problem dict
-    config_space(problem, device) -> list[dict]   candidates, from spaces.<backend>
-    prune(configs, problem, device) -> list[dict] static rules (divisibility, smem, tmem)
-    default_config(problem, device) -> dict       a reasonable untuned choice
-    inputs(problem, device_str)  random arguments of the problem's shape, for tuning
-    launch(config, *args)        runs the op with that config, returns the output
-    reference(*args)             the PyTorch result
-    flops(problem)               floating-point operations, for TFLOP/s
-    compile_specs(problem, config, device) -> list[KernelSpec]   (Gluon backends) what to
-                                 compile for an explicit target with no GPU
-
-The Gluon backends state their static rules in two functions named for which they are:
-`resources_ok(config, ...)`, what the compiler decides (shared and tensor memory, registers;
-prune() applies it and must agree with the compiler), and `worth_trying(config, problem, ...)`,
-whether the config could win on this problem (config_space() applies it).
+Beside the backends: problems.py and geometry.py (each op's arguments, problem dict and
+reference, for every backend), hardware.py (each architecture's limits: shared and tensor
+memory, registers, SM counts), portable_rules.py (the portable backends' pruning), and the
+modules the Gluon backends share, named for what they hold: gluon_host (descriptors, padding,
+grids), gluon_device (device helpers), gluon_split_k, gluon_matmul, gluon_dgrad, gluon_wgrad,
+gluon_packed_taps; gluon_hopper and gluon_launch (Hopper only), gluon_blackwell (Blackwell only).
+A kernel version hashes the backend's file and the kernels modules it references, so each of
+these re-keys only the backends that run it (tests/integration/test_kernel_versions_scope.py).
 
 Config spaces are plain data in `spaces/` (no torch, no Triton): the service imports them.
 """

@@ -15,7 +15,7 @@ warp-specialized pipeline of conv2d_fprop_blackwell:
                             of grad_x, each thread's channels one store of up to 16 bytes.
 Phases no tap reaches (a filter smaller than its stride) are zeroed by the host.
 A stride-1 dgrad whose tiles leave SMs idle splits its k-steps (SPLIT_K 0, the work model's
-count: gluon_host.dgrad_splits, the Hopper dgrad's rule) into fp32 partials written from
+count: gluon_dgrad.dgrad_splits, the Hopper dgrad's rule) into fp32 partials written from
 tensor memory (gluon_blackwell.partial_epilogue) and summed in split order by split_k_reduce.
 """
 
@@ -33,21 +33,23 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 )
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
+from . import gluon_dgrad as gdg
 from . import gluon_host as gh
+from . import gluon_split_k as sk
 from .geometry import is_pointwise
 from .gluon_blackwell import (
-    TMEM_COLUMNS,
     WORKER_REGS,
     epilogue_width,
     grouped_tile,
-    init_ring,
-    invalidate_ring,
     likeliest_first,
     mma_chain,
     partial_epilogue,
     ring_slot,
     tma_store_epilogue,
 )
+from .gluon_device import init_ring, invalidate_ring
+from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_dgrad", "blackwell"
@@ -131,7 +133,7 @@ def _load_partition(
             work_id, tiles_per_phase, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K
         )
         phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gdg.dgrad_phase(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
         )
         img = m0 // PQ2
@@ -155,7 +157,7 @@ def _load_partition(
             else:  # 1x1, stride 1, no padding: grad_out is the GEMM's A as it lies
                 tma.async_load(g_desc, [m0, c0], bar, a_bufs.index(slot))
             tma.async_load(w_desc, [c0, col], bar, b_bufs.index(slot))
-            c0, t, u, wrapped = gh.next_conv_k(c0, t, u, Co, kr, ks, BLOCK_K)
+            c0, t, u, wrapped = gdev.next_conv_k(c0, t, u, Co, kr, ks, BLOCK_K)
             use += 1
 
 
@@ -239,7 +241,7 @@ def _phase_store_epilogue(
     acc_use = 0
     for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
         phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
-        _, _, a, b, _, _, _, _, rows, cols = gh.dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
+        _, _, a, b, _, _, _, _, rows, cols = gdg.dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
         m = m0 + r
         img = m // PQ2
         i = (m % PQ2) // Q2
@@ -258,7 +260,7 @@ def _phase_store_epilogue(
         acc_use += 1
 
 
-@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER"])  # one binary for every shape
+@gluon.jit(do_not_specialize=[*gdg.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
     w_desc,
@@ -397,7 +399,7 @@ def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
     if cap is None or cap[0] != 10 or p.get("dtype") not in _DTYPES:
         return False
-    p2, q2, ph, pw = gh.dgrad_walk(p)
+    p2, q2, ph, pw = gdg.dgrad_walk(p)
     return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
 
 
@@ -412,10 +414,10 @@ def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
     """The performance rule: no tile far larger than the problem. A k-step covers one tap's
     Co channels (grad_out's, padded); N is Ci; M a phase's walk. SPLIT_K 0 only where the work
     model splits (else the same launch as 1)."""
-    if c["SPLIT_K"] == 0 and gh.dgrad_problem_splits(p, c, sms)[0] == 1:
+    if c["SPLIT_K"] == 0 and gdg.dgrad_problem_splits(p, c, sms)[0] == 1:
         return False
     co = gh.padded_channels(p["Co"], p["dtype"])
-    p2, q2, _, _ = gh.dgrad_walk(p)
+    p2, q2, _, _ = gdg.dgrad_walk(p)
     return (
         c["BLOCK_K"] <= max(32, gh.pow2_at_least(co))
         and c["BLOCK_N"] <= max(32, gh.pow2_at_least(p["Ci"]))
@@ -437,7 +439,7 @@ def smem_bytes(c: dict, p: dict, split: bool = False) -> int:
     not in the split binary, whose partials leave from registers)."""
     item = gh.ITEMSIZE[p["dtype"]]
     ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if gh.dgrad_tma_store_ok(p) and not split else 0
+    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if gdg.dgrad_tma_store_ok(p) and not split else 0
     return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
 
 
@@ -448,8 +450,8 @@ def tmem_columns(c: dict) -> int:
 def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler) for the binary c
     launches on p (split or not)."""
-    split = gh.dgrad_problem_splits(p, c, sms)[0] > 1
-    return smem_bytes(c, p, split) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+    split = gdg.dgrad_problem_splits(p, c, sms)[0] > 1
+    return smem_bytes(c, p, split) <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -466,11 +468,11 @@ def default_config(p: dict, device) -> dict:
     co = gh.padded_channels(p["Co"], p["dtype"])
     bk = min(64, max(32, gh.pow2_at_least(co)))
     bn = 256 if p["Ci"] >= 256 else 128 if p["Ci"] >= 128 else 64
-    p2, q2, _, _ = gh.dgrad_walk(p)
+    p2, q2, _, _ = gdg.dgrad_walk(p)
     bm = 128 if p["N"] * p2 * q2 > 64 else 64
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8, "SPLIT_K": 0}
     c["num_warps"] = 4
-    if gh.dgrad_problem_splits(p, c, sms)[0] == 1:
+    if gdg.dgrad_problem_splits(p, c, sms)[0] == 1:
         c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
     space = config_space(p, device)
     if c not in space or not resources_ok(c, p, sms):
@@ -495,7 +497,7 @@ def _blocks(c: dict):
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
     st = problems.pair(stride, "stride", minimum=1)
     pd = problems.pair(padding, "padding", minimum=0)
-    geo = gh.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype)
+    geo = gdg.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype)
     g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     g_blk, w_blk, y_blk = _blocks(config)
     gx = geo.new_grad_x(g)
@@ -505,7 +507,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
     tiles = geo.tiles(config["BLOCK_M"], config["BLOCK_N"])
     n_split, per = geo.splits(config, sms)
     split = n_split > 1
-    ws = gh.split_k_workspace(n_split, geo.m2, geo.Ci, g.device) if split else gh.no_split_workspace(g.device)
+    ws = sk.split_k_workspace(n_split, geo.m2, geo.Ci, g.device) if split else sk.no_split_workspace(g.device)
     grid = gh.persistent_grid(tiles * n_split, sms)
     conv2d_dgrad_kernel[grid](
         geo.g_desc(g, g_blk),
@@ -521,7 +523,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
         **_constexprs(config, geo.im2col, geo.tma_store, geo.vec, split),
     )
     if split:
-        gh.split_k_reduce(ws, gx)
+        sk.split_k_reduce(ws, gx)
     return gx
 
 
@@ -529,8 +531,8 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     g_blk, w_blk, y_blk = _blocks(config)
     im2col = not is_pointwise(p)
-    split = gh.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
-    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt), split)
+    split = gdg.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
+    ce = _constexprs(config, im2col, gdg.dgrad_tma_store_ok(p), gdg.dgrad_store_vec(p["Ci"], dt), split)
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, g_blk) if im2col else gh.desc_sig(dt, g_blk),
         "w_desc": gh.desc_sig(dt, w_blk),
@@ -538,10 +540,10 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "gx_ptr": gh.ptr_sig(dt),
         "ws_ptr": "*fp32",
     }
-    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER")})
+    sig.update({k: "i32" for k in (*gdg.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER")})
     sig.update({k: "constexpr" for k in ce})
     spec = KernelSpec(
         fn=conv2d_dgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_dgrad_kernel"
     )
     numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
-    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

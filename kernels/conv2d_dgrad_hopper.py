@@ -43,11 +43,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
+from . import gluon_dgrad as gdg
 from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
+from . import gluon_split_k as sk
 from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
+from .hardware import HOPPER
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_dgrad", "hopper"
@@ -59,7 +63,7 @@ reference = problems.conv2d_dgrad_reference
 flops = problems.conv2d_dgrad_flops
 
 _DTYPES = ("float16", "bfloat16")
-ZERO_PHASES = True  # the epilogue stores the zeros of phases no tap reaches (gluon_host.DgradGeometry)
+ZERO_PHASES = True  # the epilogue stores the zeros of phases no tap reaches (gluon_dgrad.DgradGeometry)
 
 
 # ---- device code -------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def _producer_at(
     phase, m0, n0, split = _unit(
         t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
     )
-    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
+    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gdg.dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
     cnt, c0, tap, u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
     pq = m0 % PQ2
     return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u
@@ -307,7 +311,7 @@ def _load_partition(
                 Q2,
                 IM2COL,
             )
-            c0, tap, u, wrapped = gh.next_conv_k(c0, tap, u, Co, kr, ks, BLOCK_K)
+            c0, tap, u, wrapped = gdev.next_conv_k(c0, tap, u, Co, kr, ks, BLOCK_K)
             use += 1
 
 
@@ -367,7 +371,7 @@ def _mma_partition(
         phase, m0, n0, split = _unit(
             t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
         )
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gh.dgrad_phase(
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gdg.dgrad_phase(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
         )
         cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
@@ -414,7 +418,7 @@ def _mma_partition(
     tma.store_wait(pendings=0)
 
 
-@gluon.jit(do_not_specialize=[*gh.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER"])  # one binary for every shape
+@gluon.jit(do_not_specialize=[*gdg.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
     w_desc,
@@ -467,8 +471,8 @@ def conv2d_dgrad_kernel(
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gh.init_ring(ready)
-    gh.init_ring(empty)
+    gdev.init_ring(ready)
+    gdev.init_ring(empty)
     # fmt: off
     gl.warp_specialize(
         [
@@ -484,11 +488,11 @@ def conv2d_dgrad_kernel(
         ],
         [1])
     # fmt: on
-    gh.invalidate_ring(ready)
-    gh.invalidate_ring(empty)
+    gdev.invalidate_ring(ready)
+    gdev.invalidate_ring(empty)
 
 
-JIT_FUNCTIONS = (conv2d_dgrad_kernel, gh.split_k_reduce_kernel)
+JIT_FUNCTIONS = (conv2d_dgrad_kernel, sk.split_k_reduce_kernel)
 
 
 # ---- configs -------------------------------------------------------------------------------------
@@ -497,7 +501,7 @@ JIT_FUNCTIONS = (conv2d_dgrad_kernel, gh.split_k_reduce_kernel)
 def supports(p: dict, device) -> bool:
     if device.capability != (9, 0) or p.get("dtype") not in _DTYPES:
         return False
-    p2, q2, ph, pw = gh.dgrad_walk(p)
+    p2, q2, ph, pw = gdg.dgrad_walk(p)
     return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
 
 
@@ -511,7 +515,7 @@ def config_space(p: dict, device) -> list[dict]:
 def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler) for the binary c
     launches on p (split or not)."""
-    split = p is not None and sms is not None and gh.dgrad_problem_splits(p, c, sms)[0] > 1
+    split = p is not None and sms is not None and gdg.dgrad_problem_splits(p, c, sms)[0] > 1
     return ghop.wgmma_resources_ok(c, smem_bytes(c, tile=not split))
 
 
@@ -524,7 +528,7 @@ def smem_bytes(c: dict, itemsize: int = 2, tile: bool = True) -> int:
 
 def _as_fprop(p: dict) -> dict:
     """The problem as the GEMM each phase is: Co channels reduced, Ci produced."""
-    p2, q2, _, _ = gh.dgrad_walk(p)
+    p2, q2, _, _ = gdg.dgrad_walk(p)
     return {**p, "Ci": p["Co"], "Co": p["Ci"], "gemm_M": p["N"] * p2 * q2}
 
 
@@ -539,7 +543,9 @@ def _two_fit(c: dict) -> bool:
     which hold an accumulator of up to 64 values a thread; at num_warps 8 (384 threads) two
     CTAs would leave 85 registers a thread."""
     acc = ghop.accumulator_per_thread(c)
-    return 2 * (smem_bytes(c) + 1024) <= 228 * 1024 and c["num_warps"] == 4 and acc <= 64
+    return (
+        2 * (smem_bytes(c) + HOPPER.smem_reserved_per_block) <= HOPPER.smem_per_sm and c["num_warps"] == 4 and acc <= 64
+    )
 
 
 def launch_options(c: dict) -> dict:
@@ -556,7 +562,7 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
         return False  # two warpgroups on a 64-row tile split N: below 128 columns each gets a sliver
     if ctas_per_sm(c) == 2 and not (_two_fit(c) and _tiles(p, c) > sms):
         return False  # the second CTA would wait for the first, or the grid is the one-CTA launch
-    if c.get("SPLIT_K", 1) == 0 and gh.dgrad_problem_splits(p, c, sms)[0] == 1:
+    if c.get("SPLIT_K", 1) == 0 and gdg.dgrad_problem_splits(p, c, sms)[0] == 1:
         return False  # the model does not split: the unsplit launch
     g = _as_fprop(p)
     if c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(g["Ci"], p["dtype"]))):
@@ -567,8 +573,8 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
 
 
 def _tiles(p: dict, c: dict) -> int:
-    p2, q2, _, _ = gh.dgrad_walk(p)
-    phases = gh.dgrad_phases(p, ZERO_PHASES)  # the tiles the launch's grid walks (DgradGeometry.tiles)
+    p2, q2, _, _ = gdg.dgrad_walk(p)
+    phases = gdg.dgrad_phases(p, ZERO_PHASES)  # the tiles the launch's grid walks (DgradGeometry.tiles)
     return phases * gh.cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * gh.cdiv(p["Ci"], c["BLOCK_N"])
 
 
@@ -660,7 +666,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
 def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding, key):
     st = problems.pair(stride, "stride", minimum=1)
     pd = problems.pair(padding, "padding", minimum=0)
-    geo = gh.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype, zero_phases=ZERO_PHASES)
+    geo = gdg.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype, zero_phases=ZERO_PHASES)
     g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     dummy = None if geo.tma_store else torch.empty((bm, bn), device=w.device, dtype=w.dtype)
@@ -682,20 +688,20 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     grid = gh.persistent_grid(tiles * n_split, sms, ctas_per_sm(config))
     ce = _constexprs(config, geo.im2col, geo.tma_store, geo.vec, split)
     scalars = geo.ints + (config["GROUP_M"], n_split, per)
-    ws = g.new_empty((n_split, geo.m2, geo.Ci), dtype=torch.float32) if split else gh.no_split_workspace(g.device)
+    ws = g.new_empty((n_split, geo.m2, geo.Ci), dtype=torch.float32) if split else sk.no_split_workspace(g.device)
     args = (g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, ws, *scalars)
     compiled = conv2d_dgrad_kernel[grid](*args, **ce, **launch_options(config))
-    reduce = gh.split_k_reduce_jit(ws, gx) if split else None
+    reduce = sk.split_k_reduce_jit(ws, gx) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, gx)
+        rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, gx)
         if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
             plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None,) * 5 + scalars, ce)[5:]
             plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
             plan.reduce = rd
-            plan.idle = gh.no_split_workspace(grad_out.device).data_ptr()  # the unsplit binary's workspace
+            plan.idle = sk.no_split_workspace(grad_out.device).data_ptr()  # the unsplit binary's workspace
             _PLANS.put(key, plan)
     return gx
 
@@ -704,8 +710,8 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    split = gh.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
-    ce = _constexprs(config, im2col, gh.dgrad_tma_store_ok(p), gh.dgrad_store_vec(p["Ci"], dt), split)
+    split = gdg.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
+    ce = _constexprs(config, im2col, gdg.dgrad_tma_store_ok(p), gdg.dgrad_store_vec(p["Ci"], dt), split)
     sig = {
         "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
         "w_desc": gh.desc_sig(dt, [bk, bn]),
@@ -713,7 +719,7 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         "gx_ptr": gh.ptr_sig(dt),
         "ws_ptr": "*fp32",
     }
-    sig.update({k: "i32" for k in (*gh.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER")})
+    sig.update({k: "i32" for k in (*gdg.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER")})
     sig.update({k: "constexpr" for k in ce})
     spec = KernelSpec(
         fn=conv2d_dgrad_kernel,
@@ -724,4 +730,4 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         name="conv2d_dgrad_kernel",
     )
     numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
-    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

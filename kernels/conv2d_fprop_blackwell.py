@@ -21,9 +21,9 @@ advance contiguously, and a channel block that overhangs Ci reads zeros from im2
 out-of-bounds fill), so the neighbouring tap's weights it meets add nothing.
 
 Where the tiles leave SMs idle (batch 1, few output channels), SPLIT_K 0 splits each tile's
-k-steps the work model's number of ways (gluon_host.fprop_splits, the Hopper fprop's rule):
+k-steps the work model's number of ways (gluon_packed_taps.fprop_splits, the Hopper fprop's rule):
 work items are (split, tile) pairs numbered split-major, and the split binary's epilogue
-writes each one's fp32 partial from tensor memory for gluon_host.split_k_reduce to sum in
+writes each one's fp32 partial from tensor memory for gluon_split_k.split_k_reduce to sum in
 split order.
 """
 
@@ -44,14 +44,14 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 )
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
 from . import gluon_host as gh
+from . import gluon_packed_taps as gpt
+from . import gluon_split_k as sk
 from .geometry import is_pointwise
 from .gluon_blackwell import (
-    TMEM_COLUMNS,
     WORKER_REGS,
     grouped_tile,
-    init_ring,
-    invalidate_ring,
     likeliest_first,
     mma_partition,
     partial_epilogue,
@@ -59,6 +59,8 @@ from .gluon_blackwell import (
     split_k_range,
     tma_store_epilogue,
 )
+from .gluon_device import init_ring, invalidate_ring
+from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_fprop", "blackwell"
@@ -135,7 +137,7 @@ def _load_partition(
             else:  # 1x1, stride 1, no padding: x is the GEMM's A as it lies, [N*H*W, Ci]
                 tma.async_load(x_desc, [m0, c0], bar, a_bufs.index(slot))
             tma.async_load(w_desc, [off_n, (r * S + s) * Ci + c0], bar, b_bufs.index(slot))
-            c0, r, s, wrapped = gh.next_conv_k(c0, r, s, Ci, R, S, BLOCK_K)
+            c0, r, s, wrapped = gdev.next_conv_k(c0, r, s, Ci, R, S, BLOCK_K)
             use += 1
 
 
@@ -255,7 +257,7 @@ def _packed_b_load(use, k_tiles, n0, w_desc, b_bufs, ready, done):
     tma.async_load(w_desc, [n0, use * w_desc.block_type.shape[1]], ready.index(slot), b_bufs.index(slot), pred)
 
 
-@gluon.jit(do_not_specialize=list(gh.PACKED_FPROP_INTS))
+@gluon.jit(do_not_specialize=list(gpt.PACKED_FPROP_INTS))
 def conv2d_fprop_packed_kernel(
     x_ptr,
     w_desc,
@@ -278,16 +280,16 @@ def conv2d_fprop_packed_kernel(
     NUM_BUFFERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Few input channels (gluon_host.packs_taps), the Hopper packed kernel's schedule on
+    """Few input channels (gluon_packed_taps.packs_taps), the Hopper packed kernel's schedule on
     tcgen05: K = R*S*Ci packed, one output tile per CTA, x gathered one k-step ahead in
-    registers (gluon_host.packed_gather) into the A ring, the packed weights [Co, K] by TMA
+    registers (gluon_packed_taps.packed_gather) into the A ring, the packed weights [Co, K] by TMA
     (w_desc), the fp32 accumulator in tensor memory, y [M, Co] stored by TMA in slices of
     y_desc's block width."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     EPI_N: gl.constexpr = y_desc.block_type.shape[1]
     dtype: gl.constexpr = y_desc.dtype
-    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_K, num_warps)
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_K, num_warps)
     # the A tile shares the weights' swizzle: same dtype and row length
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], w_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -306,14 +308,14 @@ def conv2d_fprop_packed_kernel(
     k_tiles = gl.cdiv(K, BLOCK_K)
     for i in gl.static_range(NUM_BUFFERS - 1):
         _packed_b_load(i, k_tiles, n0, w_desc, b_bufs, ready, done)
-    base, h0, w0 = gh.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
-    a = gh.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+    base, h0, w0 = gpt.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
+    a = gpt.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
     for kk in range(k_tiles):
         slot, phase = ring_slot(kk, NUM_BUFFERS)
         mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this A slot
         a_bufs.index(slot).store(a)
         fence_async_shared()
-        a = gh.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+        a = gpt.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
         mbarrier.wait(ready.index(slot), phase)
         tcgen05_mma(
             a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0, mbarriers=[done.index(slot)]
@@ -358,12 +360,12 @@ def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
     N tiles beyond Co compute padding; a 16-wide N tile only for an image head's few output
     channels; SPLIT_K 0 only where the work model splits (else the same launch as 1). Whether
     it fits the device is resources_ok()'s question."""
-    if c["SPLIT_K"] == 0 and gh.fprop_splits(p, c, sms)[0] == 1:
+    if c["SPLIT_K"] == 0 and gpt.fprop_splits(p, c, sms)[0] == 1:
         return False
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         # the packed kernel's ring holds weights (L2-resident) and A tiles written a step ahead
-        ci = gh.packed_k(p)
+        ci = gpt.packed_k(p)
         if c["NUM_BUFFERS"] > 3 or c["BLOCK_N"] < 32:
             return False
     if c["BLOCK_N"] < 32 and gh.padded_channels(p["Co"], p["dtype"]) > c["BLOCK_N"]:
@@ -400,8 +402,8 @@ def tmem_columns(c: dict) -> int:
 def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared and
     tensor memory of the binary this config launches on this problem (split or not)."""
-    split = gh.fprop_splits(p, c, sms)[0] > 1
-    return smem_bytes(c, p, split) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+    split = gpt.fprop_splits(p, c, sms)[0] > 1
+    return smem_bytes(c, p, split) <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -422,9 +424,9 @@ def default_config(p: dict, device) -> dict:
     bm = 128 if p["gemm_M"] > 64 else 64
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_BUFFERS": 4, "NUM_ACC": 2, "GROUP_M": 8}
     c.update(SPLIT_K=0, num_warps=4)
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         c.update(BLOCK_N=max(32, min(bn, 128)), BLOCK_K=32, NUM_BUFFERS=2, SPLIT_K=1)
-    if c["SPLIT_K"] == 0 and gh.fprop_splits(p, c, sms)[0] == 1:
+    if c["SPLIT_K"] == 0 and gpt.fprop_splits(p, c, sms)[0] == 1:
         c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
     space = config_space(p, device)
     if c not in space or not resources_ok(c, p, sms):
@@ -455,10 +457,10 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     co_pad = gh.padded_channels(Co, x.dtype)
     y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
     x_blk, w_blk, y_blk = _blocks(config)
-    if gh.packs_taps({"Ci": Ci}):
-        w_desc, y_desc = gh.tiled_desc(gh.packed_weights(w), w_blk), gh.tiled_desc(y, y_blk)
+    if gpt.packs_taps({"Ci": Ci}):
+        w_desc, y_desc = gh.tiled_desc(gpt.packed_weights(w), w_blk), gh.tiled_desc(y, y_blk)
         grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"]),)
-        ints = gh.packed_fprop_ints(x.shape, w.shape, (sh, sw), (ph, pw), (P, Q), config["GROUP_M"])
+        ints = gpt.packed_fprop_ints(x.shape, w.shape, (sh, sw), (ph, pw), (P, Q), config["GROUP_M"])
         conv2d_fprop_packed_kernel[grid](x, w_desc, y_desc, *ints, **_packed_constexprs(config))
         y = y if co_pad == Co else y[:, :Co].contiguous()
         return y.view(N, P, Q, Co)
@@ -474,16 +476,16 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"])
     sms = gh.num_sms(x.device)
     k_steps = R * S * triton.cdiv(Ci, config["BLOCK_K"])
-    n_split, per = gh.modeled_splits(config, tiles, k_steps, M * co_pad, sms)
+    n_split, per = sk.modeled_splits(config, tiles, k_steps, M * co_pad, sms)
     split = n_split > 1
-    ws = gh.split_k_workspace(n_split, M, co_pad, x.device) if split else gh.no_split_workspace(x.device)
+    ws = sk.split_k_workspace(n_split, M, co_pad, x.device) if split else sk.no_split_workspace(x.device)
     grid = gh.persistent_grid(tiles * n_split, sms)
     scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"], n_split, per, co_pad)
     conv2d_fprop_kernel[grid](
         x_desc, w_desc, y_desc, ws, *scalars, num_warps=config["num_warps"], **_constexprs(config, im2col, split)
     )
     if split:
-        gh.split_k_reduce(ws, y)
+        sk.split_k_reduce(ws, y)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
 
@@ -495,15 +497,15 @@ def _packed_constexprs(c: dict) -> dict:
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     x_blk, w_blk, y_blk = _blocks(config)
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         ce = _packed_constexprs(config)
         sig = {"x_ptr": gh.ptr_sig(dt), "w_desc": gh.desc_sig(dt, w_blk), "y_desc": gh.desc_sig(dt, y_blk)}
-        sig.update({k: "i32" for k in gh.PACKED_FPROP_INTS})
+        sig.update({k: "i32" for k in gpt.PACKED_FPROP_INTS})
         sig.update({k: "constexpr" for k in ce})
         fn = conv2d_fprop_packed_kernel
         return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
-    split = gh.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
+    split = gpt.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
     ce = _constexprs(config, im2col, split)
     sig = {
         "x_desc": gh.im2col_desc_sig(dt, x_blk) if im2col else gh.desc_sig(dt, x_blk),
@@ -517,4 +519,4 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_fprop_kernel"
     )
     numel = p["gemm_M"] * gh.padded_channels(p["Co"], dt)  # y, the reduction's outputs
-    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

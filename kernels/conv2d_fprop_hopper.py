@@ -12,7 +12,7 @@ TMA store overlapped with the next tile; warp-specialized, a one-warp TMA loader
 WGMMA warps through ready/empty mbarriers (H100 model suite 1.035 -> 1.047x cuDNN). Channel
 counts that break TMA's 16-byte stride rule are zero-padded on the host. Where the tiles leave
 SMs idle (batch 1, few output channels), SPLIT_K 0 splits each tile's k-steps the work model's
-number of ways (gluon_host.modeled_splits) into fp32 partials summed by split_k_reduce.
+number of ways (gluon_split_k.modeled_splits) into fp32 partials summed by split_k_reduce.
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
 from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
+from . import gluon_packed_taps as gpt
+from . import gluon_split_k as sk
 from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
@@ -196,7 +199,7 @@ def _load_partition(
             slot = use % STAGES
             mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
             _issue_load(slot, m0, n0, img, h0, w0, c0, r, s, Ci, S, x_desc, w_desc, a_bufs, b_bufs, ready, IM2COL)
-            c0, r, s, wrapped = gh.next_conv_k(c0, r, s, Ci, R, S, BLOCK_K)
+            c0, r, s, wrapped = gdev.next_conv_k(c0, r, s, Ci, R, S, BLOCK_K)
             use += 1
 
 
@@ -337,8 +340,8 @@ def conv2d_fprop_kernel(
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gh.init_ring(ready)
-    gh.init_ring(empty)
+    gdev.init_ring(ready)
+    gdev.init_ring(empty)
     # fmt: off
     gl.warp_specialize(
         [
@@ -353,8 +356,8 @@ def conv2d_fprop_kernel(
         ],
         [1])
     # fmt: on
-    gh.invalidate_ring(ready)
-    gh.invalidate_ring(empty)
+    gdev.invalidate_ring(ready)
+    gdev.invalidate_ring(empty)
 
 
 @gluon.jit
@@ -366,7 +369,7 @@ def _packed_b_load(step, k_tiles, n0, w_desc, b_bufs, ready, STAGES: gl.constexp
     tma.async_load(w_desc, [n0, step * w_desc.block_type.shape[1]], ready.index(slot), b_bufs.index(slot), pred)
 
 
-@gluon.jit(do_not_specialize=list(gh.PACKED_FPROP_INTS))
+@gluon.jit(do_not_specialize=list(gpt.PACKED_FPROP_INTS))
 def conv2d_fprop_packed_kernel(
     x_ptr,
     w_desc,
@@ -388,23 +391,23 @@ def conv2d_fprop_packed_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Few input channels (gluon_host.packs_taps): K = R*S*Ci packed, one output tile per CTA.
-    x_ptr: x [N, H, W, Ci], gathered (gluon_host.packed_gather) one k-step ahead in registers
+    """Few input channels (gluon_packed_taps.packs_taps): K = R*S*Ci packed, one output tile per CTA.
+    x_ptr: x [N, H, W, Ci], gathered (gluon_packed_taps.packed_gather) one k-step ahead in registers
     and stored to shared memory for the WGMMA; w_desc: tiles of the packed weights [Co, K]
-    (gluon_host.packed_weights) in a ring of STAGES; y_desc: y [M, Co]. Not persistent: the
+    (gluon_packed_taps.packed_weights) in a ring of STAGES; y_desc: y [M, Co]. Not persistent: the
     gather waits on memory, and several CTAs per SM hide that where one cannot."""
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     dtype: gl.constexpr = y_desc.dtype
-    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_K, num_warps)
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_K, num_warps)
 
     # the A tile shares the weights' swizzle: same dtype and row length
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], w_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gh.init_ring(ready)
+    gdev.init_ring(ready)
 
     pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M
@@ -413,15 +416,15 @@ def conv2d_fprop_packed_kernel(
     for i in gl.static_range(STAGES - 1):
         _packed_b_load(i, k_tiles, n0, w_desc, b_bufs, ready, STAGES)
 
-    base, h0, w0 = gh.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
-    a = gh.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+    base, h0, w0 = gpt.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
+    a = gpt.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps))
     for kk in range(k_tiles):
         slot = kk % STAGES
         # the WGMMA that last read this slot (kk - STAGES) has retired: at most one is in flight
         a_bufs.index(slot).store(a)
         fence_async_shared()
-        a = gh.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
+        a = gpt.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
         mbarrier.wait(ready.index(slot), (kk // STAGES) & 1)
         acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -431,7 +434,7 @@ def conv2d_fprop_packed_kernel(
     fence_async_shared()
     tma.async_store(y_desc, [m0, n0], c_smem)
     tma.store_wait(pendings=0)
-    gh.invalidate_ring(ready)
+    gdev.invalidate_ring(ready)
 
 
 JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
@@ -455,7 +458,7 @@ def config_space(p: dict, device) -> list[dict]:
 def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers of the binary c launches on p (split or not)."""
-    split = p is not None and sms is not None and gh.fprop_splits(p, c, sms)[0] > 1
+    split = p is not None and sms is not None and gpt.fprop_splits(p, c, sms)[0] > 1
     return ghop.wgmma_resources_ok(c, smem_bytes(c, tma_out=not split))
 
 
@@ -473,17 +476,17 @@ def worth_trying(c: dict, p: dict, sms: int = 132) -> bool:
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
-    if c.get("SPLIT_K", 1) == 0 and gh.fprop_splits(p, c, sms)[0] == 1:
+    if c.get("SPLIT_K", 1) == 0 and gpt.fprop_splits(p, c, sms)[0] == 1:
         return False  # the model does not split (or the packed kernel): the unsplit launch
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         # the packed kernel's ring holds weights only (L2-resident): depth buys nothing that the
         # occupancy its shared memory costs would not
-        if c["num_stages"] > 3 or c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.packed_k(p))):
+        if c["num_stages"] > 3 or c["BLOCK_K"] > max(16, gh.pow2_at_least(gpt.packed_k(p))):
             return False
     # a k-step covers one filter tap: more channels than the tap has are zeros
     elif c["BLOCK_K"] > max(16, gh.pow2_at_least(gh.padded_channels(p["Ci"], p["dtype"]))):
         return False
-    if c["BLOCK_N"] < 64 and (gh.packs_taps(p) or gh.padded_channels(p["Co"], p["dtype"]) > c["BLOCK_N"]):
+    if c["BLOCK_N"] < 64 and (gpt.packs_taps(p) or gh.padded_channels(p["Co"], p["dtype"]) > c["BLOCK_N"]):
         return False  # a narrow tile is for a few output channels (image heads), all in one tile
     return c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["Co"])) and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["gemm_M"]))
 
@@ -497,8 +500,8 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
 def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bk = min(64, max(16, gh.pow2_at_least(ci)))
-    if gh.packs_taps(p):
-        bk = min(32, max(16, gh.pow2_at_least(gh.packed_k(p))))
+    if gpt.packs_taps(p):
+        bk = min(32, max(16, gh.pow2_at_least(gpt.packed_k(p))))
         bn = 64 if p["Co"] <= 64 else 128
         warps = 4 if bn == 64 else 8  # the gathered tile's registers beside a 128x128 accumulator spill at 4
         c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": warps}
@@ -512,7 +515,7 @@ def default_config(p: dict, device) -> dict:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
     else:
         c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}
-    if c["SPLIT_K"] == 0 and gh.fprop_splits(p, c, gh.sm_count_of(device))[0] == 1:
+    if c["SPLIT_K"] == 0 and gpt.fprop_splits(p, c, gh.sm_count_of(device))[0] == 1:
         c["SPLIT_K"] = 1  # the model does not split: the unsplit config (SPLIT_K 0 is dropped as its twin)
     if not (resources_ok(c, p, gh.sm_count_of(device)) and worth_trying(c, p, gh.sm_count_of(device))):
         fitting = prune(config_space(p, device), p, device)
@@ -530,7 +533,7 @@ def _constexprs(c: dict, im2col: bool, split: bool) -> dict:
 
 class _Plan:
     """One (config, x/w shapes and strides, dtype, stride, padding, device) launch, precomputed:
-    see gluon_host.DirectLauncher."""
+    see gluon_launch.DirectLauncher."""
 
     __slots__ = (
         "launcher",
@@ -591,17 +594,17 @@ class _PackedPlan:
     )
 
     def packed(self, w: torch.Tensor, stream: int) -> torch.Tensor:
-        """w as the kernel's [Co, K] rows (gluon_host.packed_weights). Where that is a padded
+        """w as the kernel's [Co, K] rows (gluon_packed_taps.packed_weights). Where that is a padded
         copy (an image stem's K = 7*7*3), into a buffer the plan keeps per stream, its padding
         zeroed once: one copy launch, not a fresh padded tensor each call (a batch-1 stem's host
         time). Under CUDA-graph capture, a fresh one: a graph must not share it with eager calls."""
         if not self.w_copies or torch.cuda.is_current_stream_capturing():
-            return gh.packed_weights(w)
+            return gpt.packed_weights(w)
         kept = self.w_bufs.get(stream)
         if kept is None:
-            if len(self.w_bufs) >= gh.KEPT_STREAMS:
+            if len(self.w_bufs) >= sk.KEPT_STREAMS:
                 self.w_bufs.clear()  # streams made as a program goes: keep only the recent ones
-            wp = gh.packed_weights(w)
+            wp = gpt.packed_weights(w)
             self.w_bufs[stream] = (wp, wp[:, : w[0].numel()].unflatten(1, w.shape[1:]))
             return wp
         wp, rows = kept
@@ -657,7 +660,7 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     N, H, W, Ci = x.shape
     Co, R, S, _ = w.shape
     P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
-    if gh.packs_taps({"Ci": Ci}):
+    if gpt.packs_taps({"Ci": Ci}):
         return _launch_packed_jit(config, x, w, (sh, sw), (ph, pw), (P, Q), key)
     xp, wp = gh.pad_channels(x), gh.pad_channels(w)
     Ci = xp.shape[-1]
@@ -682,18 +685,18 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     y_desc = gh.tiled_desc(y, [bm, bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(Co, bn)
     sms = gh.num_sms(x.device)
-    n_split, per = gh.modeled_splits(config, tiles, R * S * triton.cdiv(Ci, bk), M * co_pad, sms)
+    n_split, per = sk.modeled_splits(config, tiles, R * S * triton.cdiv(Ci, bk), M * co_pad, sms)
     split = n_split > 1
     grid = gh.persistent_grid(tiles * n_split, sms)
     ce = _constexprs(config, im2col, split)
     scalars = (M, Co, Ci, R, S, P * Q, Q, sh, sw, ph, pw, config["GROUP_M"], n_split, per, co_pad)
-    ws = x.new_empty((n_split, M, co_pad), dtype=torch.float32) if split else gh.no_split_workspace(x.device)
+    ws = x.new_empty((n_split, M, co_pad), dtype=torch.float32) if split else sk.no_split_workspace(x.device)
     options = ghop.warp_specialized_options(config["num_warps"])
     compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, ws, *scalars, **ce, **options)
-    reduce = gh.split_k_reduce_jit(ws, y) if split else None
+    reduce = sk.split_k_reduce_jit(ws, y) if split else None
     if key is not None:
         ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, y)
+        rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, y)
         if ld is not None and (reduce is None or rd is not None):
             plan = _Plan()
             plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
@@ -702,7 +705,7 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
             plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
             plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
             plan.reduce = rd
-            plan.idle = gh.no_split_workspace(x.device).data_ptr()  # the unsplit binary's workspace
+            plan.idle = sk.no_split_workspace(x.device).data_ptr()  # the unsplit binary's workspace
             _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
@@ -714,10 +717,10 @@ def _packed_constexprs(c: dict) -> dict:
 
 def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding, PQ, key) -> torch.Tensor:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    ints = gh.packed_fprop_ints(x.shape, w.shape, stride, padding, PQ, config["GROUP_M"])
+    ints = gpt.packed_fprop_ints(x.shape, w.shape, stride, padding, PQ, config["GROUP_M"])
     M, Co = ints[0], ints[1]
     co_pad = gh.padded_channels(Co, x.dtype)
-    wp = gh.packed_weights(w)
+    wp = gpt.packed_weights(w)
     y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
     w_desc, y_desc = gh.tiled_desc(wp, [bn, bk]), gh.tiled_desc(y, [bm, bn])
     grid = (triton.cdiv(M, bm) * triton.cdiv(Co, bn),)
@@ -741,15 +744,15 @@ def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, p
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         ce = _packed_constexprs(config)
         sig = {"x_ptr": gh.ptr_sig(dt), "w_desc": gh.desc_sig(dt, [bn, bk]), "y_desc": gh.desc_sig(dt, [bm, bn])}
-        sig.update({k: "i32" for k in gh.PACKED_FPROP_INTS})
+        sig.update({k: "i32" for k in gpt.PACKED_FPROP_INTS})
         sig.update({k: "constexpr" for k in ce})
         fn = conv2d_fprop_packed_kernel
         return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
     im2col = not is_pointwise(p)
-    split = gh.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
+    split = gpt.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
     ce = _constexprs(config, im2col, split)
     sig = {
         "x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
@@ -769,4 +772,4 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         name="conv2d_fprop_kernel",
     )
     numel = p["gemm_M"] * gh.padded_channels(p["Co"], dt)  # y, the reduction's outputs
-    return [spec, gh.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

@@ -5,7 +5,7 @@ grad_w[Co, R*S*Ci] = grad_out^T[Co, N*P*Q] @ im2col(x)[N*P*Q, R*S*Ci], NHWC, fp1
 An output tile is BLOCK_M output channels x BLOCK_N input channels of one filter tap (r, s);
 its reduction runs over the N*P*Q output pixels, BLOCK_K at a time. The reduction is split
 SPLIT_K ways so that few output tiles (small filters, few channels) still fill the GPU; each
-split writes an fp32 partial into a workspace and a second kernel (gluon_host.split_k_reduce,
+split writes an fp32 partial into a workspace and a second kernel (gluon_split_k.split_k_reduce,
 shared with the Hopper backend) sums them in split order: deterministic, the same bits on
 every run, unlike atomics. With one active split the kernel writes grad_w directly.
 
@@ -21,7 +21,7 @@ Persistent and warp-specialized (building blocks in gluon_blackwell):
 Work items are numbered split-major, so the CTAs running together read the same pixel slab
 of grad_out and x, which stays in L2.
 
-The schedules are the Hopper wgrad's (gluon_host.WgradWork divides the work, wgrad_piece
+The schedules are the Hopper wgrad's (gluon_wgrad.WgradWork divides the work, wgrad_piece
 walks it on the device): SPLIT_K > 0 splits that many ways, 0 takes the work model's count,
 -1 is stream-K, where every CTA runs an equal share of the (tile, k-step) iterations and the
 tiles CTAs share are summed in the epilogue in CTA order (for too few tiles for whole waves
@@ -49,19 +49,21 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
+from . import gluon_packed_taps as gpt
+from . import gluon_split_k as sk
+from . import gluon_wgrad as gwg
 from .geometry import is_pointwise
 from .gluon_blackwell import (
-    TMEM_COLUMNS,
     WORKER_REGS,
     epilogue_width,
-    init_ring,
-    invalidate_ring,
     likeliest_first,
     mma_chain,
     ring_slot,
     store_acc_masked,
 )
-from .gluon_host import wgrad_num_pieces, wgrad_piece
+from .gluon_device import init_ring, invalidate_ring
+from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
+from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "blackwell"
@@ -388,7 +390,7 @@ def _packed_a_load(use, n, k_from, co0, g_desc, a_bufs, ready, done):
     tma.async_load(g_desc, [row, co0], ready.index(slot), a_bufs.index(slot), pred)
 
 
-@gluon.jit(do_not_specialize=list(gh.PACKED_WGRAD_INTS))
+@gluon.jit(do_not_specialize=list(gwg.PACKED_WGRAD_INTS))
 def conv2d_wgrad_packed_kernel(
     g_desc,
     x_ptr,
@@ -412,18 +414,18 @@ def conv2d_wgrad_packed_kernel(
     NUM_BUFFERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Few input channels (gluon_host.packs_taps), the Hopper packed wgrad's schedule on
+    """Few input channels (gluon_packed_taps.packs_taps), the Hopper packed wgrad's schedule on
     tcgen05: grad_w [Co, K = R*S*Ci packed] in [BLOCK_M, BLOCK_N] tiles, one (split, tile) per
     CTA numbered split-major; grad_out tiles by TMA (g_desc, fed transposed), x's im2col
-    gathered one pixel step ahead (gluon_host.packed_gather) into the B ring as it lies, the
+    gathered one pixel step ahead (gluon_packed_taps.packed_gather) into the B ring as it lies, the
     fp32 accumulator in tensor memory; out_ptr: grad_w [Co, K] with one split, else fp32
     partials [splits, Co, K]."""
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     dtype: gl.constexpr = g_desc.dtype
-    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + g_desc.block_type.shape, g_desc.layout)
-    b_layout: gl.constexpr = gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
+    b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -444,30 +446,30 @@ def conv2d_wgrad_packed_kernel(
     for i in gl.static_range(NUM_BUFFERS - 1):
         _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, done)
     m0 = k_from * BLOCK_K
-    base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-    b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+    base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+    b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
     for i in range(n):
         slot, phase = ring_slot(i, NUM_BUFFERS)
         mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this B slot
         b_bufs.index(slot).store(b)
         fence_async_shared()
         m0 += BLOCK_K
-        base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-        b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+        base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+        b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
         mbarrier.wait(ready.index(slot), phase)
         a = a_bufs.index(slot).permute((1, 0))
         tcgen05_mma(a, b_bufs.index(slot), acc, use_acc=i > 0, mbarriers=[done.index(slot)])
         _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, co0, g_desc, a_bufs, ready, done)
     tcgen05_commit(acc_bar.index(0))
     mbarrier.wait(acc_bar.index(0), 0)
-    # every split has at least one step (gluon_host.split_k_plan)
+    # every split has at least one step (gluon_split_k.split_k_plan)
     store_acc_masked(acc, acc_bar.index(1), out_ptr + split.to(gl.int64) * Co * K, co0, Co, K, n0, K)
     invalidate_ring(ready)
     invalidate_ring(done)
     invalidate_ring(acc_bar)
 
 
-@gluon.jit(do_not_specialize=list(gh.FEW_CO_WGRAD_INTS))
+@gluon.jit(do_not_specialize=list(gwg.FEW_CO_WGRAD_INTS))
 def conv2d_wgrad_few_co_kernel(
     x_desc,
     g_ptr,
@@ -492,18 +494,18 @@ def conv2d_wgrad_few_co_kernel(
     STRIDED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Few output channels (gluon_host.wgrad_few_co), the Hopper few-Co wgrad's schedule on
+    """Few output channels (gluon_wgrad.wgrad_few_co), the Hopper few-Co wgrad's schedule on
     tcgen05: grad_w^T [Ci, R*S*Co] in [BLOCK_M, BLOCK_N] tiles (BLOCK_N spans every tap), one
     (split, Ci block) per CTA numbered split-major; x tiles by TMA (x_desc over [N*H*W, Ci],
     fed transposed, each pixel read once), grad_out gathered one pixel step ahead
-    (gluon_host.few_co_gather) into the B ring as it lies, the fp32 accumulator in tensor
+    (gluon_wgrad.few_co_gather) into the B ring as it lies, the fp32 accumulator in tensor
     memory; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials [splits, ...]."""
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
-    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + x_desc.block_type.shape, x_desc.layout)
-    b_layout: gl.constexpr = gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
+    b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -522,8 +524,8 @@ def conv2d_wgrad_few_co_kernel(
     for i in gl.static_range(NUM_BUFFERS - 1):
         _packed_a_load(i, n, k_from, ci0, x_desc, a_bufs, ready, done)
     m0 = k_from * BLOCK_K
-    img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-    b = gh.few_co_gather(
+    img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+    b = gwg.few_co_gather(
         g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
     )
     for i in range(n):
@@ -532,8 +534,8 @@ def conv2d_wgrad_few_co_kernel(
         b_bufs.index(slot).store(b)
         fence_async_shared()
         m0 += BLOCK_K
-        img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-        b = gh.few_co_gather(
+        img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+        b = gwg.few_co_gather(
             g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
         )
         mbarrier.wait(ready.index(slot), phase)
@@ -546,7 +548,7 @@ def conv2d_wgrad_few_co_kernel(
     slice_layout: gl.constexpr = acc.slice(0, EPI_N).get_reg_layout()
     for j in gl.static_range(BLOCK_N // EPI_N):
         part = acc.slice(j * EPI_N, EPI_N).load(slice_layout)
-        gh.few_co_store(out_ptr, split, part, ci0, j * EPI_N, Co, RS, Ci, num_warps)
+        gwg.few_co_store(out_ptr, split, part, ci0, j * EPI_N, Co, RS, Ci, num_warps)
     invalidate_ring(ready)
     invalidate_ring(done)
     invalidate_ring(acc_bar)
@@ -556,7 +558,7 @@ JIT_FUNCTIONS = (
     conv2d_wgrad_kernel,
     conv2d_wgrad_packed_kernel,
     conv2d_wgrad_few_co_kernel,
-    gh.split_k_reduce_kernel,
+    sk.split_k_reduce_kernel,
 )
 
 
@@ -582,30 +584,30 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     launches as fewer splits (more splits than the reduction has iterations) or as the model's
     own; and no splitting further once the output tiles alone fill every SM twice (only adds
     reduction traffic). Whether it fits the device is resources_ok()'s question."""
-    if gh.runs_few_co(p, c, FEW_CO_NARROWEST):
+    if gwg.runs_few_co(p, c, FEW_CO_NARROWEST):
         # M is Ci; the B tile spans every tap's channels (BLOCK_N)
         return (
-            gh.few_co_split_worth_trying(c, p, sms)
+            gwg.few_co_split_worth_trying(c, p, sms)
             and c["NUM_BUFFERS"] <= GATHER_MAX_STAGES
             and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["Ci"]))
         )
     ci = gh.padded_channels(p["Ci"], p["dtype"])
-    if gh.packs_taps(p):
-        # the split count follows from the tiles (gluon_host.packed_wgrad_work); a B tile spans
+    if gpt.packs_taps(p):
+        # the split count follows from the tiles (gluon_wgrad.packed_wgrad_work); a B tile spans
         # packed taps, a whole filter at most
-        ci = gh.packed_k(p)
+        ci = gpt.packed_k(p)
         if c["SPLIT_K"] != 0 or c["NUM_BUFFERS"] > GATHER_MAX_STAGES:
             return False
     if c["BLOCK_N"] > max(64, gh.pow2_at_least(ci)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         return True
-    w = gh.WgradWork.of(p, c, sms)
+    w = gwg.WgradWork.of(p, c, sms)
     if w.stream:
         return w.per >= c["NUM_BUFFERS"]
     if c["SPLIT_K"] == 1:
         return True
-    model = gh.WgradWork.of(p, dict(c, SPLIT_K=0), sms).splits
+    model = gwg.WgradWork.of(p, dict(c, SPLIT_K=0), sms).splits
     if c["SPLIT_K"] == 0:
         return model > 1
     if w.splits < c["SPLIT_K"] or w.splits == model:
@@ -637,7 +639,7 @@ def tmem_columns(c: dict) -> int:
 def resources_ok(c: dict, p: dict) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared and
     tensor memory."""
-    return smem_bytes(c, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(c) <= TMEM_COLUMNS
+    return smem_bytes(c, p) <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -649,12 +651,12 @@ def default_config(p: dict, device) -> dict:
     """128 x 128 tiles, 4 stages, and the work model's split count (SPLIT_K=0) where it splits."""
     sms = gh.sm_count_of(device)
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_BUFFERS": 4, "NUM_ACC": 2, "SPLIT_K": 0, "num_warps": 4}
-    if gh.packs_taps(p):
+    if gpt.packs_taps(p):
         c.update(BLOCK_M=128 if p["Co"] >= 128 else 64, BLOCK_N=64, NUM_BUFFERS=3)
-    elif gh.few_co_by_default(p):
-        c.update(BLOCK_M=128 if p["Ci"] >= 128 else 64, BLOCK_N=gh.few_co_width(p, FEW_CO_NARROWEST), NUM_BUFFERS=3)
+    elif gwg.few_co_by_default(p):
+        c.update(BLOCK_M=128 if p["Ci"] >= 128 else 64, BLOCK_N=gwg.few_co_width(p, FEW_CO_NARROWEST), NUM_BUFFERS=3)
     else:
-        if gh.runs_few_co(p, c, FEW_CO_NARROWEST):
+        if gwg.runs_few_co(p, c, FEW_CO_NARROWEST):
             c["BLOCK_N"] = 64  # 128 is the few-Co kernel's width here
         if not worth_trying(c, p, sms):
             c["SPLIT_K"] = 1
@@ -673,7 +675,7 @@ def _constexprs(c: dict, im2col: bool) -> dict:
         "NUM_BUFFERS": c["NUM_BUFFERS"],
         "NUM_ACC": c["NUM_ACC"],
         "IM2COL": im2col,
-        "STREAM": c["SPLIT_K"] == gh.STREAM_K,
+        "STREAM": c["SPLIT_K"] == gwg.STREAM_K,
     }
 
 
@@ -683,36 +685,36 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gh.packs_taps({"Ci": Ci0}):
+    if gpt.packs_taps({"Ci": Ci0}):
         sms = gh.num_sms(x.device)
-        ints, ctas, splits = gh.packed_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
+        ints, ctas, splits = gwg.packed_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
         gp = gh.pad_channels(grad_out)
         g_desc = gh.tiled_desc(gp.view(N * P * Q, gp.shape[-1]), [bk, bm])
         out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
-        ws = out if splits == 1 else gh.split_k_workspace(splits, Co, R * S * Ci0, x.device)
+        ws = out if splits == 1 else sk.split_k_workspace(splits, Co, R * S * Ci0, x.device)
         conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, ws, *ints, **_packed_constexprs(config))
-        return out if splits == 1 else gh.split_k_reduce(ws, out)
-    if gh.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
+        return out if splits == 1 else sk.split_k_reduce(ws, out)
+    if gwg.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
         sms = gh.num_sms(x.device)
-        ints, ctas, splits = gh.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
+        ints, ctas, splits = gwg.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
         xp = gh.pad_channels(x)
         x_desc = gh.tiled_desc(xp.view(N * H * W, xp.shape[-1]), [bk, bm])
         out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
-        ws = out if splits == 1 else gh.split_k_workspace(splits, Co, R * S * Ci0, x.device)
+        ws = out if splits == 1 else sk.split_k_workspace(splits, Co, R * S * Ci0, x.device)
         ce = _few_co_constexprs(config, (sh, sw))
         conv2d_wgrad_few_co_kernel[(ctas,)](x_desc, grad_out.contiguous(), ws, *ints, **ce)
-        return out if splits == 1 else gh.split_k_reduce(ws, out)
+        return out if splits == 1 else sk.split_k_reduce(ws, out)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q
-    work = gh.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
+    work = gwg.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     if work.stream:
         ws = torch.empty((work.ctas, bm, bn), device=x.device, dtype=torch.float32)
-        flags = gh.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        flags = sk.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
         ptrs = (out, ws, flags)
     else:
-        ws = out if work.splits == 1 else gh.split_k_workspace(work.splits, Co, R * S * Ci, x.device)
+        ws = out if work.splits == 1 else sk.split_k_workspace(work.splits, Co, R * S * Ci, x.device)
         ptrs = (ws, ws, ws)  # ws_ptr and flags_ptr unused
     g_desc = gh.tiled_desc(gp.view(npq, gp.shape[-1]), [bk, bm])
     im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
@@ -741,7 +743,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         **_constexprs(config, im2col),
     )
     if not work.stream and work.splits > 1:
-        gh.split_k_reduce(ws, out)
+        sk.split_k_reduce(ws, out)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
 
@@ -756,23 +758,23 @@ def _few_co_constexprs(c: dict, stride) -> dict:
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gh.runs_few_co(p, config, FEW_CO_NARROWEST):
+    if gwg.runs_few_co(p, config, FEW_CO_NARROWEST):
         ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
-        return gh.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
-    if gh.packs_taps(p):
+        return gwg.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
+    if gpt.packs_taps(p):
         x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
         st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
-        _, _, splits = gh.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
+        _, _, splits = gwg.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
         ce = _packed_constexprs(config)
         sig = {"g_desc": gh.desc_sig(dt, [bk, bm]), "x_ptr": gh.ptr_sig(dt)}
         sig["out_ptr"] = gh.ptr_sig(dt) if splits == 1 else "*fp32"
-        sig.update({k: "i32" for k in gh.PACKED_WGRAD_INTS})
+        sig.update({k: "i32" for k in gwg.PACKED_WGRAD_INTS})
         sig.update({k: "constexpr" for k in ce})
         fn = conv2d_wgrad_packed_kernel
         specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-        reduce = gh.split_k_reduce_spec(dt, gh.wgrad_out_numel(p), gh.sm_count_of(device))
+        reduce = sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device))
         return specs + ([reduce] if splits > 1 else [])
-    work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
+    work = gwg.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     out_sig = gh.ptr_sig(dt) if work.stream or work.splits == 1 else "*fp32"
@@ -795,5 +797,5 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         )
     ]
     if not work.stream and work.splits > 1:
-        specs.append(gh.split_k_reduce_spec(dt, gh.wgrad_out_numel(p), gh.sm_count_of(device)))
+        specs.append(sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device)))
     return specs

@@ -9,7 +9,7 @@ reduction runs over the N*P*Q output pixels, BLOCK_K at a time: grad_out rows by
 Two schedules, chosen by SPLIT_K (see spaces/hopper.py):
 - split-K: persistent CTAs over (split, tile) units numbered split-major,
   so the CTAs running together share the same pixel range of grad_out and x in L2; each split
-  writes an fp32 partial and gluon_host.split_k_reduce sums them in a fixed order
+  writes an fp32 partial and gluon_split_k.split_k_reduce sums them in a fixed order
   (deterministic); with one split the kernel writes grad_w directly. Warp-specialized: a
   one-warp TMA loader feeds the WGMMA warps through a `num_stages` mbarrier ring.
 - stream-K: every CTA runs an equal share of the (tile, k-step)
@@ -32,12 +32,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
 from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
+from . import gluon_packed_taps as gpt
+from . import gluon_split_k as sk
+from . import gluon_wgrad as gwg
 from .geometry import is_pointwise
 from .gluon_hopper import wgmma_acc_layout
-from .gluon_host import wgrad_num_pieces, wgrad_piece
+from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "hopper"
@@ -305,8 +309,8 @@ def conv2d_wgrad_kernel(
     c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gh.init_ring(ready)
-    gh.init_ring(empty)
+    gdev.init_ring(ready)
+    gdev.init_ring(empty)
     gl.warp_specialize(
         [
             (
@@ -361,8 +365,8 @@ def conv2d_wgrad_kernel(
         [1],
         [40],
     )
-    gh.invalidate_ring(ready)
-    gh.invalidate_ring(empty)
+    gdev.invalidate_ring(ready)
+    gdev.invalidate_ring(empty)
 
 
 @gluon.jit
@@ -377,7 +381,7 @@ def _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES: gl.constexp
     )
 
 
-@gluon.jit(do_not_specialize=list(gh.PACKED_WGRAD_INTS))
+@gluon.jit(do_not_specialize=list(gwg.PACKED_WGRAD_INTS))
 def conv2d_wgrad_packed_kernel(
     g_desc,
     x_ptr,
@@ -401,20 +405,20 @@ def conv2d_wgrad_packed_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Few input channels (gluon_host.packs_taps): grad_w [Co, K = R*S*Ci packed] in
+    """Few input channels (gluon_packed_taps.packs_taps): grad_w [Co, K = R*S*Ci packed] in
     [BLOCK_M, BLOCK_N] tiles, one (split, tile) per CTA, numbered split-major so the CTAs
     running together read the same pixels. g_desc: tiles of grad_out [N*P*Q, Co] (fed to
     WGMMA transposed) in a ring of STAGES; x_ptr: x [N, H, W, Ci], its im2col gathered one
-    pixel step ahead (gluon_host.packed_gather) into a double buffer that is the WGMMA's B as
+    pixel step ahead (gluon_packed_taps.packed_gather) into a double buffer that is the WGMMA's B as
     it lies; out_ptr: grad_w [Co, K] with one split, else fp32 partials [splits, Co, K]."""
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     dtype: gl.constexpr = g_desc.dtype
-    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gh.init_ring(ready)
+    gdev.init_ring(ready)
 
     pid = gl.program_id(0)
     co_blocks = gl.cdiv(Co, BLOCK_M)
@@ -428,8 +432,8 @@ def conv2d_wgrad_packed_kernel(
         _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES)
 
     m0 = k_from * BLOCK_K
-    base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-    b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+    base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+    b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     for i in range(n):
@@ -438,8 +442,8 @@ def conv2d_wgrad_packed_kernel(
         b_bufs.index(i % 2).store(b)
         fence_async_shared()
         m0 += BLOCK_K
-        base, h0, w0 = gh.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-        b = gh.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+        base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
+        b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -450,10 +454,10 @@ def conv2d_wgrad_packed_kernel(
     mask = (rows < Co)[:, None] & (cols < K)[None, :]
     base_out = (split.to(gl.int64) * Co + rows) * K
     gl.store(out_ptr + base_out[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    gh.invalidate_ring(ready)
+    gdev.invalidate_ring(ready)
 
 
-@gluon.jit(do_not_specialize=list(gh.FEW_CO_WGRAD_INTS))
+@gluon.jit(do_not_specialize=list(gwg.FEW_CO_WGRAD_INTS))
 def conv2d_wgrad_few_co_kernel(
     x_desc,
     g_ptr,
@@ -478,21 +482,21 @@ def conv2d_wgrad_few_co_kernel(
     STRIDED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Few output channels (gluon_host.wgrad_few_co): grad_w^T [Ci, R*S*Co] in [BLOCK_M, BLOCK_N]
+    """Few output channels (gluon_wgrad.wgrad_few_co): grad_w^T [Ci, R*S*Co] in [BLOCK_M, BLOCK_N]
     tiles (BLOCK_N spans every tap), one (split, Ci block) per CTA numbered split-major so the
     CTAs running together gather the same grad_out pixels. x_desc: tiles of x [N*H*W, Ci] (fed
     to WGMMA transposed) in a ring of STAGES, each x pixel read once; g_ptr: grad_out [N, P, Q,
-    Co], gathered one pixel step ahead (gluon_host.few_co_gather) into a double buffer that is
+    Co], gathered one pixel step ahead (gluon_wgrad.few_co_gather) into a double buffer that is
     the WGMMA's B as it lies; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials
     [splits, Co, R, S, Ci]. The packed-taps kernel's schedule with the operands' roles swapped."""
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
-    g_layout: gl.constexpr = gh.packed_gather_layout(BLOCK_N, num_warps)
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gh.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gh.init_ring(ready)
+    gdev.init_ring(ready)
 
     pid = gl.program_id(0)
     ci_blocks = gl.cdiv(Ci, BLOCK_M)
@@ -504,8 +508,8 @@ def conv2d_wgrad_few_co_kernel(
         _packed_a_load(i, n, k_from, ci0, x_desc, a_bufs, ready, STAGES)
 
     m0 = k_from * BLOCK_K
-    img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-    b = gh.few_co_gather(
+    img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+    b = gwg.few_co_gather(
         g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
     )
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
@@ -516,8 +520,8 @@ def conv2d_wgrad_few_co_kernel(
         b_bufs.index(i % 2).store(b)
         fence_async_shared()
         m0 += BLOCK_K
-        img, ih, iw = gh.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-        b = gh.few_co_gather(
+        img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
+        b = gwg.few_co_gather(
             g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
         )
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -525,21 +529,21 @@ def conv2d_wgrad_few_co_kernel(
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _packed_a_load(i + STAGES - 1, n, k_from, ci0, x_desc, a_bufs, ready, STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    gh.few_co_store(out_ptr, split, acc, ci0, 0, Co, RS, Ci, num_warps)
-    gh.invalidate_ring(ready)
+    gwg.few_co_store(out_ptr, split, acc, ci0, 0, Co, RS, Ci, num_warps)
+    gdev.invalidate_ring(ready)
 
 
 JIT_FUNCTIONS = (
     conv2d_wgrad_kernel,
     conv2d_wgrad_packed_kernel,
     conv2d_wgrad_few_co_kernel,
-    gh.split_k_reduce_kernel,
+    sk.split_k_reduce_kernel,
 )
 
 
 # ---- configs -------------------------------------------------------------------------------------
 
-STREAM_K = gh.STREAM_K  # SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
+STREAM_K = gwg.STREAM_K  # SPLIT_K of the stream-K schedule; 0 asks for the modeled best split count
 FEW_CO_NARROWEST = min(SPACES[OP].params["BLOCK_N"])  # the few-Co kernel's B tile is at least this wide
 # the packed-taps and few-Co kernels ring only the operand TMA reads, their pace set by the
 # other's gather: the rings of 6-12 that feed the TMA-only kernel made an image stem's wgrad
@@ -564,17 +568,17 @@ def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool
     and the accumulator's registers."""
     packed = p is not None and _gathers(p, c)
     # a launch into fp32 split partials stores from registers: its binary has no grad_w tile
-    partials = p is not None and sms is not None and not packed and _into_partials(gh.WgradWork.of(p, c, sms))
+    partials = p is not None and sms is not None and not packed and _into_partials(gwg.WgradWork.of(p, c, sms))
     return ghop.wgmma_resources_ok(c, smem_bytes(c, packed=packed, tma_out=not partials))
 
 
 def _gathers(p: dict, c: dict) -> bool:
     """Whether one operand is gathered through pointers (the packed-taps and few-Co kernels:
     an A ring, a double-buffered B, a register epilogue) rather than both read by TMA."""
-    return gh.packs_taps(p) or gh.runs_few_co(p, c, FEW_CO_NARROWEST)
+    return gpt.packs_taps(p) or gwg.runs_few_co(p, c, FEW_CO_NARROWEST)
 
 
-def _into_partials(w: gh.WgradWork) -> bool:
+def _into_partials(w: gwg.WgradWork) -> bool:
     """Whether a launch writes fp32 split partials (a second pass sums them) instead of grad_w."""
     return not w.stream and w.splits > 1
 
@@ -598,23 +602,23 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     if _gathers(p, c) and c["num_stages"] > GATHER_MAX_STAGES:
         return False
     npq = p["N"] * p["P"] * p["Q"]
-    if gh.runs_few_co(p, c, FEW_CO_NARROWEST):
+    if gwg.runs_few_co(p, c, FEW_CO_NARROWEST):
         # M is Ci; the B tile spans every tap's channels (BLOCK_N)
         return (
-            gh.few_co_split_worth_trying(c, p, sms)
+            gwg.few_co_split_worth_trying(c, p, sms)
             and c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["Ci"]))
             and c["BLOCK_K"] <= max(32, gh.pow2_at_least(p["N"] * p["H"] * p["W"]))
         )
     if c["BLOCK_K"] > max(32, gh.pow2_at_least(npq)) or c["BLOCK_M"] > max(64, gh.pow2_at_least(p["Co"])):
         return False
-    if gh.packs_taps(p):
-        # its split count follows from the tiles (gluon_host.packed_wgrad_work); the B tile
+    if gpt.packs_taps(p):
+        # its split count follows from the tiles (gluon_wgrad.packed_wgrad_work); the B tile
         # spans packed taps, a whole filter at most
-        return c["SPLIT_K"] == 0 and c["BLOCK_N"] <= max(16, gh.pow2_at_least(gh.packed_k(p)))
+        return c["SPLIT_K"] == 0 and c["BLOCK_N"] <= max(16, gh.pow2_at_least(gpt.packed_k(p)))
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     if c["BLOCK_N"] > max(16, gh.pow2_at_least(ci)):
         return False
-    w = gh.WgradWork.of(p, c, sms)
+    w = gwg.WgradWork.of(p, c, sms)
     if c["SPLIT_K"] > 0 and w.splits < c["SPLIT_K"]:
         return False  # the same launch as a smaller SPLIT_K
     # once the output tiles alone fill the GPU twice, splitting only adds reduction
@@ -635,11 +639,11 @@ def default_config(p: dict, device) -> dict:
     ci = gh.padded_channels(p["Ci"], p["dtype"])
     bm = 128 if p["Co"] >= 128 else 64
     bn = min(128, max(16, gh.pow2_at_least(ci)))
-    if gh.packs_taps(p):
-        bn = min(64, max(16, gh.pow2_at_least(gh.packed_k(p))))
-    if gh.few_co_by_default(p):
-        bm, bn = (128 if p["Ci"] >= 128 else 64), gh.few_co_width(p, FEW_CO_NARROWEST)
-    elif gh.runs_few_co(p, {"BLOCK_N": bn}, FEW_CO_NARROWEST):
+    if gpt.packs_taps(p):
+        bn = min(64, max(16, gh.pow2_at_least(gpt.packed_k(p))))
+    if gwg.few_co_by_default(p):
+        bm, bn = (128 if p["Ci"] >= 128 else 64), gwg.few_co_width(p, FEW_CO_NARROWEST)
+    elif gwg.runs_few_co(p, {"BLOCK_N": bn}, FEW_CO_NARROWEST):
         bn //= 2  # that width would take the few-Co kernel
     warps = 8 if bm == 128 and bn >= 128 else 4
     c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": warps, "num_stages": 4}
@@ -664,7 +668,7 @@ def _constexprs(c: dict, im2col: bool) -> dict:
 
 class _Plan:
     """One (config, x/grad_out shapes and strides, dtype, filter, stride, padding, device) launch,
-    precomputed: see gluon_host.DirectLauncher."""
+    precomputed: see gluon_launch.DirectLauncher."""
 
     __slots__ = (
         "launcher",
@@ -690,7 +694,7 @@ class _Plan:
         gp = gh.pad_last_dim(g, self.ci_g) if self.pad_g else g
         out = x.new_empty(self.out_shape)
         mode = self.mode  # "direct", "split" or "stream"
-        ws = None if mode == "direct" else gh.stream_workspace(x, stream, self.ws_shape)
+        ws = None if mode == "direct" else direct.stream_workspace(x, stream, self.ws_shape)
         po, pw = out.data_ptr(), 0 if ws is None else ws.data_ptr()  # ints to the launcher: no driver query
         if (po | pw) & 15:
             return None  # pointer arguments were specialized 16-byte aligned: the JIT path
@@ -700,7 +704,7 @@ class _Plan:
         xm = maps.get((1, px)) or maps.put((1, px), ld.expand_desc(1, self.x_desc(xp)))
         cm = maps.get((2, po)) or maps.put((2, po), ld.expand_desc(2, self.c_desc(out)))
         if mode == "stream":
-            flags = gh.zeroed_counters(x.device, stream, self.grid0)
+            flags = sk.zeroed_counters(x.device, stream, self.grid0)
             ld(self.grid0, stream, [*gm, *xm, *cm, po, pw, flags.data_ptr(), *self.tail])
         elif mode == "split":
             ld(self.grid0, stream, [*gm, *xm, *cm, pw, pw, pw, *self.tail])
@@ -768,15 +772,15 @@ def _launch_jit(
     (ph, pw) = problems.pair(padding, "padding", minimum=0)
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
-    if gh.packs_taps({"Ci": Ci0}):
+    if gpt.packs_taps({"Ci": Ci0}):
         return _launch_packed_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
-    if gh.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
+    if gwg.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
         return _launch_few_co_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    work = gh.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
+    work = gwg.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
     mode = "stream" if work.stream else ("split" if _into_partials(work) else "direct")
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     ws_shape = (work.ctas, bm, bn) if mode == "stream" else (work.splits, Co, R * S * Ci)
@@ -805,7 +809,7 @@ def _launch_jit(
     geometry = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw)
     reduce = None
     if mode == "stream":
-        flags = gh.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
+        flags = sk.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
         ptrs = (out, ws, flags)
     else:
         target = out if mode == "direct" else ws
@@ -813,12 +817,12 @@ def _launch_jit(
     scalars = geometry + (work.k_steps, work.per, work.splits)
     compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, c_desc_of(out), *ptrs, *scalars, **ce)
     if mode == "split":
-        reduce = gh.split_k_reduce_jit(ws, out)
+        reduce = sk.split_k_reduce_jit(ws, out)
     leading = (None,) * 6
     aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is not None and aligned:
         ld = direct.DirectLauncher.of(compiled)
-        rd = gh.SplitReduce.of(reduce, ws, out) if mode == "split" else None
+        rd = direct.SplitReduce.of(reduce, ws, out) if mode == "split" else None
         if ld is not None and (mode != "split" or rd is not None):
             plan = _Plan()
             plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), grid[0]
@@ -837,7 +841,7 @@ def _packed_constexprs(c: dict) -> dict:
 def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
     bm, bk = config["BLOCK_M"], config["BLOCK_K"]
     sms = gh.num_sms(x.device)
-    ints, ctas, splits = gh.packed_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
+    ints, ctas, splits = gwg.packed_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
     Co, K, npq = ints[0], ints[2], ints[12]
     gp = gh.pad_channels(grad_out)
     gc = gp.shape[-1]
@@ -854,12 +858,12 @@ def _plan_gather(key, compiled, gathered, out, ws, ctas: int, kernel: tuple, blk
     """Run the split reduction of a packed-taps or few-Co JIT launch (if split) and keep the
     launch as a _GatherPlan under `key` where it can be replayed (16-byte aligned pointers);
     kernel = (its JIT function, integer arguments, constexprs)."""
-    reduce = None if ws is None else gh.split_k_reduce_jit(ws, out)
+    reduce = None if ws is None else sk.split_k_reduce_jit(ws, out)
     aligned = not (gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
     if key is None or not aligned:
         return
     ld = direct.DirectLauncher.of(compiled)
-    rd = None if reduce is None else gh.SplitReduce.of(reduce, ws, out)
+    rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, out)
     if ld is not None and (reduce is None or rd is not None):
         fn, ints, ce = kernel
         plan = _GatherPlan()
@@ -876,7 +880,7 @@ def _few_co_constexprs(c: dict, stride) -> dict:
 def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
     bm, bk = config["BLOCK_M"], config["BLOCK_K"]
     sms = gh.num_sms(x.device)
-    ints, ctas, splits = gh.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
+    ints, ctas, splits = gwg.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
     Co, Ci, nhw = ints[0], ints[1], ints[12]
     if not grad_out.is_contiguous():
         grad_out, key = grad_out.contiguous(), None  # the plan launches the caller's tensor as is
@@ -895,23 +899,23 @@ def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gh.runs_few_co(p, config, FEW_CO_NARROWEST):
+    if gwg.runs_few_co(p, config, FEW_CO_NARROWEST):
         ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
-        return gh.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
-    if gh.packs_taps(p):
+        return gwg.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
+    if gpt.packs_taps(p):
         x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
         st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
-        _, _, splits = gh.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
+        _, _, splits = gwg.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
         ce = _packed_constexprs(config)
         sig = {"g_desc": gh.desc_sig(dt, [bk, bm]), "x_ptr": gh.ptr_sig(dt)}
         sig["out_ptr"] = gh.ptr_sig(dt) if splits == 1 else "*fp32"
-        sig.update({k: "i32" for k in gh.PACKED_WGRAD_INTS})
+        sig.update({k: "i32" for k in gwg.PACKED_WGRAD_INTS})
         sig.update({k: "constexpr" for k in ce})
         fn = conv2d_wgrad_packed_kernel
         specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-        reduce = gh.split_k_reduce_spec(dt, gh.wgrad_out_numel(p), gh.sm_count_of(device))
+        reduce = sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device))
         return specs + ([reduce] if splits > 1 else [])
-    work = gh.WgradWork.of(p, config, gh.sm_count_of(device))
+    work = gwg.WgradWork.of(p, config, gh.sm_count_of(device))
     im2col = not is_pointwise(p)
     ce = _constexprs(config, im2col)
     sig = {
@@ -954,5 +958,5 @@ def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
         )
     ]
     if not work.stream and work.splits > 1:
-        specs.append(gh.split_k_reduce_spec(dt, gh.wgrad_out_numel(p), gh.sm_count_of(device)))
+        specs.append(sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device)))
     return specs

@@ -12,8 +12,10 @@ Ring protocol (one producer, one consumer, `n` slots):
   pre-arrival.
 
 The host side (descriptors, grids, split-K workspace and the reduction) is shared with the
-Hopper backend in `gluon_host.py`; what lives here runs on the device, and the one host rule
-only the Blackwell backends follow: the order their pruned candidates are timed in.
+Hopper backend (gluon_host, gluon_split_k and the op modules gluon_matmul, gluon_dgrad,
+gluon_wgrad, gluon_packed_taps); what lives here runs on the device, and the one host rule only
+the Blackwell backends follow: the order their pruned candidates are timed in. The limits of
+the hardware (shared and tensor memory, registers) are in hardware.py.
 """
 
 from __future__ import annotations
@@ -28,11 +30,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
-from .gluon_host import init_ring, invalidate_ring, ring_shortfall  # noqa: F401 - the Blackwell kernels' ring helpers
+from .gluon_host import ring_shortfall
 
-# Tensor memory of one SM: 128 lanes x 512 columns of 32 bits; an fp32 accumulator of
-# BLOCK_N columns takes BLOCK_N of them (at BLOCK_M 64 or 128 alike).
-TMEM_COLUMNS = 512
 # Registers per thread the one-warp load and MMA partitions keep (setmaxnreg); the epilogue
 # warps get the rest of the register file.
 WORKER_REGS = gl.constexpr(40)
@@ -190,7 +189,7 @@ def partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_
     """The epilogue of a conv's split binary (fprop; a stride-1 dgrad): work items are (split,
     tile) pairs numbered split-major, and each one's fp32 partial goes from tensor memory into
     its split's slab of ws [splits, M, LDW] (rows of M pixels), summed afterwards in split order
-    by gluon_host.split_k_reduce (the Hopper convs' deterministic second pass)."""
+    by gluon_split_k.split_k_reduce (the Hopper convs' deterministic second pass)."""
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]

@@ -1,8 +1,9 @@
 """What only the Hopper (sm_90a, WGMMA) backends share: device helpers their kernels call and
 the rules that order and bound their candidates.
 
-Kept apart from gluon_host.py (shared with Blackwell) so that a kernel version covers exactly
-the code its backend runs.
+Kept apart from the modules the Blackwell backends share (gluon_host, gluon_split_k, ...) so
+that a kernel version covers exactly the code its backend runs: an edit here re-keys the Hopper
+backends only (tests/unit/test_kernel_versions_scope.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_host import SMEM_LIMIT_BYTES, pow2_at_least, ring_shortfall, tap_k_step
+from .gluon_host import pow2_at_least, ring_shortfall, tap_k_step
+from .hardware import HOPPER
 
 # ---- device code -------------------------------------------------------------------------------
 
@@ -51,7 +53,7 @@ def warp_specialized_options(num_warps: int, ctas_per_sm: int = 1) -> dict:
     warps): the registers a thread holds at launch, the SM's 65536 over its CTAs' threads (the
     loader pads to a warpgroup), which Triton redistributes, the loader's unused share to the
     WGMMA warps (setmaxnreg). Uncapped, ptxas sized a CTA for the whole SM: no second CTA."""
-    return {"maxnreg": 65536 // (ctas_per_sm * (num_warps + 4) * 32) // 8 * 8}
+    return {"maxnreg": HOPPER.registers_per_sm // (ctas_per_sm * (num_warps + 4) * 32) // 8 * 8}
 
 
 def accumulator_per_thread(c: dict) -> int:
@@ -62,7 +64,7 @@ def accumulator_per_thread(c: dict) -> int:
 def wgmma_resources_ok(c: dict, smem_bytes: int) -> bool:
     """What the compiler decides for a WGMMA kernel: shared memory within the limit, the fp32
     accumulator within the register budget (past 128 values per thread it spills)."""
-    return smem_bytes <= SMEM_LIMIT_BYTES and accumulator_per_thread(c) <= 128
+    return smem_bytes <= HOPPER.smem_per_block and accumulator_per_thread(c) <= 128
 
 
 def _warps_fit(c: dict) -> bool:

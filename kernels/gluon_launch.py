@@ -11,20 +11,35 @@ A CUtensorMap is a pure function of (base address, dtype, shape, strides, block,
 geometry); a plan fixes everything but the address, so a map cached under (slot, address) is
 right for any tensor at that address, even one allocated after the first was freed: the cache
 holds no tensor and keeps no memory alive.
+
+A planned split-K launch keeps its second pass too (SplitReduce), and its fp32 partials in a
+buffer kept per stream (stream_workspace): the Hopper backends' alone, so they live here.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
-from tunecache import settings
+import torch
 
-DIRECT_LAUNCH = settings.gluon_direct_launch()
+from . import gluon_host as gh
+from .gluon_host import cdiv
+from .gluon_split_k import SPLIT_K_REDUCE_WARPS, per_stream, split_k_reduce_block
+
+# On unless the runtime turns it off: tunecache passes its setting (TUNECACHE_GLUON_DIRECT_LAUNCH)
+# through `set_direct_launch`; the kernels read no settings of their own.
+DIRECT_LAUNCH = True
+
+
+def set_direct_launch(on: bool) -> None:
+    global DIRECT_LAUNCH
+    DIRECT_LAUNCH = bool(on)
 
 
 def direct_launch_enabled() -> bool:
-    """Off with TUNECACHE_GLUON_DIRECT_LAUNCH=0, and while a Triton launch hook (a profiler such
+    """Off when turned off (`set_direct_launch`), and while a Triton launch hook (a profiler such
     as proton) is installed: those hooks only run on JITFunction.run's path."""
     if not DIRECT_LAUNCH:
         return False
@@ -96,7 +111,7 @@ def look_up(plans: "PlanCache", plan_key, config: dict, args: tuple) -> tuple:
 
 def plan_for(plans: "PlanCache", plan_key, config: dict, args: tuple):
     """(plan, device index) of the call `args` under `config`, once its first launch made one;
-    else None. A memo entry (tunecache.launcher) keeps it: its key fixes everything the plan
+    else None. A memo entry (tunecache.ops.launcher) keeps it: its key fixes everything the plan
     depends on but the device, which the entry checks per call."""
     if not direct_launch_enabled():
         return None
@@ -265,3 +280,58 @@ def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
     then each remaining parameter from `constexprs` (KeyError if one is missing)."""
     names = fn.arg_names
     return tuple(positional) + tuple(constexprs[n] for n in names[len(positional) :])
+
+
+# ---- split-K of a planned launch ---------------------------------------------------------------
+
+
+_WORKSPACES: dict = {}
+
+
+# a planned split launch's fp32 partials up to this many bytes come from a buffer kept per
+# stream (stream_workspace); larger ones are allocated per call (their kernels are long enough
+# that the allocation's host time is hidden, and a kept one would pin that memory)
+KEPT_WORKSPACE_BYTES = 16 << 20
+
+
+def stream_workspace(like: torch.Tensor, stream: int, shape: tuple) -> torch.Tensor:
+    """Room for fp32 split-K partials of `shape`, for a planned launch on `stream` (which takes
+    its address: the tensor may be larger, and is not shaped). Up to KEPT_WORKSPACE_BYTES, one
+    buffer per (device, stream), grown as needed: safe to share, as the split kernel writes
+    every element its reduction reads (split_k_workspace) and launches on one stream run in
+    order; it saves an allocation's host time, which is a batch-1 layer's. Larger, and under
+    CUDA-graph capture (a graph's replays must not share one with work outside it), a fresh one."""
+    numel = math.prod(shape)
+    if numel * 4 > KEPT_WORKSPACE_BYTES or torch.cuda.is_current_stream_capturing():
+        return like.new_empty(shape, dtype=torch.float32)
+    return per_stream(
+        _WORKSPACES, like.device, stream, numel, lambda n: like.new_empty(max(n, 1 << 16), dtype=torch.float32)
+    )
+
+
+class SplitReduce:
+    """A planned split-K launch's second pass (the plans of gluon_launch): the fp32 workspace
+    [splits, ...] the kernel fills and the split_k_reduce launch that sums it into the output."""
+
+    __slots__ = ("launcher", "ws_shape", "grid0", "tail")
+
+    @classmethod
+    def of(cls, compiled, ws: torch.Tensor, out: torch.Tensor) -> "SplitReduce | None":
+        """From the reduction's first (JIT) launch over ws into out; None where Triton's
+        launcher cannot take it directly (the plan is then not made)."""
+        launcher = DirectLauncher.of(compiled)
+        if launcher is None:
+            return None
+        r = cls()
+        r.launcher, r.ws_shape = launcher, tuple(ws.shape)
+        block = split_k_reduce_block(out.numel(), gh.num_sms(out.device))
+        r.grid0 = cdiv(out.numel(), block)
+        r.tail = (out.numel(), ws.shape[0], block, SPLIT_K_REDUCE_WARPS)  # the constexprs last, in order
+        return r
+
+    def workspace(self, like: torch.Tensor, stream: int) -> torch.Tensor:
+        """The split kernel's partials (stream_workspace: launches take its address)."""
+        return stream_workspace(like, stream, self.ws_shape)
+
+    def __call__(self, stream: int, ws: torch.Tensor, out: torch.Tensor) -> None:
+        self.launcher(self.grid0, stream, (ws.data_ptr(), out.data_ptr(), *self.tail))  # ints: no driver query

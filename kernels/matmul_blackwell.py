@@ -14,11 +14,11 @@ through a permuted shared-memory view).
 GROUP_M is a runtime argument: it changes the tile order, not the code, so configs that
 differ only in it share one compiled kernel.
 
-Split-K (SPLIT_K in the space, the rules the Hopper matmul follows, gluon_host.matmul_splits):
+Split-K (SPLIT_K in the space, the rules the Hopper matmul follows, gluon_matmul.matmul_splits):
 when the output tiles cannot fill the SMs (decode GEMMs), each tile's K is cut into `splits`
 runs; work items are (split, tile) pairs numbered split-major, as in the wgrad kernel; the
 epilogue writes each item's fp32 partial from registers, and the tile's last split to arrive
-sums them in split order into c (gluon_host.finish_split_tile: one launch, deterministic). A
+sums them in split order into c (gluon_matmul.finish_split_tile: one launch, deterministic). A
 split launch runs its own binary (SPLIT): the unsplit one keeps the TMA-store epilogue and no
 workspace traffic.
 """
@@ -38,12 +38,11 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from . import KernelSpec, problems
 from . import gluon_host as gh
+from . import gluon_matmul as gmm
+from . import gluon_split_k as sk
 from .gluon_blackwell import (
-    TMEM_COLUMNS,
     WORKER_REGS,
     grouped_tile,
-    init_ring,
-    invalidate_ring,
     likeliest_first,
     mma_partition,
     ring_slot,
@@ -51,6 +50,8 @@ from .gluon_blackwell import (
     store_acc_masked,
     tma_store_epilogue,
 )
+from .gluon_device import init_ring, invalidate_ring
+from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND = "matmul", "blackwell"
@@ -135,7 +136,7 @@ def _register_epilogue(
 ):
     """The epilogue of the split and swapped binaries, from registers. SPLIT: each work item's
     fp32 partial into ws[split, rows of c, LDW], and the tile's last split to arrive sums them
-    into c (gluon_host.finish_split_tile). SWAP: the tile is c^T's ([BLOCK_M over c's columns,
+    into c (gluon_matmul.finish_split_tile). SWAP: the tile is c^T's ([BLOCK_M over c's columns,
     BLOCK_N over its rows], BLOCK_N 32 at most: it is loaded whole) and goes out transposed."""
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
@@ -163,7 +164,7 @@ def _register_epilogue(
             if SPLIT:
                 split_stride = c_rows.to(gl.int64) * LDW
                 gl.store(ws_ptr + corner + (work_id // tiles) * split_stride + offs, part, mask=mask)
-                gh.finish_split_tile(
+                gmm.finish_split_tile(
                     ws_ptr + corner,
                     c_ptr + corner,
                     cnt_ptr + tile,
@@ -182,7 +183,7 @@ def _register_epilogue(
             base = ws_ptr + (work_id // tiles).to(gl.int64) * split_stride
             store_acc_masked(acc, acc_empty.index(acc_slot), base, om, M, LDW, on, N)
             corner = om.to(gl.int64) * LDW + on
-            gh.finish_split_tile(
+            gmm.finish_split_tile(
                 ws_ptr + corner,
                 c_ptr + corner,
                 cnt_ptr + tile,
@@ -397,14 +398,14 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): no tile far larger than the matrix
     (it would compute mostly padding), and the split counts of gluon_host's matmul rule. Whether
     it fits the device is resources_ok()'s question."""
-    if not gh.matmul_swap_worth_trying(c, p):
+    if not gmm.matmul_swap_worth_trying(c, p):
         return False
-    c, p = gh.matmul_as_launched(c, p)
+    c, p = gmm.matmul_as_launched(c, p)
     return (
         c["BLOCK_M"] <= max(64, gh.pow2_at_least(p["M"]))
         and c["BLOCK_N"] <= max(64, gh.pow2_at_least(p["N"]))
         and c["BLOCK_K"] <= max(64, gh.pow2_at_least(p["K"]))
-        and gh.matmul_split_worth_trying(c, p, sms)
+        and gmm.matmul_split_worth_trying(c, p, sms)
     )
 
 
@@ -434,8 +435,8 @@ def tmem_columns(c: dict) -> int:
 def resources_ok(c: dict, p: dict) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared and
     tensor memory."""
-    k, _ = gh.matmul_as_launched(c, p)
-    return smem_bytes(k, p) <= gh.SMEM_LIMIT_BYTES and tmem_columns(k) <= TMEM_COLUMNS
+    k, _ = gmm.matmul_as_launched(c, p)
+    return smem_bytes(k, p) <= BLACKWELL.smem_per_block and tmem_columns(k) <= BLACKWELL.tmem_columns
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -490,24 +491,24 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     N = b.shape[1]
     dt = a.dtype
     swap = bool(config.get("SWAP_AB"))
-    x_t, y_t, trans_a, trans_b = gh.matmul_operands(a, b, swap)
-    a_view, b_view = gh.matmul_views(a, b, swap, x_t, y_t)
+    x_t, y_t, trans_a, trans_b = gmm.matmul_operands(a, b, swap)
+    a_view, b_view = gmm.matmul_views(a, b, swap, x_t, y_t)
     a_src, b_src = gh.tma_ready(a_view), gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
     p = {"M": M, "N": N, "K": K}
-    kc, kp = gh.matmul_as_launched(config, p)
+    kc, kp = gmm.matmul_as_launched(config, p)
     a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
     c_desc = gh.tiled_desc(c, c_blk)
     sms = gh.num_sms(a.device)
-    splits, per = gh.matmul_splits(kp, kc, sms)
-    split = gh.split_binary(kc, splits)
-    ws = gh.split_k_workspace(splits, M, n_pad, a.device) if split else gh.no_split_workspace(a.device)
-    tiles = gh.matmul_tiles(kp, kc)
+    splits, per = gmm.matmul_splits(kp, kc, sms)
+    split = gmm.split_binary(kc, splits)
+    ws = sk.split_k_workspace(splits, M, n_pad, a.device) if split else sk.no_split_workspace(a.device)
+    tiles = gmm.matmul_tiles(kp, kc)
     grid = gh.persistent_grid(tiles * splits, sms)
-    cnt = gh.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
+    cnt = sk.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     matmul_kernel[grid](
         a_desc,
         b_desc,
@@ -528,29 +529,8 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c if n_pad == N else c[:, :N].contiguous()
 
 
+_INTS = ("M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW")  # matmul_kernel's integer parameters, in order
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
-    kc, kp = gh.matmul_as_launched(config, p)
-    trans_a, trans_b = kp["a_layout"] == "col", kp["b_layout"] == "col"
-    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
-    split = gh.split_binary(kc, gh.matmul_splits(kp, kc, gh.sm_count_of(device))[0])
-    ce = _constexprs(kc, trans_a, trans_b, split)
-    sig = {
-        "a_desc": gh.desc_sig(dt, a_blk),
-        "b_desc": gh.desc_sig(dt, b_blk),
-        "c_desc": gh.desc_sig(dt, c_blk),
-        "ws_ptr": "*fp32",
-        "c_ptr": gh.ptr_sig(dt),
-        "cnt_ptr": "*i32",
-        **{k: "i32" for k in ("M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW")},
-    }
-    sig.update({k: "constexpr" for k in ce})
-    return [
-        KernelSpec(
-            fn=matmul_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="matmul_kernel",
-        )
-    ]
+    return gmm.matmul_compile_specs(matmul_kernel, p, config, device, _block_shapes, _constexprs, _INTS)

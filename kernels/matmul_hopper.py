@@ -14,7 +14,7 @@ Split-K (SPLIT_K in the space): when the output tiles cannot fill the SMs (decod
 small-batch GEMMs: M = 1 x N = 4096 is 32 tiles of 64x128 on 132 SMs), each tile's K is cut
 into `splits` runs of `per` k-steps; a CTA's units are (tile, split) pairs, each writes an fp32
 partial, and the tile's last split to arrive sums them in split order into c
-(gluon_host.finish_split_tile: one launch, deterministic). A split launch runs its own binary
+(gluon_matmul.finish_split_tile: one launch, deterministic). A split launch runs its own binary
 (SPLIT): the unsplit one is the kernel without split-K, which a runtime branch in every tile's
 epilogue slowed by up to 2.5% on large GEMMs (H100).
 """
@@ -37,6 +37,8 @@ from . import KernelSpec, problems
 from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
+from . import gluon_matmul as gmm
+from . import gluon_split_k as sk
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
 
@@ -245,7 +247,7 @@ def matmul_kernel(
                 split_stride = c_rows.to(gl.int64) * LDW
                 ws_tile = ws_ptr + corner
                 gl.store(ws_tile + (ok // K_PER) * split_stride + offs, acc, mask=mask)
-                gh.finish_split_tile(
+                gmm.finish_split_tile(
                     ws_tile,
                     c_ptr + corner,
                     cnt_ptr + (pid + t * nprog) // SPLITS,
@@ -284,9 +286,9 @@ def config_space(p: dict, device) -> list[dict]:
 def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool:
     """The resource rule (prune() applies it; it must agree with the compiler): shared memory
     and the accumulator's registers of the binary c launches on p (SPLIT_K 0 runs the split
-    binary where the work model splits: gluon_host.split_binary)."""
-    k, q = gh.matmul_as_launched(c, p)
-    split = q is not None and sms is not None and gh.split_binary(k, gh.matmul_splits(q, k, sms)[0])
+    binary where the work model splits: gluon_matmul.split_binary)."""
+    k, q = gmm.matmul_as_launched(c, p)
+    split = q is not None and sms is not None and gmm.split_binary(k, gmm.matmul_splits(q, k, sms)[0])
     return ghop.wgmma_resources_ok(k, smem_bytes(k, split=split))
 
 
@@ -302,9 +304,9 @@ def smem_bytes(c: dict, itemsize: int = 2, split: bool = False) -> int:
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
     """The performance rule (config_space() applies it): could this config win on this problem
     on `sms` SMs? Whether it fits the device is resources_ok()'s question."""
-    if not gh.matmul_swap_worth_trying(c, p):
+    if not gmm.matmul_swap_worth_trying(c, p):
         return False
-    c, p = gh.matmul_as_launched(c, p)
+    c, p = gmm.matmul_as_launched(c, p)
     # two warpgroups on a 64-row tile split N; below 128 columns each gets a sliver
     if c["num_warps"] == 8 and c["BLOCK_M"] == 64 and c["BLOCK_N"] < 128:
         return False
@@ -313,7 +315,7 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
         return False
     if c["BLOCK_K"] > max(32, gh.pow2_at_least(p["K"])):
         return False
-    return gh.matmul_split_worth_trying(c, p, sms)
+    return gmm.matmul_split_worth_trying(c, p, sms)
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -368,7 +370,7 @@ def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
 
 class _Plan:
     """One (config, a/b shapes and strides, dtype, device) launch, precomputed: see
-    gluon_host.DirectLauncher."""
+    gluon_launch.DirectLauncher."""
 
     __slots__ = (
         "launcher",
@@ -406,7 +408,7 @@ class _Plan:
         if am is None or bm is None:
             if out_shape is not None:
                 return None
-            av, bv = gh.matmul_views(a, b, self.swap, self.a_t, self.b_t)
+            av, bv = gmm.matmul_views(a, b, self.swap, self.a_t, self.b_t)
             if am is None:
                 av = av if self.a_ok and not pa & 15 else gh.tma_ready(av)
                 pa = av.data_ptr()
@@ -426,8 +428,8 @@ class _Plan:
         if self.ws_shape is None:  # the unsplit binary reads neither the workspace nor the counters
             ld(self.grid0, stream, [*am, *bm, *cm, self.idle, pc, self.idle, *self.tail])
         else:
-            ws = gh.stream_workspace(a, stream, self.ws_shape)
-            cnt = gh.zeroed_counters(a.device, stream, self.tiles)
+            ws = direct.stream_workspace(a, stream, self.ws_shape)
+            cnt = sk.zeroed_counters(a.device, stream, self.tiles)
             ld(self.grid0, stream, [*am, *bm, *cm, ws.data_ptr(), pc, cnt.data_ptr(), *self.tail])
         return c if self.n_pad == self.N else c[:, : self.N].contiguous()
 
@@ -465,30 +467,30 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     N = b.shape[1]
     dt = a.dtype
     swap = bool(config.get("SWAP_AB"))
-    x_t, y_t, trans_a, trans_b = gh.matmul_operands(a, b, swap)
-    a_view, b_view = gh.matmul_views(a, b, swap, x_t, y_t)
+    x_t, y_t, trans_a, trans_b = gmm.matmul_operands(a, b, swap)
+    a_view, b_view = gmm.matmul_views(a, b, swap, x_t, y_t)
     a_src = gh.tma_ready(a_view)
     b_src = gh.tma_ready(b_view)
     n_pad = gh.padded_channels(N, dt)
     c = torch.empty((M, n_pad), device=a.device, dtype=dt)
     p = {"M": M, "N": N, "K": K}
-    kc, kp = gh.matmul_as_launched(config, p)
+    kc, kp = gmm.matmul_as_launched(config, p)
     a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
     a_desc = gh.tiled_desc(a_src, a_blk)
     b_desc = gh.tiled_desc(b_src, b_blk)
     c_desc = gh.tiled_desc(c, c_blk)
     sms = gh.num_sms(a.device)
-    splits, per = gh.matmul_splits(kp, kc, sms)
-    tiles = gh.matmul_tiles(kp, kc)
+    splits, per = gmm.matmul_splits(kp, kc, sms)
+    tiles = gmm.matmul_tiles(kp, kc)
     grid = gh.persistent_grid(tiles * splits, sms)
-    split = gh.split_binary(kc, splits)
+    split = gmm.split_binary(kc, splits)
     ce = _constexprs(kc, trans_a, trans_b, split)
     ws = (
         torch.empty((splits, M, n_pad), device=a.device, dtype=torch.float32)
         if split
-        else gh.no_split_workspace(a.device)
+        else sk.no_split_workspace(a.device)
     )
-    cnt = gh.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
+    cnt = sk.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
     compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, c, cnt, *scalars, **ce)
     if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:
@@ -502,7 +504,7 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
             plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
             plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
             plan.ws_shape, plan.tiles = (tuple(ws.shape) if split else None), tiles
-            plan.idle = gh.no_split_workspace(a.device).data_ptr()  # held for the process: a fixed address
+            plan.idle = sk.no_split_workspace(a.device).data_ptr()  # held for the process: a fixed address
             # this launch's descriptors: the next call at these addresses (a pointwise conv's
             # launch through launcher.AsMatmul needs them cached) builds none
             made = ((0, a_src, a_desc, plan.a_ok), (1, b_src, b_desc, plan.b_ok), (2, c, c_desc, True))
@@ -513,29 +515,8 @@ def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Te
     return c if n_pad == N else c[:, :N].contiguous()
 
 
+_INTS = ("M", "N", "K", "GROUP_M", "SPLITS", "K_PER", "LDW")  # matmul_kernel's integer parameters, in order
+
+
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
-    kc, kp = gh.matmul_as_launched(config, p)
-    trans_a, trans_b = kp["a_layout"] == "col", kp["b_layout"] == "col"
-    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
-    split = gh.split_binary(kc, gh.matmul_splits(kp, kc, gh.sm_count_of(device))[0])
-    ce = _constexprs(kc, trans_a, trans_b, split)
-    sig = {
-        "a_desc": gh.desc_sig(dt, a_blk),
-        "b_desc": gh.desc_sig(dt, b_blk),
-        "c_desc": gh.desc_sig(dt, c_blk),
-        "ws_ptr": "*fp32",
-        "c_ptr": gh.ptr_sig(dt),
-        "cnt_ptr": "*i32",
-        **{k: "i32" for k in ("M", "N", "K", "GROUP_M", "SPLITS", "K_PER", "LDW")},
-    }
-    sig.update({k: "constexpr" for k in ce})
-    return [
-        KernelSpec(
-            fn=matmul_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="matmul_kernel",
-        )
-    ]
+    return gmm.matmul_compile_specs(matmul_kernel, p, config, device, _block_shapes, _constexprs, _INTS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .hardware import HOPPER
+
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -17,11 +19,12 @@ def interpreter_ok(c: dict, sizes: dict[str, int], fixed: dict) -> bool:
     return c["BLOCK_M"] * c["BLOCK_N"] <= 64 * 64
 
 
-def gpu_ok(c: dict, sizes: dict[str, int], itemsize: int, smem_limit: int = 227 * 1024) -> bool:
+def gpu_ok(c: dict, sizes: dict[str, int], itemsize: int, smem_limit: int = HOPPER.smem_per_block) -> bool:
     """Static rules for a GPU: the pipelined tiles fit in shared memory; no tile dimension is
     more than twice the problem's, nor 16 where the problem is large; large problems get
     large tiles; warps match the tile (2 up to 64x64, 4 up to 128x128, 8 from 128x128); the
-    fp32 accumulator stays within ~128 registers per thread."""
+    fp32 accumulator stays within ~128 registers per thread. `smem_limit`: by default the
+    Hopper part's per-block limit, which these rules were written against, on every GPU."""
     smem = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize
     if smem > smem_limit:
         return False

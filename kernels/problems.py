@@ -16,7 +16,7 @@ from . import geometry
 
 def _dtypes() -> dict[str, torch.dtype]:
     """geometry.DTYPES by name -> torch dtype, made when asked: importing a kernel module must
-    not import torch (compile workers compile without it, see tunecache.isolated_main)."""
+    not import torch (compile workers compile without it, see tunecache.tuning.isolated_main)."""
     return {n: getattr(torch, n) for n in geometry.DTYPES}
 
 

@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from tunecache.rows import Base
+from tunecache.store.rows import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -30,14 +30,14 @@ if not HAS_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 if not os.environ.get("TUNECACHE_RUNTIME_DIR"):
-    # the runner servers this session starts (tunecache.forkserver) live here and stop with it
+    # the runner servers this session starts (tunecache.tuning.forkserver) live here and stop with it
     os.environ["TUNECACHE_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tc-rt-")
 
 PG_URL = os.environ.get("TUNECACHE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tunecache import forkserver
+    from tunecache.tuning import forkserver
 
     for sock in Path(os.environ["TUNECACHE_RUNTIME_DIR"]).glob("*.sock"):
         forkserver.stop(str(sock))

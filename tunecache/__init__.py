@@ -13,7 +13,7 @@ import importlib
 from typing import Any
 
 # Bound eagerly: the module is light (it imports Triton only when a kernel is decorated).
-from .user_kernels import autotune, patch_triton, unpatch_triton
+from tunecache.dropin import autotune, patch_triton, unpatch_triton
 
 __version__ = "0.1.0"
 
@@ -22,7 +22,7 @@ _LAZY = {
     "TuneKey": ("tunecache.key", "TuneKey"),
     "DeviceClass": ("tunecache.key", "DeviceClass"),
     "Store": ("tunecache.store", "Store"),
-    "MissingConfig": ("tunecache.launcher", "MissingConfig"),
+    "MissingConfig": ("tunecache.ops.launcher", "MissingConfig"),
 }
 
 __all__ = ["autotune", "patch_triton", "unpatch_triton", *_LAZY]

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .shapes import OPS, canonical_problem
+from tunecache.shapes import OPS, canonical_problem, shape_text
 
 app = typer.Typer(
     help="A persistent, fleet-shared autotune cache for Triton/Gluon kernels.",
@@ -45,7 +45,7 @@ err = Console(stderr=True)
 
 
 def _store():
-    from .store import Store, StoreError
+    from tunecache.store import Store, StoreError
 
     try:
         return Store()
@@ -98,10 +98,10 @@ def tune(
     is published to it, as a library call does."""
     from rich.progress import Progress
 
-    from . import registry, settings
-    from .key import local_device, torch_device_for
-    from .tuner import TuneError, make_key
-    from .tuner import tune as run_tune
+    from tunecache import backends, settings
+    from tunecache.key import local_device, torch_device_for
+    from tunecache.tuning.tuner import TuneError, make_key
+    from tunecache.tuning.tuner import tune as run_tune
 
     try:
         p = canonical_problem(op, parse_problem(problem))
@@ -109,11 +109,11 @@ def tune(
         _fail(str(e))
     device = local_device(gpu)
     try:
-        mod = registry.backend_for(op, device, p, backend or settings.backend_override())
+        mod = backends.backend_for(op, device, p, backend or settings.backend_override())
     except (KeyError, ValueError) as e:
         _fail(str(e))
-    from .config_cache import CACHE
-    from .launcher import launchable
+    from tunecache.cache.config_cache import CACHE
+    from tunecache.ops.launcher import launchable
 
     _store()  # a store that cannot be opened at all is an error here, not a warning
     key = make_key(mod, p, device)
@@ -160,39 +160,17 @@ def tune(
             )
         except TuneError as e:
             _fail(str(e))
-    kept, won = CACHE.keep_tuned(result, device)
-    if not won:
+    kept = CACHE.keep_tuned(result, device)
+    if not kept.won:
         console.print(
-            f"[dim]the store keeps a faster result: {json.dumps(kept.config)} ({kept.median_ms:.4f} ms)[/dim]"
+            f"[dim]the store keeps a faster result: {json.dumps(kept.record.config)} "
+            f"({kept.record.median_ms:.4f} ms)[/dim]"
         )
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
     console.print(
         f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
         f"{result.candidates} candidates (digest {key.digest[:12]})"
     )
-
-
-_DT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-
-
-def shape_text(p: dict) -> str:
-    """A problem in a few characters: '4096x4096x4096 bf16', 'N32 56x56 256>256 3x3/s1p1 bf16'."""
-    dt = _DT.get(str(p.get("dtype")), str(p.get("dtype", "")))
-    if "M" in p and "R" not in p:
-        lay = (
-            ""
-            if (p.get("a_layout"), p.get("b_layout")) == ("row", "row")
-            else f" {str(p.get('a_layout', ''))[:1]}{str(p.get('b_layout', ''))[:1]}"
-        )
-        return f"{p.get('M')}x{p.get('N')}x{p.get('K')} {dt}{lay}"
-    if "R" in p:
-        st = p.get("stride_h", p.get("stride", 1))
-        pd = p.get("pad_h", p.get("padding", 0))
-        return (
-            f"N{p.get('N')} {p.get('H')}x{p.get('W')} {p.get('Ci')}>{p.get('Co')} "
-            f"{p.get('R')}x{p.get('S')}/s{st}p{pd} {dt}"
-        )
-    return ",".join(f"{k}={v}" for k, v in p.items())
 
 
 @app.command("ls")
@@ -206,7 +184,7 @@ def ls(
 ) -> None:
     """List tuned configs in the store (fits 80 columns; --wide or --json for everything)."""
     if fleet:
-        from .records import ConfigRecord
+        from tunecache.store.records import ConfigRecord
 
         rows = [ConfigRecord.from_json(c) for c in _fleet_export(kernel, arch)["configs"][:limit]]
     else:
@@ -232,7 +210,7 @@ def ls(
     (Console(width=max(console.width, 240)) if wide else console).print(
         table, width=None if wide else min(console.width, 80)
     )
-    from .settings import server_url
+    from tunecache.settings import server_url
 
     console.print(f"{len(rows)} config(s) in {server_url() if fleet else _store().safe_url}")
 
@@ -254,8 +232,8 @@ def show(digest: str = typer.Argument(..., help="a digest or a unique prefix of 
 
 def _fleet_export(kernel: str | None, arch: str | None) -> dict:
     """The fleet's export (`GET /v1/export`), or exit 2 saying why not."""
-    from .client import FleetClient
-    from .settings import server_token, server_url
+    from tunecache.fleet.client import FleetClient
+    from tunecache.settings import server_token, server_url
 
     url = server_url()
     if not url:
@@ -278,7 +256,7 @@ def export(
 ) -> None:
     """Export tuned configs as JSON (for another host, or `tunecache import`); --fleet exports
     the fleet's (TUNECACHE_SERVER_URL) instead of this host's store."""
-    from .transfer import export_configs
+    from tunecache.store.transfer import export_configs
 
     data = _fleet_export(kernel, arch) if fleet else export_configs(_store(), kernel=kernel, arch=arch)
     text = json.dumps(data, indent=1, default=str)
@@ -292,7 +270,7 @@ def export(
 @app.command("import")
 def import_(path: Path = typer.Argument(..., help="a JSON file written by `tunecache export`")) -> None:
     """Import configs; each is validated, and a stored faster one is kept."""
-    from .transfer import ImportErrorReport, import_configs
+    from tunecache.store.transfer import ImportErrorReport, import_configs
 
     try:
         data = json.loads(path.read_text())
@@ -325,7 +303,7 @@ def manifest_cmd(
     """Write a `tunecache pretune` manifest from a model: one forward pass on the meta device
     (no memory, no compute) records what every nn.Conv2d and nn.Linear asks of tunecache's ops
     at this batch size, as `tunecache.nn.convert(model)` runs them. Then `tunecache pretune FILE`."""
-    from .model_shapes import ModelError, entries, load_model, to_toml
+    from tunecache.model_shapes import ModelError, entries, load_model, to_toml
 
     try:
         shape = tuple(int(v) for v in input_shape.replace("x", ",").split(",") if v.strip())
@@ -343,8 +321,8 @@ def manifest_cmd(
     text = to_toml(
         title, f"{from_model} at batch {batch}, input {shape}, {dtype}, {step} step (tunecache manifest)", found
     )
-    from .pretune import shape_identity
-    from .shapes import canonical_problem
+    from tunecache.fleet.pretune import shape_identity
+    from tunecache.shapes import canonical_problem
 
     jobs = len({shape_identity(op, canonical_problem(op, e.fields)) for e in found for op in e.ops})
     if out is None:
@@ -378,13 +356,12 @@ def sync(
     TUNECACHE_TOKEN, a read token). A result tuned on this host is never replaced."""
     import time as _time
 
-    from .binaries import Binary
-    from .client import FleetClient
-    from .config_cache import CACHE
-    from .key import DeviceClass, local_device, triton_version
-    from .records import ConfigRecord
-    from .settings import device_override, server_token, server_url
-    from .worker import tunable_kernels
+    from tunecache.cache.config_cache import CACHE
+    from tunecache.fleet.client import FleetClient
+    from tunecache.fleet.protocol import FleetError
+    from tunecache.fleet.worker import tunable_kernels
+    from tunecache.key import DeviceClass, local_device, triton_version
+    from tunecache.settings import device_override, server_token, server_url
 
     url = server_url()
     if not url:
@@ -396,46 +373,14 @@ def sync(
     except ValueError as e:
         _fail(f"--device: {e}")
     versions = None if all_kernels else tunable_kernels(dev)
-    client = FleetClient(url, server_token(), timeout_s=300, max_bytes=1 << 30)
-    answer = client.sync(dev, triton_version(), versions, binaries)
-    if answer is None:
-        _fail(f"the fleet at {url} could not be reached (see the warning above)")
-    status, body = answer
-    if status != 200:
-        _fail(f"the fleet answered {status}: {body}")
-    store = _store()
-    recs: dict[str, ConfigRecord] = {}
-    new = same = own = bad = 0
-    for entry in body.get("configs", []):
-        try:
-            rec = ConfigRecord.from_json(entry)
-        except (ValueError, KeyError, TypeError) as e:
-            bad += 1
-            err.print(f"  skipped a malformed entry: {e}")
-            continue
-        rec.source = "fleet"
-        recs[rec.digest] = rec
-        before = store.get_config(rec.digest)
-        if not store.put_fleet_copy(rec, body.get("generation")):
-            own += 1
-        elif before is not None and before.config == rec.config:
-            same += 1
-        else:
-            new += 1
-    installed = 0
-    if binaries:
-        for digest, found in (body.get("binaries") or {}).items():
-            if digest not in recs:
-                continue
-            try:
-                kernels = [Binary.from_json(b) for b in found]
-            except ValueError as e:
-                err.print(f"  skipped the compiled kernels of {digest[:12]}: {e}")
-                continue
-            installed += CACHE.install_binaries(client, recs[digest], kernels)
-        for digest in body.get("more_binaries") or []:  # those the answer had no room for, one by one
-            if digest in recs:
-                installed += CACHE.install_binaries(client, recs[digest])
+    _store()  # a store that cannot be opened at all is an error here, not a warning
+    fleet = FleetClient(url, server_token(), timeout_s=300, max_bytes=1 << 30)
+    try:
+        got = CACHE.sync(fleet, dev, versions, triton_version(), binaries)
+    except FleetError as e:
+        _fail(str(e))
+    for why in got.skipped:
+        err.print(f"  skipped {why}")
     if not given and dev.arch != "cpu":
         # Triton builds its C launcher on a host's first launch (a second or more, once per
         # host and Triton): here, so that the job's first call need not
@@ -443,10 +388,10 @@ def sync(
 
         driver.active.get_current_device()
     console.print(
-        f"synced {len(recs)} winner(s) of {dev} from {url} in {_time.perf_counter() - t0:.1f} s: "
-        f"{new} new or changed, {same} unchanged, {own} tuned here (kept)"
-        + (f", {installed} compiled kernel(s) installed into Triton's cache" if binaries else "")
-        + (f", {bad} malformed skipped" if bad else "")
+        f"synced {got.total} winner(s) of {dev} from {url} in {_time.perf_counter() - t0:.1f} s: "
+        f"{got.new} new or changed, {got.same} unchanged, {got.own} tuned here (kept)"
+        + (f", {got.installed} compiled kernel(s) installed into Triton's cache" if binaries else "")
+        + (f", {len(got.skipped)} malformed skipped" if got.skipped else "")
     )
 
 
@@ -455,7 +400,7 @@ def doctor() -> None:
     """Versions, device, store location and counts."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .settings import db_url, miss_policy, server_url
+    from tunecache.settings import db_url, miss_policy, server_url
 
     def v(name):
         try:
@@ -471,7 +416,7 @@ def doctor() -> None:
         import torch
 
         if torch.cuda.is_available():
-            from .key import cuda_device
+            from tunecache.key import cuda_device
 
             for i in range(torch.cuda.device_count()):
                 dc = cuda_device(i)
@@ -484,13 +429,13 @@ def doctor() -> None:
     table.add_row("miss policy", miss_policy())
     table.add_row("fleet", server_url() or "not configured (TUNECACHE_SERVER_URL)")
     fleet_ok = _doctor_fleet(table)
-    from .store import Store, StoreError
+    from tunecache.store import Store, StoreError
 
     try:
         store = Store()
         for name, n in store.counts().items():
             table.add_row(name, str(n))
-        from .migrate import current_revision
+        from tunecache.store.migrate import current_revision
 
         table.add_row("schema", str(current_revision(store.engine)))
     except StoreError as e:
@@ -504,12 +449,12 @@ def doctor() -> None:
 
 def _doctor_fleet(table: Table) -> bool:
     """The fleet's rows of `doctor`: reachable? the token, its scopes, what it may do; False if broken."""
-    from .settings import server_token, server_url
+    from tunecache.settings import server_token, server_url
 
     url = server_url()
     if not url:
         return True
-    from .client import fleet_client
+    from tunecache.fleet.client import fleet_client
 
     token = server_token()
     answer = fleet_client(url).whoami()
@@ -541,8 +486,8 @@ def db_upgrade(
     revision: str = typer.Option("head"),
 ) -> None:
     """Create or upgrade the schema (run once per fleet database)."""
-    from .migrate import current_revision, upgrade
-    from .store import Store, StoreError
+    from tunecache.store import Store, StoreError
+    from tunecache.store.migrate import current_revision, upgrade
 
     try:
         store = Store(url, migrate=False)
@@ -577,8 +522,8 @@ def serve(
     """Run the fleet service (FastAPI on uvicorn) over the store; migrates it to head first."""
     import uvicorn
 
-    from . import settings
-    from .store import Store, StoreError
+    from tunecache import settings
+    from tunecache.store import Store, StoreError
 
     if db_url:
         os.environ["TUNECACHE_DB_URL"] = db_url
@@ -626,14 +571,14 @@ def worker(
     TUNECACHE_SERVER_URL is set, else the local store's)."""
     import logging
 
-    from .key import use_interpreter_without_gpu
+    from tunecache.key import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     for noisy in ("alembic", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from .client import Refused
-    from .worker import run_worker
+    from tunecache.fleet.client import Refused
+    from tunecache.fleet.worker import run_worker
 
     try:
         outcomes = run_worker(gpu, lease_s=lease_s, poll_s=poll_s, burst=burst, source=source, max_jobs=max_jobs)
@@ -656,7 +601,7 @@ def pretune(
 ) -> None:
     """Tune every shape of a manifest on the local GPUs, resumably: shapes with a stored config
     are skipped, an interrupted run picks up where it stopped."""
-    from .key import use_interpreter_without_gpu
+    from tunecache.key import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
     from rich.progress import (
@@ -668,9 +613,9 @@ def pretune(
         TimeRemainingColumn,
     )
 
-    from .pretune import ManifestError, load_manifest, plan
-    from .pretune import pretune as run_pretune
-    from .worker import worker_device
+    from tunecache.fleet.pretune import ManifestError, load_manifest, plan
+    from tunecache.fleet.pretune import pretune as run_pretune
+    from tunecache.fleet.worker import worker_device
 
     try:
         m = load_manifest(manifest)
@@ -738,8 +683,8 @@ def pretune(
 def _token_store(db_url: Optional[str]):
     """The store whose tokens a `token` command works on, said aloud when it is this host's
     own SQLite file: a fleet service over Postgres would never see a token made there."""
-    from . import settings
-    from .store import Store, StoreError
+    from tunecache import settings
+    from tunecache.store import Store, StoreError
 
     if db_url:
         try:
@@ -766,7 +711,7 @@ def token_create(
     db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
 ) -> None:
     """Create a token; the secret is printed once and only its hash is stored."""
-    from .store import StoreError
+    from tunecache.store import StoreError
 
     scopes = [s.strip() for item in scope for s in item.split(",") if s.strip()]
     try:
@@ -792,7 +737,7 @@ def token_create(
 @token_app.command("ls")
 def token_ls(db_url: Optional[str] = typer.Option(None)) -> None:
     """List tokens (names and scopes; secrets are not stored)."""
-    from .store import utcnow
+    from tunecache.store import utcnow
 
     store = _token_store(db_url)
     now = utcnow()
@@ -836,7 +781,8 @@ def compile_(
     workers: Optional[int] = typer.Option(None, help="compile processes (default: one per CPU core)"),
 ) -> None:
     """Compile configs for an explicit target, no GPU needed; one JSON line per config."""
-    from .compile import compile_space, report_lines
+    from tunecache.tuning.compile import report_lines
+    from tunecache.tuning.compile_pool import compile_space
 
     try:
         p = canonical_problem(op, parse_problem(problem)) if problem else None
@@ -859,14 +805,14 @@ def key(
     """Print the store's key for a shape: kernel, kernel version, Triton version, device class,
     the canonical problem and its digest, as JSON (what `tunecache show`, the fleet's
     `GET /v1/configs/{digest}` and `POST /v1/lookup` take)."""
-    from . import registry
-    from .key import DeviceClass, local_device
-    from .tuner import make_key
+    from tunecache import backends
+    from tunecache.key import DeviceClass, local_device
+    from tunecache.tuning.tuner import make_key
 
     try:
         p = canonical_problem(op, parse_problem(problem))
         dev = DeviceClass.parse(device) if device else local_device(0)
-        mod = registry.backend_for(op, dev, p, backend)
+        mod = backends.backend_for(op, dev, p, backend)
         k = make_key(mod, p, dev)
     except (ValueError, KeyError) as e:
         _fail(str(e))
@@ -885,9 +831,9 @@ def query(
 ) -> None:
     """Ask the fleet (TUNECACHE_SERVER_URL) for the best config of a shape on a device class, as
     `GET /v1/best/OP` does; prints the winner as JSON, or what the fleet has nearby."""
-    from . import settings
-    from .client import fleet_client
-    from .key import cuda_device
+    from tunecache import settings
+    from tunecache.fleet.client import fleet_client
+    from tunecache.key import cuda_device
 
     url = settings.server_url()
     if not url:
@@ -928,8 +874,9 @@ def selftest(
     in an isolated process, against PyTorch. The ops run this once per device class and kernel
     version on their own (a backend that fails is skipped for the next one); this runs it on
     demand and stores the verdicts. Exits 1 if any backend failed."""
-    from . import registry, selfcheck
-    from .key import local_device, torch_device_for
+    from tunecache import backends
+    from tunecache.key import local_device, torch_device_for
+    from tunecache.ops import selfcheck
 
     device = local_device(gpu)
     ops_ = [op] if op else list(OPS)
@@ -949,11 +896,11 @@ def selftest(
     table.columns[-1].overflow = "fold"
     failed, elsewhere = 0, []
     for name in ops_:
-        for b in registry.BACKENDS_BY_OP[name]:
+        for b in backends.BACKENDS_BY_OP[name]:
             if backend and b != backend:
                 continue
             try:
-                mod = registry.backend_module(name, b)
+                mod = backends.backend_module(name, b)
             except KeyError:
                 continue
             probe = selfcheck.grid(name, device)[0]
@@ -980,20 +927,14 @@ def selftest(
 
 # ---- retention and the audit log --------------------------------------------------------------
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
 
 def parse_duration(text: str):
     """'30d', '12h', '90m', '45s', '2w' (or a number of seconds) -> timedelta."""
-    import re
     from datetime import timedelta
 
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"{text!r} is not a duration: give a positive number and a unit, e.g. 30d, 12h, 90m, 45s or 2w"
-        )
-    return timedelta(seconds=float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"])
+    from tunecache.settings import parse_seconds
+
+    return timedelta(seconds=parse_seconds(text))
 
 
 def cli_actor() -> str:
@@ -1023,7 +964,7 @@ def db_prune(
     """Delete trials, submissions (each key's latest accepted one is kept) and finished jobs older
     than --older-than, and expire jobs queued past their TTL (marked failed, saying so). Run it
     from cron; the audit log is kept."""
-    from .store import Store, StoreError
+    from tunecache.store import Store, StoreError
 
     try:
         age = parse_duration(older_than)
@@ -1055,7 +996,7 @@ def audit_ls(
     db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
 ) -> None:
     """List admin actions: who, what, on what, when."""
-    from .store import Store
+    from tunecache.store import Store
 
     store = Store(db_url) if db_url else _store()
     rows = store.audit_log(limit=limit, action=action, actor=actor)
@@ -1097,31 +1038,31 @@ _DB_URL_HELP = (
 
 
 def _job_queue(db_url: Optional[str]):
-    from .job_queue import FleetQueue, StoreQueue
-    from .settings import server_token, server_url
-    from .store import Store, StoreError
+    from tunecache.fleet.store_fleet import StoreFleet
+    from tunecache.settings import server_token, server_url
+    from tunecache.store import Store, StoreError
 
     if db_url or not server_url():
         try:
             store = Store(db_url) if db_url else Store()
         except StoreError as e:
             _fail(str(e))
-        return StoreQueue(store, actor=cli_actor())
-    from .client import FleetClient
+        return StoreFleet(store, actor=cli_actor())
+    from tunecache.fleet.client import FleetClient
 
     # an operator's listing may be long: more time and room than a kernel call's lookup
-    return FleetQueue(FleetClient(server_url(), server_token(), timeout_s=60, max_bytes=256 << 20))
+    return FleetClient(server_url(), server_token(), timeout_s=60, max_bytes=256 << 20)
 
 
 def _digests(queue, given: list[str]) -> list[str]:
     """Full digests for digests or unique prefixes of them (as `ls` shows them)."""
     if all(len(d) == 64 for d in given):
         return given
-    from .job_queue import QueueError
+    from tunecache.fleet.protocol import FleetError
 
     try:
         known = [j.digest for j in queue.jobs(limit=10000)]
-    except QueueError as e:
+    except FleetError as e:
         _fail(str(e))
     out = []
     for prefix in given:
@@ -1148,10 +1089,10 @@ def jobs_ls(
 ) -> None:
     """List jobs: status, attempts, lease holder and until when, when a queued one may run, the
     last error. Quarantined jobs are rows that cannot be read (see their error)."""
-    from .errors import last_line
-    from .job_queue import QueueError
-    from .key import DeviceClass
-    from .records import JOB_STATUSES
+    from tunecache.errors import last_line
+    from tunecache.fleet.protocol import FleetError
+    from tunecache.key import DeviceClass
+    from tunecache.store.records import JOB_STATUSES
 
     if status is not None and status not in JOB_STATUSES:
         _fail(f"--status must be one of {', '.join(JOB_STATUSES)}, got {status!r}")
@@ -1162,7 +1103,7 @@ def jobs_ls(
     queue = _job_queue(db_url)
     try:
         jobs = queue.jobs(status=status, limit=limit, device=dc)
-    except QueueError as e:
+    except FleetError as e:
         _fail(str(e))
     if as_json:
         for j in jobs:
@@ -1223,8 +1164,8 @@ def jobs_retry(
 ) -> None:
     """Queue jobs again now, attempts reset: failed, quarantined or backing-off ones (a running or
     done job is refused, saying why). Through the fleet this needs an admin token."""
-    from .job_queue import QueueError
-    from .key import DeviceClass
+    from tunecache.fleet.protocol import FleetError
+    from tunecache.key import DeviceClass
 
     if not digests and not failed:
         _fail("name the jobs to retry (digests or prefixes from `tunecache jobs ls`), or pass --failed")
@@ -1234,14 +1175,14 @@ def jobs_retry(
         todo = _digests(queue, list(digests or []))
         if failed:
             todo += [j.digest for j in queue.jobs(status="failed", limit=10000, device=dc) if j.digest not in todo]
-    except (QueueError, ValueError) as e:
+    except (FleetError, ValueError) as e:
         _fail(str(e))
     bad = 0
     for d in todo:
         try:
             job = queue.retry(d)
             console.print(f"{d[:12]} {job.key.kernel}: queued again")
-        except QueueError as e:
+        except FleetError as e:
             bad += 1
             err.print(f"[red]error:[/red] {e}")
     console.print(f"retried {len(todo) - bad} job(s) in {queue.where}")
@@ -1256,15 +1197,15 @@ def jobs_drop(
 ) -> None:
     """Delete jobs, whatever their state (a worker holding one loses its lease, and its result is
     not published). Through the fleet this needs an admin token."""
-    from .job_queue import QueueError
+    from tunecache.fleet.protocol import FleetError
 
     queue = _job_queue(db_url)
     bad = 0
     for d in _digests(queue, digests):
         try:
-            queue.drop(d)
+            queue.drop_job(d)
             console.print(f"{d[:12]}: dropped")
-        except QueueError as e:
+        except FleetError as e:
             bad += 1
             err.print(f"[red]error:[/red] {e}")
     if bad:
@@ -1300,18 +1241,12 @@ def fleet_purge(
 
     This works on the fleet's database directly (--db-url, else TUNECACHE_DB_URL), not through
     the service; through the service, an admin token calls POST /v1/admin/purge."""
-    from .store import Store, StoreError
+    from tunecache.fleet.store_fleet import StoreFleet
+    from tunecache.store import Store, StoreError
 
     try:
         store = Store(db_url) if db_url else _store()
-        report = store.purge_token(token, dry_run=dry_run)
-        if not dry_run:
-            store.audit(
-                cli_actor(),
-                "config.purge",
-                f"token:{token}",
-                {"removed": [r.digest for r in report.removed], "submissions": report.submissions},
-            )
+        report = StoreFleet(store, actor=cli_actor()).purge(token, dry_run=dry_run)
     except StoreError as e:
         _fail(str(e))
     verb = "would remove" if dry_run else "removed"

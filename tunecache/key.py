@@ -84,7 +84,7 @@ def interpreting() -> bool:
     `use_interpreter_without_gpu`)."""
     import torch
 
-    from . import settings
+    from tunecache import settings
 
     knobs = getattr(sys.modules.get("triton"), "knobs", None)
     on = knobs.runtime.interpret if knobs is not None else settings.triton_interpret()
@@ -125,7 +125,7 @@ def local_device(gpu: int | None = None) -> DeviceClass:
 def device_of(tensor: Any = None) -> DeviceClass:
     """The device class a launch is keyed for: TUNECACHE_DEVICE if set, else the tensor's device
     (no tensor: `local_device()`, where Triton launches)."""
-    from . import settings
+    from tunecache import settings
 
     override = settings.device_override()
     if override:

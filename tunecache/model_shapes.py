@@ -5,7 +5,7 @@ forward pass on the meta device (no memory, no compute) with hooks on every `nn.
 `nn.Linear`, and writes each distinct problem as the op calls that `tunecache.nn` makes for
 it: a convolution's fprop (and, for training, its wgrad, and the forward convolution that
 computes its input's gradient where its input needs one), a linear layer's GEMM (and, for
-training, the GEMMs of its two gradients), as `tunecache.custom_ops` computes them. The
+training, the GEMMs of its two gradients), as `tunecache.ops.custom` computes them. The
 result is the TOML that `tunecache pretune` reads, so no one writes shapes by hand.
 """
 
@@ -67,7 +67,7 @@ def entries(
     """(one entry per distinct problem, the layers tunecache leaves to torch), from one forward
     pass of `model` on the meta device with an input of (batch, *input_shape), of the model's
     dtype or `input_dtype` (e.g. int64 token ids)."""
-    from .nn import conv_refusal, padding_pair
+    from tunecache.nn import conv_refusal, padding_pair
 
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

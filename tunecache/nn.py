@@ -18,9 +18,8 @@ import logging
 
 import torch
 
+from tunecache import ops
 from tunecache_kernels import problems
-
-from . import ops
 
 log = logging.getLogger("tunecache")
 

@@ -49,17 +49,32 @@ def backend_override() -> str | None:
     return os.environ.get("TUNECACHE_BACKEND") or None
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_seconds(text: str) -> float:
+    """'30d', '12h', '90m', '45s', '2w' or a plain number of seconds -> seconds, > 0 and finite:
+    the one reader of a duration, for the environment and the command line alike."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*([smhdw]?)\s*", str(text).lower())
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"] if m else float("nan")
+    if not 0 < seconds < float("inf"):  # NaN fails the comparison too
+        raise ValueError(
+            f"{text!r} is not a duration: give a positive number of seconds, or one with a unit: "
+            "30d, 12h, 90m, 45s or 2w"
+        )
+    return seconds
+
+
 def _seconds(name: str, default: float) -> float:
     v = os.environ.get(name, "")
     if not v.strip():
         return default
     try:
-        s = float(v)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {v!r}") from None
-    if not s > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {v!r}")
-    return s
+        return parse_seconds(v)
+    except ValueError as e:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {v!r} ({e})") from None
 
 
 def candidate_timeout_s() -> float:
@@ -182,16 +197,7 @@ DB_BUSY_TIMEOUT_S = 60.0
 def db_busy_timeout_s() -> float:
     """TUNECACHE_DB_BUSY_TIMEOUT_S: how long a SQLite store waits for another process's write
     lock before the call fails with "database is locked" (read when a store is opened)."""
-    v = os.environ.get("TUNECACHE_DB_BUSY_TIMEOUT_S", "").strip()
-    if not v:
-        return DB_BUSY_TIMEOUT_S
-    try:
-        s = float(v)
-    except ValueError:
-        s = float("nan")
-    if not 0 < s < float("inf"):  # NaN fails the comparison too
-        raise ValueError(f"TUNECACHE_DB_BUSY_TIMEOUT_S must be a number of seconds > 0, got {v!r}")
-    return s
+    return _seconds("TUNECACHE_DB_BUSY_TIMEOUT_S", DB_BUSY_TIMEOUT_S)
 
 
 # ---- the fleet service: limits on what one client may consume ------------------------------

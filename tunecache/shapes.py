@@ -9,6 +9,7 @@ a size that is not a positive integer is an error that names it, never a silent 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad")
@@ -91,3 +92,50 @@ def canonical_problem(op: str, given: dict[str, Any]) -> dict:
     (ph, pw) = ints("pad_h", "pad_w", minimum=0, default=pd)
     p = geometry.conv(N, H, W, Ci, Co, R, S, (sh, sw), (ph, pw), dtype)
     return {"conv2d_fprop": p, "conv2d_wgrad": geometry.wgrad(p), "conv2d_dgrad": geometry.dgrad(p)}[op]
+
+
+_DT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def shape_text(p: dict) -> str:
+    """A problem in a few characters, as `tunecache ls`, `jobs ls` and the dashboard print it:
+    '4096x4096x4096 bf16', 'N32 56x56 256>256 3x3/s1p1 bf16'; a problem of another kind (a
+    user's kernel) as k=v pairs, without the derived implicit-GEMM fields."""
+    if not p:
+        return "?"
+    dt = _DT.get(str(p.get("dtype")), str(p.get("dtype", "")))
+    if "M" in p and "R" not in p:
+        lay = (
+            ""
+            if (p.get("a_layout"), p.get("b_layout")) == ("row", "row")
+            else f" {str(p.get('a_layout', ''))[:1]}{str(p.get('b_layout', ''))[:1]}"
+        )
+        return f"{p.get('M')}x{p.get('N')}x{p.get('K')} {dt}{lay}"
+    if "R" in p:
+        st = p.get("stride_h", p.get("stride", 1))
+        pd = p.get("pad_h", p.get("padding", 0))
+        return (
+            f"N{p.get('N')} {p.get('H')}x{p.get('W')} {p.get('Ci')}>{p.get('Co')} "
+            f"{p.get('R')}x{p.get('S')}/s{st}p{pd} {dt}"
+        )
+    return shape_pairs(p)
+
+
+def shape_pairs(p: dict) -> str:
+    """A problem as the KEY=VALUE pairs `tunecache tune -p` and `GET /v1/best` take, without the
+    fields derived from them (the implicit GEMM's sizes, a conv's output size)."""
+    return ",".join(f"{k}={v}" for k, v in dict(p).items() if not str(k).startswith("gemm_") and k not in ("P", "Q"))
+
+
+_SIZES = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
+_MUST_MATCH = ("R", "S", "stride_h", "stride_w", "pad_h", "pad_w")  # sizes that change the kernel's walk
+
+
+def problem_distance(a: dict, b: dict) -> float:
+    """How far problem `b` is from `a`, for borrowing a tuned neighbour's config (the miss
+    policy `default`) and naming the nearest tuned shapes (`GET /v1/best`): the log distance
+    over the GEMM sizes; infinite where a categorical field (dtype, layouts) or the filter,
+    stride or padding differs."""
+    if any(b.get(f) != v for f, v in a.items() if not isinstance(v, int) or f in _MUST_MATCH):
+        return math.inf
+    return sum(abs(math.log(max(1, a[f])) - math.log(max(1, b.get(f, 1)))) for f in _SIZES if f in a)

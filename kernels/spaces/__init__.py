@@ -68,7 +68,7 @@ class ConfigSpace:
         return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-BACKENDS = ("blackwell", "hopper", "portable")  # every backend, preferred first (tunecache.registry)
+BACKENDS = ("blackwell", "hopper", "portable")  # every backend, preferred first (tunecache.backends)
 # The GPU generations (compute capability majors) each backend is written for; None: any device,
 # the CPU interpreter included. A backend's own `supports()` decides the rest; this lets the
 # registry skip importing (and compiling the module of) a backend that cannot run here.

@@ -30,7 +30,7 @@ SPACES = {
     # c[M, N] = a[M, K] @ b[K, N]; SPLIT_K as the Hopper matmul's: > 1 cuts each tile's K that
     # many ways into fp32 partials summed in split order by the tile's last split, 0 takes the split
     # count gluon_host's work model finds fastest, 1 never splits; SWAP_AB as the Hopper matmul's
-    # (gluon_host.matmul_as_launched)
+    # (gluon_matmul.matmul_as_launched)
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128),

@@ -11,7 +11,7 @@ SPACES = {
     # tile's K that many ways into fp32 partials, summed in split order by the tile's last split
     # to arrive; 0 takes the split count a work model finds fastest; 1 never splits. SWAP_AB 1: a
     # decode GEMM (M <= 32) runs as c^T = b^T a^T, M on the MMA's narrow side
-    # (gluon_host.matmul_as_launched)
+    # (gluon_matmul.matmul_as_launched)
     "matmul": ConfigSpace(
         {
             "BLOCK_M": (64, 128, 256),

@@ -13,7 +13,7 @@ down_revision = "0004"
 branch_labels = None
 depends_on = None
 
-# both tables hold a tuning result (tunecache.rows.ResultColumns); null: not measured (every
+# both tables hold a tuning result (tunecache.store.rows.ResultColumns); null: not measured (every
 # result stored before this revision)
 TABLES = ("tuned_configs", "submissions")
 COLUMNS = ("default_ms", "vendor_ms")

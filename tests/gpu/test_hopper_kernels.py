@@ -15,6 +15,10 @@ from tunecache_kernels import conv2d_dgrad_hopper as dgrad
 from tunecache_kernels import conv2d_fprop_hopper as fprop
 from tunecache_kernels import conv2d_wgrad_hopper as wgrad
 from tunecache_kernels import gluon_host as gh
+from tunecache_kernels import gluon_launch as direct
+from tunecache_kernels import gluon_packed_taps as gpt
+from tunecache_kernels import gluon_split_k as sk
+from tunecache_kernels import gluon_wgrad as gwg
 from tunecache_kernels import matmul_hopper as mm
 from tunecache_kernels import problems
 
@@ -110,32 +114,32 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
         _check(first, ref, 1e-2)
         with monkeypatch.context() as m:
             _no_jit(m, mm.matmul_kernel)
-            _no_jit(m, gh.split_k_reduce_kernel)
+            _no_jit(m, sk.split_k_reduce_kernel)
             _poison(M * gh.round_up(N, 8), torch.bfloat16)
             planned = mm.launch(c, a, b)
             _check(planned, ref, 1e-2)
         assert torch.equal(first, planned), "split-K sums must not depend on which split arrives last"
         stream = torch.cuda.current_stream().cuda_stream
-        assert not gh.zeroed_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
+        assert not sk.zeroed_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
 
 
 @gpu
 @pytest.mark.gpu
 def test_small_split_workspaces_are_kept_per_stream_and_bounded():
-    """gluon_host.stream_workspace: one buffer a stream for the small ones (no allocation a
+    """gluon_launch.stream_workspace: one buffer a stream for the small ones (no allocation a
     call), a fresh one past KEPT_WORKSPACE_BYTES, and no more than KEPT_STREAMS kept while a
     program makes streams as it goes."""
     like = torch.empty(1, device="cuda")
     here = torch.cuda.current_stream().cuda_stream
-    kept = gh.stream_workspace(like, here, (4, 100, 64))
-    assert gh.stream_workspace(like, here, (2, 100, 64)).data_ptr() == kept.data_ptr()
-    big = gh.stream_workspace(like, here, (gh.KEPT_WORKSPACE_BYTES // 4 + 1,))
+    kept = direct.stream_workspace(like, here, (4, 100, 64))
+    assert direct.stream_workspace(like, here, (2, 100, 64)).data_ptr() == kept.data_ptr()
+    big = direct.stream_workspace(like, here, (direct.KEPT_WORKSPACE_BYTES // 4 + 1,))
     assert big.data_ptr() != kept.data_ptr()
-    for _ in range(2 * gh.KEPT_STREAMS):
+    for _ in range(2 * sk.KEPT_STREAMS):
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
-            assert gh.stream_workspace(like, side.cuda_stream, (8,)).data_ptr() != kept.data_ptr()
-    assert len(gh._WORKSPACES) <= gh.KEPT_STREAMS
+            assert direct.stream_workspace(like, side.cuda_stream, (8,)).data_ptr() != kept.data_ptr()
+    assert len(direct._WORKSPACES) <= sk.KEPT_STREAMS
 
 
 # the seeds' grid: batch 1 and 128, two spatial sizes, three channel pairings, four filters,
@@ -199,7 +203,7 @@ def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case):
 
     x, w, _ = data(0)
     p = fprop.problem(x, w, st, pd)
-    assert gh.packs_taps(p)
+    assert gpt.packs_taps(p)
     configs = [fprop.default_config(p, dev)] + PACKED_CONFIGS
     # x 2 bytes past a 16-byte boundary (a batch slice of an odd-sized image): never a plan's
     x_odd = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view(x.shape)
@@ -302,14 +306,14 @@ def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case):
 
     x, g, _ = _wgrad_data(case, 0)
     p = wgrad.problem(x, g, R, S, st, pd)
-    assert gh.packs_taps(p)
+    assert gpt.packs_taps(p)
     configs = [wgrad.default_config(p, dev)] + [c for c in PACKED_WGRAD_CONFIGS if wgrad.resources_ok(c, p)]
     for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
         x, g, ref = _wgrad_data(case, seed)
         for c in configs:
             _poison(Co * R * S * Ci, torch.bfloat16)
             _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
-        _no_jit(monkeypatch, wgrad.conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
+        _no_jit(monkeypatch, wgrad.conv2d_wgrad_packed_kernel, sk.split_k_reduce_kernel)
 
 
 CONV_FEW_CO = [
@@ -335,24 +339,24 @@ FEW_CO_CONFIGS = [  # BLOCK_N set to the problem's few-Co width
 @pytest.mark.parametrize("case", CONV_FEW_CO, ids=_conv_ids)
 def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
     """The few-Co kernel (grad_out gathered per tap, x read once): the configs whose BLOCK_N is
-    its B tile's width run it (gluon_host.runs_few_co), through the JIT and then its plan."""
+    its B tile's width run it (gluon_wgrad.runs_few_co), through the JIT and then its plan."""
     N, H, W, Ci, Co, R, S, st, pd = case
     dev = DeviceClass("sm_90", gh.num_sms(0))
 
     x, g, _ = _wgrad_data(case, 0)
     p = wgrad.problem(x, g, R, S, st, pd)
-    width = gh.few_co_width(p, wgrad.FEW_CO_NARROWEST)
+    width = gwg.few_co_width(p, wgrad.FEW_CO_NARROWEST)
     tuned = [c for c in wgrad.prune(wgrad.config_space(p, dev), p, dev) if c["BLOCK_N"] == width]
     configs = [dict(c, BLOCK_N=width) for c in FEW_CO_CONFIGS] + tuned[-1:]
     configs = [c for c in configs if wgrad.resources_ok(c, p)]
-    assert len(configs) >= 3 and all(gh.runs_few_co(p, c, wgrad.FEW_CO_NARROWEST) for c in configs)
+    assert len(configs) >= 3 and all(gwg.runs_few_co(p, c, wgrad.FEW_CO_NARROWEST) for c in configs)
     configs.append(wgrad.default_config(p, dev))  # either kernel, as an untuned call runs it
     for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
         x, g, ref = _wgrad_data(case, seed)
         for c in configs:
             _poison(Co * R * S * Ci, torch.bfloat16)
             _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
-        _no_jit(monkeypatch, wgrad.conv2d_wgrad_few_co_kernel, gh.split_k_reduce_kernel)
+        _no_jit(monkeypatch, wgrad.conv2d_wgrad_few_co_kernel, sk.split_k_reduce_kernel)
     # a grad_out that is not contiguous (a channels slice) is read through a copy, not a plan
     g2 = torch.randn(*g.shape[:3], Co + 1, device="cuda", dtype=torch.bfloat16)[..., :Co]
     monkeypatch.undo()
@@ -527,7 +531,7 @@ def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
 
     check_all(*data(0))  # JIT: builds the plans
     _no_jit(monkeypatch, fprop.conv2d_fprop_kernel, fprop.conv2d_fprop_packed_kernel)
-    _no_jit(monkeypatch, wgrad.conv2d_wgrad_kernel, wgrad.conv2d_wgrad_packed_kernel, gh.split_k_reduce_kernel)
+    _no_jit(monkeypatch, wgrad.conv2d_wgrad_kernel, wgrad.conv2d_wgrad_packed_kernel, sk.split_k_reduce_kernel)
     for seed in (1, 2):
         x, w, g = data(seed)
         check_all(x, w, g)

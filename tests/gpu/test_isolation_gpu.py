@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def test_a_candidate_that_faults_or_spins_on_the_gpu_leaves_the_caller_untouched(db_url, monkeypatch):
     import gpu_bad_backend as bad
     from tunecache.key import cuda_device
-    from tunecache.tuner import tune
+    from tunecache.tuning.tuner import tune
 
     bad.register(monkeypatch)
     monkeypatch.setenv("TUNECACHE_CANDIDATE_TIMEOUT_S", "20")
@@ -48,7 +48,7 @@ def test_a_stored_config_that_does_not_fit_the_device_is_never_launched(db_url, 
     from tunecache import ops
     from tunecache.key import cuda_device
     from tunecache.store import ConfigRecord, default_store
-    from tunecache.tuner import make_key
+    from tunecache.tuning.tuner import make_key
     from tunecache_kernels import matmul_hopper as hop
 
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")

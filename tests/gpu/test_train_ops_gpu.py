@@ -68,7 +68,7 @@ def test_a_cuda_graph_captures_a_tuned_call(untuned):
 
 @pytest.mark.gpu
 def test_a_calls_later_launches_run_the_plan_its_first_made_on_any_stream(untuned):
-    """The memo entry keeps the backend's direct-launch plan (tunecache.launcher._Launch): the
+    """The memo entry keeps the backend's direct-launch plan (tunecache.ops.launcher._Launch): the
     second call on runs it, with new data, on another stream, and gives torch's answer."""
     ops.clear_memo()
     dt, cl = torch.bfloat16, torch.channels_last
@@ -141,13 +141,15 @@ def test_a_pointwise_convs_later_calls_launch_on_the_matmuls_plan(untuned, monke
             lambda: torch.nn.grad.conv2d_input(xn.shape, wn, gn).permute(0, 2, 3, 1),
         ),
     }
-    real_run, views = ops._run_matmul, []
+    from tunecache.ops import tuned
+
+    real_run, views = tuned._run_matmul, []
 
     def counted(raw, a, b):  # the views' path runs the matmul's memo entry through this
         views.append(1)
         return real_run(raw, a, b)
 
-    monkeypatch.setattr(ops, "_run_matmul", counted)
+    monkeypatch.setattr(tuned, "_run_matmul", counted)
 
     def check(got, want):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -43,7 +43,7 @@ def sqlite_fleet(tmp_path_factory):
 def clean_fleet(fleet):
     """`fleet` with its queue and configs emptied (tokens stay), and the clients forgotten."""
     reset_fleet_tables(fleet.db_url)
-    from tunecache import client
+    from tunecache.fleet import client
 
     client.reset_clients()
     yield fleet

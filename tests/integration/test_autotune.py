@@ -163,7 +163,7 @@ def test_configs_with_a_pre_hook_are_cached_and_reloaded_with_their_hook(db_url)
 
 
 def test_a_stored_config_matching_no_live_config_is_never_launched(db_url):
-    from tunecache.records import ConfigRecord
+    from tunecache.store.records import ConfigRecord
 
     run_child(SCALE, db_url)
     store = open_store(db_url)
@@ -181,10 +181,10 @@ def test_a_stored_config_matching_no_live_config_is_never_launched(db_url):
 
 FLEET = """
     import json, torch
-    from tunecache.records import ConfigRecord
+    from tunecache.store.records import ConfigRecord
     import autotune_kernels as k
 
-    class FakeFleet:  # what tunecache.client's FleetClient answers
+    class FakeFleet:  # what tunecache.fleet.client's FleetClient answers
         published, asked = [], []
 
         generation = 1
@@ -198,9 +198,12 @@ FLEET = """
             return "hit", ConfigRecord(key=key, config=values, median_ms=1.0, source="worker")
 
         def publish(self, rec, trials=(), tune_seconds=None):
-            self.published.append([rec.key.problem["M"], rec.config["kwargs"], len(list(trials))])
+            from tunecache.fleet.protocol import Published
 
-    from tunecache.config_cache import CACHE
+            self.published.append([rec.key.problem["M"], rec.config["kwargs"], len(list(trials))])
+            return Published("recorded")
+
+    from tunecache.cache.config_cache import CACHE
     CACHE.fleet = FakeFleet
     x, z = torch.randn(40, 24), torch.randn(24, 24)
     y, w = k.scale(x), k.scale(z)
@@ -228,7 +231,7 @@ PLAIN = """
 
     tunecache.patch_triton()
     import autotune_plain as p  # unmodified: it uses @triton.autotune
-    from tunecache.triton_autotuner import Autotuner
+    from tunecache.dropin.autotuner import Autotuner
 
     bench_calls = []  # count the benchmarks, around the wall-clock do_bench the interpreter gets
     timer = p.add_one_kernel.do_bench
@@ -276,7 +279,7 @@ def test_patch_triton_is_idempotent_reversible_and_covers_every_import_path():
     import triton.runtime.autotuner as triton_autotuner
 
     import tunecache
-    from tunecache.triton_autotuner import Autotuner
+    from tunecache.dropin.autotuner import Autotuner
 
     original = triton.autotune
     assert original is triton_autotuner.autotune is triton.runtime.autotune
@@ -321,7 +324,7 @@ def test_kernel_version_follows_the_configs():
 def test_importing_the_decorator_module_is_light_and_keeps_the_decorator():
     code = """
         import sys
-        from tunecache.user_kernels import patch_triton
+        from tunecache.dropin import patch_triton
         import tunecache
         heavy = [m for m in ("torch", "triton", "sqlalchemy") if m in sys.modules]
         print(heavy, tunecache.autotune.__name__, callable(tunecache.autotune))

@@ -21,7 +21,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import REPRESENTATIVE, canonical_problem, compile_in_fresh_processes, device_for
+from tunecache.tuning.compile import REPRESENTATIVE, canonical_problem, device_for
+from tunecache.tuning.compile_pool import compile_in_fresh_processes
 from tunecache_kernels import (
     conv2d_dgrad_blackwell,
     conv2d_fprop_blackwell,
@@ -30,6 +31,8 @@ from tunecache_kernels import (
     matmul_blackwell,
 )
 from tunecache_kernels import gluon_host as gh
+from tunecache_kernels import gluon_matmul as gmm
+from tunecache_kernels import gluon_wgrad as gwg
 
 ARCH = "sm_100a"
 SPLIT_B1 = {"N": 1, "H": 7, "W": 7, "Ci": 512, "Co": 512, "R": 3, "S": 3, "stride": 1, "padding": 1}
@@ -46,7 +49,7 @@ KERNELS = {
     # batch 1 at 7x7: 16 tiles on 148 SMs, so the default config splits K (the split binary)
     "conv2d_fprop-split": ("conv2d_fprop", SPLIT_B1, conv2d_fprop_blackwell, {}),
     "conv2d_wgrad": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {}),
-    "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gh.STREAM_K}),
+    "conv2d_wgrad-stream": ("conv2d_wgrad", {}, conv2d_wgrad_blackwell, {"SPLIT_K": gwg.STREAM_K}),
     # stride 1: one phase, a TMA-store epilogue; stride 2: four phases stored from registers
     "conv2d_dgrad": ("conv2d_dgrad", {}, conv2d_dgrad_blackwell, {}),
     "conv2d_dgrad-strided": ("conv2d_dgrad", {"stride": 2}, conv2d_dgrad_blackwell, {}),
@@ -145,12 +148,12 @@ def test_the_decode_problem_takes_the_split_binary():
     device = device_for(ARCH)
     p = _problem("matmul-split")
     config = matmul_blackwell.default_config(p, device)
-    splits, _ = gh.matmul_splits(p, config, gh.sm_count_of(device))
-    assert splits > 1 and gh.split_binary(config, splits)
+    splits, _ = gmm.matmul_splits(p, config, gh.sm_count_of(device))
+    assert splits > 1 and gmm.split_binary(config, splits)
     names = [spec.name for spec in matmul_blackwell.compile_specs(p, config, device)]
     assert names == ["matmul_kernel"]  # the split binary sums its own partials
     big = _problem("matmul")
-    assert not gh.split_binary(matmul_blackwell.default_config(big, device), 1)
+    assert not gmm.split_binary(matmul_blackwell.default_config(big, device), 1)
 
 
 @pytest.mark.parametrize("op", ["conv2d_fprop", "conv2d_dgrad"])
@@ -292,7 +295,7 @@ def test_the_few_co_wgrad_reads_x_by_tma_and_gathers_grad_out():
     for stride in (1, 2):
         p = canonical_problem(mod.OP, dict(base, stride=stride))
         cfg = dict(mod.default_config(canonical_problem(mod.OP, dict(base, stride=1)), device))
-        assert gh.runs_few_co(p, cfg, mod.FEW_CO_NARROWEST)
+        assert gwg.runs_few_co(p, cfg, mod.FEW_CO_NARROWEST)
         jobs.append((mod, p, cfg, 0))
     unit, strided = (r["asm"]["ptx"] for r in compile_in_fresh_processes(jobs, device, ARCH))
     for ptx in (unit, strided):

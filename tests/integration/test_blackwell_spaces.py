@@ -12,7 +12,8 @@ import torch
 from tunecache.key import DeviceClass
 from tunecache_kernels import conv2d_fprop_blackwell as fprop
 from tunecache_kernels import conv2d_wgrad_blackwell as wgrad
-from tunecache_kernels import gluon_host as gh
+from tunecache_kernels import gluon_matmul as gmm
+from tunecache_kernels import gluon_wgrad as gwg
 from tunecache_kernels import matmul_blackwell as mm
 from tunecache_kernels import problems
 from tunecache_kernels.spaces import space_for
@@ -36,14 +37,14 @@ def _wgrad_problem(N, H, W, Ci, Co, R, S, st, pd):
 def test_a_decode_gemm_splits_k_by_default_and_a_prefill_gemm_does_not(M, N, K, splits):
     p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"}
     c = mm.default_config(p, B200)
-    n, _ = gh.matmul_splits(p, c, 148)
+    n, _ = gmm.matmul_splits(p, c, 148)
     assert (n > 1) is splits
-    assert gh.split_binary(c, n) is splits
+    assert gmm.split_binary(c, n) is splits
     names = [spec.name for spec in mm.compile_specs(p, c, B200)]
     assert names == ["matmul_kernel"]  # a split launch sums its own partials: no second kernel
     pruned = mm.prune(mm.config_space(p, B200), p, B200)
     assert any(x["SPLIT_K"] != 1 for x in pruned) is splits
-    assert any(x["SWAP_AB"] for x in pruned) is (M <= gh.SWAP_MAX_M)
+    assert any(x["SWAP_AB"] for x in pruned) is (M <= gmm.SWAP_MAX_M)
     assert all(space_for(mm.KERNEL).contains(x) for x in pruned + [c])
 
 
@@ -59,7 +60,7 @@ def test_the_seeds_wgrad_layer_takes_the_modeled_split_that_fills_whole_waves():
     p = _wgrad_problem(128, 64, 64, 384, 384, 3, 3, 1, 1)
     c = wgrad.default_config(p, B200)
     assert c["SPLIT_K"] == 0
-    w = gh.WgradWork.of(p, c, 148)
+    w = gwg.WgradWork.of(p, c, 148)
     units = w.tiles * w.splits
     assert w.splits > 1 and units / (-(-units // 148) * 148) >= 0.95
     assert [s.name for s in wgrad.compile_specs(p, c, B200)] == ["conv2d_wgrad_kernel", "split_k_reduce"]
@@ -69,10 +70,10 @@ def test_a_layer_of_few_tiles_and_a_short_reduction_has_stream_k_candidates_that
     # ResNet-50's 512-channel 3x3 layer at 7x7, batch 32: 144 tiles of 128x128, 25 k-steps
     p = _wgrad_problem(32, 7, 7, 512, 512, 3, 3, 1, 1)
     space = wgrad.prune(wgrad.config_space(p, B200), p, B200)
-    stream = [c for c in space if c["SPLIT_K"] == gh.STREAM_K]
+    stream = [c for c in space if c["SPLIT_K"] == gwg.STREAM_K]
     assert stream
     for c in stream:
-        w = gh.WgradWork.of(p, c, 148)
+        w = gwg.WgradWork.of(p, c, 148)
         assert w.stream and w.ctas <= 148 and w.per >= c["NUM_BUFFERS"]
         assert w.ctas * w.per >= w.tiles * w.k_steps > (w.ctas - 1) * w.per
     assert {s.name for s in wgrad.compile_specs(p, stream[0], B200)} == {"conv2d_wgrad_kernel"}
@@ -85,7 +86,7 @@ def test_a_wgrad_whose_tiles_fill_the_gpu_is_not_split():
     # 2048 channels, 3x3: 1152 tiles of 128x256, 2304 of 128x128: splitting only adds traffic
     p = _wgrad_problem(8, 14, 14, 2048, 2048, 3, 3, 1, 1)
     splits = {c["SPLIT_K"] for c in wgrad.config_space(p, B200)}
-    assert 1 in splits and not splits - {1, gh.STREAM_K}
+    assert 1 in splits and not splits - {1, gwg.STREAM_K}
 
 
 def _capped_problems():

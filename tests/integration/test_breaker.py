@@ -66,7 +66,7 @@ GARBAGE = {
 
 @pytest.fixture
 def fleet_env(db_url, monkeypatch):
-    from tunecache import client
+    from tunecache.fleet import client
 
     monkeypatch.setenv("TUNECACHE_BACKEND", "portable")
     monkeypatch.setenv("TUNECACHE_SERVER_TIMEOUT_S", str(TIMEOUT_S))
@@ -91,17 +91,17 @@ def _call(i: int) -> float:
 
 
 def _key(i: int):
-    from tunecache import registry
+    from tunecache import backends
     from tunecache.key import interpreter_device
-    from tunecache.tuner import make_key
+    from tunecache.tuning.tuner import make_key
     from tunecache_kernels import problems
 
     p = problems.matmul_problem(torch.empty(8 + i, 8, device="meta"), torch.empty(8, 8, device="meta"))
-    return make_key(registry.backend_module("matmul", "portable"), p, interpreter_device())
+    return make_key(backends.backend_module("matmul", "portable"), p, interpreter_device())
 
 
 def _assert_breaker_spares_the_call(url: str, monkeypatch) -> None:
-    from tunecache.client import fleet_client
+    from tunecache.fleet.client import fleet_client
     from tunecache.store import default_store
 
     monkeypatch.setenv("TUNECACHE_SERVER_URL", url)
@@ -160,7 +160,7 @@ def test_service_answering_garbage(fleet_env, kind):
 def test_breaker_closes_again_when_the_service_is_back(fleet_env, clean_fleet, pg_url, tmp_path):
     import httpx
 
-    from tunecache.client import FleetClient
+    from tunecache.fleet.client import FleetClient
 
     fleet = clean_fleet
     key = _key(5)

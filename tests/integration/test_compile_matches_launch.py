@@ -14,7 +14,7 @@ from triton.compiler.compiler import ASTSource, make_backend
 from triton.experimental.gluon import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from tunecache.compile import arch_of, device_for, spec_source, target_of
+from tunecache.tuning.compile import arch_of, device_for, spec_source, target_of
 from tunecache_kernels import (
     conv2d_dgrad_blackwell,
     conv2d_dgrad_hopper,
@@ -28,6 +28,8 @@ from tunecache_kernels import (
 )
 from tunecache_kernels import gluon_host as gh
 from tunecache_kernels import gluon_launch as direct
+from tunecache_kernels import gluon_split_k as sk
+from tunecache_kernels import gluon_wgrad as gwg
 
 HOPPER = (matmul_hopper, conv2d_fprop_hopper, conv2d_wgrad_hopper, conv2d_dgrad_hopper)
 BLACKWELL = (matmul_blackwell, conv2d_fprop_blackwell, conv2d_wgrad_blackwell, conv2d_dgrad_blackwell)
@@ -76,7 +78,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(direct, "direct_launch_enabled", lambda: False)
     monkeypatch.setattr(gh, "num_sms", lambda device=None: 132)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
-    monkeypatch.setattr(gh, "zeroed_counters", lambda dev, stream, n: torch.zeros(max(n, 1), dtype=torch.int32))
+    monkeypatch.setattr(sk, "zeroed_counters", lambda dev, stream, n: torch.zeros(max(n, 1), dtype=torch.int32))
     return seen
 
 
@@ -110,7 +112,7 @@ def test_a_launch_finds_what_the_tuner_compiled(mod, launches, monkeypatch):
     for p in _problems(mod.OP):
         candidates = mod.prune(mod.config_space(p, device), p, device)
         # a spread of the candidates, every kind of launch among them (split-K and stream-K too)
-        few_co = [c for c in candidates if mod.OP == "conv2d_wgrad" and gh.runs_few_co(p, c, mod.FEW_CO_NARROWEST)]
+        few_co = [c for c in candidates if mod.OP == "conv2d_wgrad" and gwg.runs_few_co(p, c, mod.FEW_CO_NARROWEST)]
         split = [c for c in candidates if c.get("SPLIT_K") == 0][:2]
         for config in candidates[:: max(1, len(candidates) // 8)] + candidates[-3:] + few_co[:2] + few_co[-2:] + split:
             launches.clear()

@@ -2,17 +2,17 @@
 pruning rules agree with the compiler.
 
 Blackwell spaces are compiled for sm_100a, Hopper spaces for sm_90a, each on a
-representative problem per op (tunecache.compile.REPRESENTATIVE: large enough that no tile
+representative problem per op (tunecache.tuning.compile.REPRESENTATIVE: large enough that no tile
 is larger than the problem). For every config of the whole space:
 - a config that passes the backend's prune() must compile and fit the device (the
   compiler's shared memory within the per-block limit, tensor memory within 512 columns);
 - a config that prune() drops must not be one that compiles and fits: pruning may only
   remove what the compiler would reject or the device could not launch (where the compiler's
-  allocation alone does not fit, the compile stops there: tunecache.compile.allocation_of).
+  allocation alone does not fit, the compile stops there: tunecache.tuning.compile.allocation_of).
 Registers are the one judgment call: a config whose registers spill (ptxas gives it a stack
 frame) still launches, so prune() may keep it, and it is slow, so prune() may drop it.
 The configs the rules drop are compiled too, to check the second point. Identical kernels
-are compiled once and in parallel on every core (tunecache.compile), and the ring depths are
+are compiled once and in parallel on every core (tunecache.tuning.compile), and the ring depths are
 sampled (_sampled), so the whole run fits a CI budget on a 2-core machine.
 
 Only compilation is checked here: that the Blackwell kernels compute the right answer needs a
@@ -30,8 +30,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tunecache.compile import ConfigReport, canonical_problem, compile_configs, device_for
 from tunecache.shapes import OPS
+from tunecache.tuning.compile import ConfigReport, canonical_problem, device_for
+from tunecache.tuning.compile_pool import compile_configs
 from tunecache_kernels.gluon_hopper import accumulator_per_thread
 from tunecache_kernels.spaces import space_for
 
@@ -80,7 +81,7 @@ def _holds_no_accumulator(mod, c: dict) -> bool:
     a thread has 255, so it spills whatever the rest of the kernel does, and prune() drops it
     (gluon_hopper.wgmma_resources_ok; asserted in _sampled). Compiling it, ptxas spilling a
     whole tile (the slowest compiles of the spaces), could only confirm that. (A swapped matmul
-    launches another tile: gluon_host.matmul_as_launched.)"""
+    launches another tile: gluon_matmul.matmul_as_launched.)"""
     if mod.BACKEND != "hopper" or c.get("SWAP_AB"):
         return False
     return accumulator_per_thread(c) >= 256
@@ -167,7 +168,7 @@ def test_the_sample_covers_every_kernel_kind_and_ring_depth():
             assert len(sample) < len(space)
 
 
-# Few input channels take the packed-taps kernels (gluon_host.packs_taps). Every config the
+# Few input channels take the packed-taps kernels (gluon_packed_taps.packs_taps). Every config the
 # backend would tune for a stem-like conv (Co = 256, so that no N tile is pruned as too wide)
 # is compiled, ring depths sampled as above, with the same two checks.
 PACKED = {"N": 32, "H": 224, "W": 224, "Ci": 3, "Co": 256, "R": 7, "S": 7, "stride": 2, "padding": 3}
@@ -218,7 +219,7 @@ def test_split_kernels_compile_and_pruning_agrees(op, backend, record_property):
 
 
 # Few output channels take the few-Co wgrad kernels where the config's BLOCK_N is their width
-# (gluon_host.runs_few_co). Every such config the backend would tune for an image head (the SD
+# (gluon_wgrad.runs_few_co). Every such config the backend would tune for an image head (the SD
 # VAE's decoder.conv_out), ring depths sampled as above, with the same two checks; and a strided
 # one (the gather's division by the stride) at the untuned call's tile.
 FEW_CO = {"N": 1, "H": 512, "W": 512, "Ci": 128, "Co": 3, "R": 3, "S": 3, "stride": 1, "padding": 1}
@@ -227,19 +228,19 @@ FEW_CO["dtype"] = "bfloat16"
 
 @pytest.mark.parametrize("backend", sorted(TARGETS))
 def test_few_co_wgrad_kernels_compile_and_pruning_agrees(backend, record_property):
-    from tunecache_kernels import gluon_host as gh
+    from tunecache_kernels import gluon_wgrad as gwg
 
     mod = _module("conv2d_wgrad", backend)
     arch = TARGETS[backend]
     device = device_for(arch)
     problem = canonical_problem("conv2d_wgrad", FEW_CO)
-    configs = [c for c in mod.config_space(problem, device) if gh.runs_few_co(problem, c, mod.FEW_CO_NARROWEST)]
-    assert gh.runs_few_co(problem, mod.default_config(problem, device), mod.FEW_CO_NARROWEST)
+    configs = [c for c in mod.config_space(problem, device) if gwg.runs_few_co(problem, c, mod.FEW_CO_NARROWEST)]
+    assert gwg.runs_few_co(problem, mod.default_config(problem, device), mod.FEW_CO_NARROWEST)
     assert {s.name for s in mod.compile_specs(problem, configs[0], device)} & {"conv2d_wgrad_few_co_kernel"}
     _compile_and_check(mod, problem, _sampled(mod, configs, problem, device), arch, "few-Co configs ", record_property)
     strided = canonical_problem("conv2d_wgrad", dict(FEW_CO, N=2, H=64, W=64, stride=2))
     cfg = dict(mod.default_config(problem, device))
-    assert gh.runs_few_co(strided, cfg, mod.FEW_CO_NARROWEST) and cfg in mod.prune([cfg], strided, device)
+    assert gwg.runs_few_co(strided, cfg, mod.FEW_CO_NARROWEST) and cfg in mod.prune([cfg], strided, device)
     (report,) = compile_configs(mod, strided, [cfg], device)
     assert report.ok, report.error
 
@@ -249,7 +250,7 @@ def _compile_and_check(mod, problem: dict, configs: list[dict], arch: str, label
     t0 = time.perf_counter()
     kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, problem, device)}
     # a config prune() drops need only be shown not to fit: its kernels stop at the compiler's
-    # allocation where that does not fit (tunecache.compile.allocation_of), else compile whole
+    # allocation where that does not fit (tunecache.tuning.compile.allocation_of), else compile whole
     reports = compile_configs(
         mod, problem, configs, device, unfit_suffices=lambda c: json.dumps(c, sort_keys=True) not in kept
     )

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from tunecache.compile import canonical_problem, compile_in_fresh_processes, device_for
+from tunecache.tuning.compile import canonical_problem, device_for
+from tunecache.tuning.compile_pool import compile_in_fresh_processes
 from tunecache_kernels import conv2d_dgrad_hopper as dgrad
 
 ARCH = "sm_90a"

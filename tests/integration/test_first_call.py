@@ -49,7 +49,7 @@ def _downgrade(db_url: str, revision: str) -> None:
     from alembic import command
     from sqlalchemy import create_engine
 
-    from tunecache.migrate import alembic_config
+    from tunecache.store.migrate import alembic_config
 
     engine = create_engine(db_url)
     with engine.begin() as conn:

@@ -28,10 +28,11 @@ PROBLEM = {"M": 1024, "N": 1024, "K": 1024, "dtype": "bfloat16"}
 # the tuning host: compile the backend's default config for sm_90a into its Triton cache
 TUNING_HOST = """
 import json
-from tunecache import binaries, registry
-from tunecache.compile import canonical_problem, compile_spec, device_for
+from tunecache.tuning import binaries
+from tunecache import backends
+from tunecache.tuning.compile import canonical_problem, compile_spec, device_for
 from tunecache.key import triton_version
-mod = registry.backend_module("matmul", "hopper")
+mod = backends.backend_module("matmul", "hopper")
 device = device_for("sm_90a")
 problem = canonical_problem("matmul", %r)
 config = mod.default_config(problem, device)
@@ -40,7 +41,7 @@ for spec in mod.compile_specs(problem, config, device):
     k = compile_spec(spec, "sm_90a")
     entries[k.hash] = {n: p for n, p in k.metadata_group.items() if n.endswith(binaries.SUFFIXES)}
 print(json.dumps({
-    "problem": problem, "config": config, "kernel_version": registry.kernel_version(mod),
+    "problem": problem, "config": config, "kernel_version": backends.kernel_version(mod),
     "triton_version": triton_version(), "entries": entries,
 }))
 """
@@ -49,11 +50,11 @@ print(json.dumps({
 COMPILES_AGAIN = """
 import json
 from triton import knobs
-from tunecache import registry
-from tunecache.compile import compile_spec, device_for
+from tunecache import backends
+from tunecache.tuning.compile import compile_spec, device_for
 hits = []
 knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
-mod = registry.backend_module("matmul", "hopper")
+mod = backends.backend_module("matmul", "hopper")
 problem, config = %r, %r
 for spec in mod.compile_specs(problem, config, device_for("sm_90a")):
     compile_spec(spec, "sm_90a")
@@ -182,7 +183,7 @@ def test_a_fresh_host_syncs_the_fleet_and_compiles_nothing(clean_fleet, tuned, t
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "synced 1 winner(s) of sm_90:132" in proc.stdout and "1 new or changed" in proc.stdout, proc.stdout
     assert f"{len(tuned['files'])} compiled kernel(s) installed" in proc.stdout, proc.stdout
-    from tunecache.binaries import entry_dir
+    from tunecache.tuning.binaries import entry_dir
 
     for h in tuned["files"]:
         assert sorted(os.listdir(cache / entry_dir(h))) == sorted(
@@ -204,14 +205,14 @@ def test_a_fresh_host_syncs_the_fleet_and_compiles_nothing(clean_fleet, tuned, t
 
 
 def test_a_fresh_hosts_first_lookup_brings_the_kernels_and_a_host_may_refuse_them(clean_fleet, tuned, tmp_path):
-    from tunecache.binaries import entry_dir
+    from tunecache.tuning.binaries import entry_dir
 
     digest = publish_winner(clean_fleet, tuned)
     with api(clean_fleet, "worker") as w:
         assert w.put(f"/v1/configs/{digest}/binaries", json=binaries_body(tuned)).status_code == 200
     lookup = f"""
 import json
-from tunecache.config_cache import CACHE
+from tunecache.cache.config_cache import CACHE
 from tunecache.key import TuneKey
 key = TuneKey.from_fields({key_body(tuned)!r})
 rec = CACHE.get(key, lambda config: None)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tunecache import MissingConfig, ops
-from tunecache.client import reset_clients
-from tunecache.config_cache import CACHE
+from tunecache.cache.config_cache import CACHE
+from tunecache.fleet.client import reset_clients
 from tunecache.key import interpreter_device
 from tunecache.store import ConfigRecord, default_store, utcnow
-from tunecache.tuner import make_key
+from tunecache.tuning.tuner import make_key
 from tunecache_kernels import matmul_portable as mod
 
 A, B = torch.randn(40, 24), torch.randn(24, 36)

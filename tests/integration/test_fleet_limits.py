@@ -488,7 +488,7 @@ def test_admin_actions_leave_an_audit_row(clean_svc):
 def test_the_migration_makes_live_names_unique(tmp_path):
     from sqlalchemy import create_engine, text
 
-    from tunecache.migrate import upgrade
+    from tunecache.store.migrate import upgrade
 
     engine = create_engine(f"sqlite:///{tmp_path / 'old.sqlite'}")
     upgrade(engine, "0003")

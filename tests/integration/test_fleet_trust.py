@@ -18,7 +18,7 @@ import torch
 from support.fleet import host_env, reset_fleet_tables, run_host, start_worker
 from tunecache.key import TuneKey, interpreter_device
 from tunecache.shapes import canonical_problem
-from tunecache.tuner import make_key
+from tunecache.tuning.tuner import make_key
 from tunecache_kernels import matmul_portable as mod
 
 FORMAT = "tunecache-configs/1"
@@ -48,7 +48,7 @@ def any_fleet(request):
 @pytest.fixture
 def svc(any_fleet):
     reset_fleet_tables(any_fleet.db_url)
-    from tunecache import client
+    from tunecache.fleet import client
 
     client.reset_clients()
     yield any_fleet
@@ -362,7 +362,7 @@ def test_an_import_below_the_floor_is_rejected_and_says_why(svc):
 
 
 def test_the_work_model_agrees_with_the_kernels_own_flops():
-    from tunecache import floor
+    from tunecache.store import floor
     from tunecache_kernels import problems
 
     for op, problem, flops in (
@@ -504,8 +504,8 @@ def test_winners_stored_before_the_upgrade_are_purged_by_their_latest_accepted_s
     to its key's latest accepted submission, so `fleet purge` finds them."""
     from sqlalchemy import JSON, bindparam, create_engine, text
 
-    from tunecache.migrate import upgrade
     from tunecache.store import Store
+    from tunecache.store.migrate import upgrade
 
     engine = create_engine(fresh_db_url)
     upgrade(engine, "0003")

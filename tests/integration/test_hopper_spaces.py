@@ -17,9 +17,14 @@ from tunecache_kernels import conv2d_fprop_hopper as fprop
 from tunecache_kernels import conv2d_wgrad_hopper as wgrad
 from tunecache_kernels import gluon_host as gh
 from tunecache_kernels import gluon_launch as direct
+from tunecache_kernels import gluon_matmul as gmm
+from tunecache_kernels import gluon_packed_taps as gpt
+from tunecache_kernels import gluon_split_k as sk
+from tunecache_kernels import gluon_wgrad as gwg
 from tunecache_kernels import matmul_hopper as mm
 from tunecache_kernels import problems
 from tunecache_kernels.gluon_hopper import accumulator_per_thread
+from tunecache_kernels.hardware import HOPPER
 from tunecache_kernels.spaces import space_for
 
 H100 = DeviceClass("sm_90", 132, "NVIDIA H100 80GB HBM3")
@@ -99,7 +104,7 @@ def test_default_config_is_in_space_and_survives_pruning(mod, p):
 def test_prune_rejects_configs_over_shared_memory():
     p = PROBLEMS[0][1]
     big = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8, "num_stages": 6}
-    assert mm.smem_bytes(big) > gh.SMEM_LIMIT_BYTES
+    assert mm.smem_bytes(big) > HOPPER.smem_per_block
     assert mm.prune([big], p, H100) == []
 
 
@@ -178,7 +183,7 @@ def test_a_decode_gemm_runs_swapped_by_default_and_may_split_and_a_prefill_gemm_
     (K streamed by more SMs) are tuned too. 4096^3 fills the GPU with tiles: neither."""
     p = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "a_layout": "row", "b_layout": "col"}
     c = mm.default_config(p, H100)
-    launched, q = gh.matmul_as_launched(c, p)
+    launched, q = gmm.matmul_as_launched(c, p)
     assert c["SWAP_AB"] == splits and (launched["BLOCK_N"] == 8 if M == 1 else True)
     assert (q["M"], q["N"]) == ((N, M) if splits else (M, N))
     pruned = mm.prune(mm.config_space(p, H100), p, H100)
@@ -195,7 +200,7 @@ def test_swapped_configs_are_tried_once_per_narrow_tile_and_only_for_decode():
         p = {"M": m, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "row"}
         kept = [c for c in mm.prune(mm.config_space(p, H100), p, H100) if c["SWAP_AB"]]
         assert kept and {c["BLOCK_N"] for c in kept} == {64}
-        assert {gh.matmul_as_launched(c, p)[0]["BLOCK_N"] for c in kept} == {narrow}
+        assert {gmm.matmul_as_launched(c, p)[0]["BLOCK_N"] for c in kept} == {narrow}
     p = {"M": 33, "N": 4096, "K": 4096, "dtype": "float16", "a_layout": "row", "b_layout": "row"}
     assert not any(c["SWAP_AB"] and mm.worth_trying(c, p, 132) for c in space)
 
@@ -203,11 +208,11 @@ def test_swapped_configs_are_tried_once_per_narrow_tile_and_only_for_decode():
 def test_a_split_decode_gemm_is_one_launch_whose_last_split_sums_the_partials():
     """No second kernel: each split counts in on its tile's counter (acq_rel at GPU scope),
     and the last one reads the partials past L1 and zeroes the counter for the next launch."""
-    from tunecache.compile import compile_in_fresh_processes
+    from tunecache.tuning.compile_pool import compile_in_fresh_processes
 
     p = {"M": 1, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
     c = dict(mm.default_config(p, H100), SPLIT_K=0)
-    assert gh.matmul_splits(p, c, 132)[0] > 1
+    assert gmm.matmul_splits(p, c, 132)[0] > 1
     assert [spec.name for spec in mm.compile_specs(p, c, H100)] == ["matmul_kernel"]
     (out,) = compile_in_fresh_processes([(mm, p, c, 0)], H100, "sm_90a")
     ptx = out["asm"]["ptx"]
@@ -229,7 +234,7 @@ def test_supports_only_sm90_half_precision(mod, p):
 
 def test_wgrad_split_plan_never_launches_empty_splits():
     for k_iters, split in itertools.product((1, 5, 63, 64, 65, 1000), (1, 2, 4, 8, 16, 32)):
-        active, per = gh.split_k_plan(k_iters, split)
+        active, per = sk.split_k_plan(k_iters, split)
         assert 1 <= active <= split
         assert active * per >= k_iters > (active - 1) * per
 
@@ -243,7 +248,7 @@ def test_wgrad_auto_split_fills_whole_waves():
     # one split leaves 51 of 132 SMs idle and two leave a 30-unit second wave: SPLIT_K=0 picks
     # a count whose units fill the SMs' waves at least 95%
     c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 0, "num_warps": 8, "num_stages": 4}
-    w = gh.WgradWork.of(_seed_wgrad_problem(), c, 132)
+    w = gwg.WgradWork.of(_seed_wgrad_problem(), c, 132)
     units = w.tiles * w.splits
     assert w.tiles == 81 and w.splits > 1
     assert units / (-(-units // 132) * 132) >= 0.95
@@ -254,7 +259,7 @@ def test_wgrad_stream_k_gives_every_cta_an_equal_run(sms):
     p = problems.conv2d_wgrad_problem(_meta(128, 7, 7, 512), _meta(128, 7, 7, 512), 3, 3, 1, 1)
     for bn in (64, 128, 256):
         c = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": wgrad.STREAM_K, "num_warps": 8, "num_stages": 4}
-        w = gh.WgradWork.of(p, c, sms)
+        w = gwg.WgradWork.of(p, c, sms)
         total = w.tiles * w.k_steps
         assert w.stream and w.ctas <= sms and w.splits == 1
         assert w.ctas * w.per >= total > (w.ctas - 1) * w.per  # every CTA has work, all work is covered
@@ -295,16 +300,16 @@ def _sample(mod, p, n=3):
     "mod,p", [PROBLEMS[0], PROBLEMS[2], PROBLEMS[3], PROBLEMS[4], PROBLEMS[5]], ids=lambda x: getattr(x, "KERNEL", None)
 )
 def test_sample_configs_compile_for_sm90a(mod, p):
-    from tunecache.compile import compile_in_fresh_processes
+    from tunecache.tuning.compile_pool import compile_in_fresh_processes
 
     jobs, is_reduce = [], []
     for c in _sample(mod, p, n=1):
         for i, spec in enumerate(mod.compile_specs(p, c, H100)):
             jobs.append((mod, p, c, i))
-            is_reduce.append(spec.fn is gh.split_k_reduce_kernel)
+            is_reduce.append(spec.fn is sk.split_k_reduce_kernel)
     # fresh processes: earlier tests may have run the CPU interpreter in this one
     for (_, _, c, _), reduce, out in zip(jobs, is_reduce, compile_in_fresh_processes(jobs, H100, "sm_90a")):
-        assert out["shared"] <= gh.SMEM_LIMIT_BYTES, (c, out["shared"])
+        assert out["shared"] <= HOPPER.smem_per_block, (c, out["shared"])
         if not reduce:
             assert "wgmma.mma_async" in out["asm"]["ptx"], c
 
@@ -314,16 +319,16 @@ def test_a_small_output_split_many_ways_is_summed_with_the_warps_over_the_splits
     ways, its reduction ran 4 CTAs of 1024 outputs, 8 splits a pass (6 us, H100). Where the wide
     CTAs would not give every SM one, a CTA holds 128 outputs and its warps load 32 splits a
     pass; a large output keeps the wide CTAs. The launch compiles what the tuner compiled."""
-    from tunecache.compile import compile_in_fresh_processes
+    from tunecache.tuning.compile_pool import compile_in_fresh_processes
 
-    assert gh.split_k_reduce_block(64 * 64, 132) == 128
-    assert gh.split_k_reduce_block(6272 * 512, 132) == 1024
+    assert sk.split_k_reduce_block(64 * 64, 132) == 128
+    assert sk.split_k_reduce_block(6272 * 512, 132) == 1024
     p = problems.conv2d_wgrad_problem(_meta(32, 56, 56, 64), _meta(32, 56, 56, 64), 1, 1, 1, 0)
     c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 4, "num_stages": 4}
     *_, reduce = wgrad.compile_specs(p, c, H100)
-    assert reduce.fn is gh.split_k_reduce_kernel and reduce.constexprs["BLOCK"] == 128
+    assert reduce.fn is sk.split_k_reduce_kernel and reduce.constexprs["BLOCK"] == 128
     (out,) = compile_in_fresh_processes([(wgrad, p, c, 1)], H100, "sm_90a")
-    assert out["shared"] <= gh.SMEM_LIMIT_BYTES
+    assert out["shared"] <= HOPPER.smem_per_block
 
 
 # ---- direct launches: the keys of their plans ----------------------------------------------------
@@ -346,7 +351,7 @@ def test_a_conv_of_at_most_8_input_channels_takes_the_packed_taps_kernels(ci):
     p_w = problems.conv2d_wgrad_problem(x, _meta(2, 16, 16, 32), 3, 3, 1, 1)
     packed = ci <= 8
     for mod, p in ((fprop, p_f), (wgrad, p_w)):
-        assert gh.packs_taps(p) == packed
+        assert gpt.packs_taps(p) == packed
         names = {s.name for s in mod.compile_specs(p, mod.default_config(p, H100), H100)}
         assert (f"{mod.OP}_packed_kernel" in names) == packed, names
 
@@ -354,7 +359,7 @@ def test_a_conv_of_at_most_8_input_channels_takes_the_packed_taps_kernels(ci):
 @pytest.mark.parametrize("ci,r", [(3, 7), (4, 3), (8, 3), (1, 1)])
 def test_packed_weights_are_the_filter_as_rows_of_k_zero_padded_to_16_bytes(ci, r):
     w = torch.randn(5, r, r, ci, dtype=torch.bfloat16)
-    packed = gh.packed_weights(w)
+    packed = gpt.packed_weights(w)
     k = r * r * ci
     assert packed.shape == (5, gh.round_up(k, 8)) and packed.is_contiguous()
     assert torch.equal(packed[:, :k], w.reshape(5, k)) and not packed[:, k:].any()
@@ -366,12 +371,12 @@ def test_packed_weights_are_the_filter_as_rows_of_k_zero_padded_to_16_bytes(ci, 
 @pytest.mark.parametrize("split_k", [0, 4])
 def test_the_packed_wgrad_splits_its_pixels_until_the_sms_are_busy_and_never_runs_an_empty_split(npq, split_k):
     c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split_k}
-    tiles, k_steps, splits, per = gh.packed_wgrad_work(64, 147, npq, c, 132)
+    tiles, k_steps, splits, per = gwg.packed_wgrad_work(64, 147, npq, c, 132)
     assert tiles == 3 and k_steps == -(-npq // 64)
     assert (splits - 1) * per < k_steps <= splits * per  # every split has at least one step
     # as many splits as keep PACKED_WGRAD_CTAS_PER_SM CTAs on each SM (or SPLIT_K, if fewer),
     # (rounding the steps per split may leave fewer, never half of them or less)
-    cap = -(-gh.PACKED_WGRAD_CTAS_PER_SM * 132 // tiles)
+    cap = -(-gwg.PACKED_WGRAD_CTAS_PER_SM * 132 // tiles)
     cap = min(cap, split_k) if split_k else cap
     assert splits <= min(k_steps, cap)
     if k_steps >= cap:
@@ -379,20 +384,20 @@ def test_the_packed_wgrad_splits_its_pixels_until_the_sms_are_busy_and_never_run
 
 
 def test_a_per_stream_buffer_is_shared_on_its_stream_grown_and_bounded():
-    """gluon_host._per_stream (the planned launches' kept workspaces and split counters): one
+    """gluon_split_k.per_stream (the planned launches' kept workspaces and split counters): one
     buffer a stream, shared while it is large enough, remade larger, another stream's its own,
     and no more than KEPT_STREAMS kept while streams come and go."""
     kept: dict = {}
     cpu = torch.device("cpu")
-    first = gh._per_stream(kept, cpu, 1, 10, torch.zeros)
-    assert gh._per_stream(kept, cpu, 1, 8, torch.zeros) is first
-    grown = gh._per_stream(kept, cpu, 1, 20, torch.zeros)
+    first = sk.per_stream(kept, cpu, 1, 10, torch.zeros)
+    assert sk.per_stream(kept, cpu, 1, 8, torch.zeros) is first
+    grown = sk.per_stream(kept, cpu, 1, 20, torch.zeros)
     assert grown is not first and grown.numel() == 20
-    assert gh._per_stream(kept, cpu, 2, 4, torch.zeros) is not grown
-    for stream in range(3, 3 + 2 * gh.KEPT_STREAMS):
-        mine = gh._per_stream(kept, cpu, stream, 4, torch.zeros)
+    assert sk.per_stream(kept, cpu, 2, 4, torch.zeros) is not grown
+    for stream in range(3, 3 + 2 * sk.KEPT_STREAMS):
+        mine = sk.per_stream(kept, cpu, stream, 4, torch.zeros)
         assert kept[(cpu, stream)] is mine
-        assert len(kept) <= gh.KEPT_STREAMS
+        assert len(kept) <= sk.KEPT_STREAMS
 
 
 @pytest.mark.parametrize("mod", [fprop, dgrad], ids=["fprop", "dgrad"])

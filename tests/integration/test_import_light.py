@@ -26,10 +26,11 @@ def test_config_spaces_import_neither_torch_nor_triton():
 
 
 def test_the_fleet_client_imports_no_database_layer():
-    """A host that only talks to the fleet loads the client, the queue adapters and the plain
-    records (tunecache.records): none of them may drag in SQLAlchemy (nor torch or Triton)."""
+    """A host that only talks to the fleet loads the client, the `Fleet` protocol and the plain
+    records (tunecache.store.records): none of them may drag in SQLAlchemy (nor torch or Triton)."""
     out = run_py(
-        "import sys, tunecache.client, tunecache.job_queue, tunecache.records, tunecache.faults; "
+        "import sys, tunecache.fleet.client, tunecache.fleet.protocol, tunecache.store.records, "
+        "tunecache.store.faults; "
         "print(sorted(m for m in ('torch', 'triton', 'sqlalchemy', 'alembic') if m in sys.modules))"
     )
     assert out.stdout.strip() == "[]"
@@ -40,8 +41,8 @@ def test_a_plain_op_call_registers_no_custom_ops(tmp_path):
     the autograd ops (0.2 s): `ops.linear` and `ops.conv2d` make them on first use."""
     out = run_py(
         "import sys, torch; from tunecache import ops; a = torch.randn(8, 8); ops.matmul(a, a); "
-        "print(sorted(m for m in ('tunecache.custom_ops',) if m in sys.modules)); "
-        "ops.linear(a, a); print('tunecache.custom_ops' in sys.modules)",
+        "print(sorted(m for m in ('tunecache.ops.custom',) if m in sys.modules)); "
+        "ops.linear(a, a); print('tunecache.ops.custom' in sys.modules)",
         env={"TUNECACHE_DB_URL": f"sqlite:///{tmp_path / 'none' / 'store.sqlite'}", "TUNECACHE_MISS_POLICY": "default"},
     )
     assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr

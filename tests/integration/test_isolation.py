@@ -46,7 +46,7 @@ def test_a_plain_script_and_a_notebook_cell_tune(tmp_path, db_url):
 
 
 PLAIN_COMPILE = """
-from tunecache.compile import compile_space
+from tunecache.tuning.compile_pool import compile_space
 reports = compile_space("matmul", "hopper", "sm_90a", {"M": 512, "N": 512, "K": 512, "dtype": "float16"},
                         workers=2)
 reports = reports[:4]
@@ -76,9 +76,9 @@ def _crashy():
 
 
 def test_a_crashing_or_hanging_candidate_is_a_failed_trial_and_tuning_goes_on(db_url, monkeypatch):
-    from tunecache.isolated import runner_for
     from tunecache.key import interpreter_device
-    from tunecache.tuner import tune
+    from tunecache.tuning.isolated import runner_for
+    from tunecache.tuning.tuner import tune
 
     monkeypatch.setenv("TUNECACHE_CANDIDATE_TIMEOUT_S", "5")
     mod = _crashy()

@@ -19,7 +19,7 @@ BACKENDS = [
     f"{op}.{b}" for op in ("matmul", "conv2d_fprop", "conv2d_wgrad") for b in ("blackwell", "hopper", "portable")
 ]
 VERSIONS = (
-    "import json; from tunecache import registry; "
+    "import json; from tunecache import backends as registry; "
     f"print(json.dumps({{k: registry.kernel_version(registry.module_for_kernel(k)) for k in {BACKENDS!r}}}))"
 )
 

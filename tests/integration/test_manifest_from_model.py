@@ -40,8 +40,8 @@ def test_the_manifest_of_a_model_holds_exactly_the_keys_its_training_step_looks_
     assert "9 distinct problem(s), 14 tuning job(s)" in proc.stderr, proc.stderr
     assert "left to torch: 1 layer(s) (3: groups=2" in proc.stderr, proc.stderr
 
+    from tunecache.fleet.pretune import load_manifest, plan
     from tunecache.key import local_device
-    from tunecache.pretune import load_manifest, plan
 
     planned = {p.key.digest for p in plan(load_manifest(path), local_device())}
 
@@ -68,8 +68,8 @@ def test_per_axis_strides_and_paddings_and_phased_input_gradients_are_in_the_man
     text = path.read_text()
     assert "pad_w = 1" in text and "stride_h = 2" in text
 
+    from tunecache.fleet.pretune import load_manifest, plan
     from tunecache.key import local_device
-    from tunecache.pretune import load_manifest, plan
 
     planned = {p.key.digest for p in plan(load_manifest(path), local_device())}
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import crashy_backend as crashy  # tests/support/kernels, on sys.path through pytest's `pythonpath`
-from tunecache import ops, selfcheck
+from tunecache import ops
 from tunecache.key import interpreter_device
+from tunecache.ops import selfcheck
 from tunecache.store import ConfigRecord, default_store
-from tunecache.tuner import make_key
+from tunecache.tuning.tuner import make_key
 
 
 @pytest.fixture
@@ -76,8 +77,8 @@ def test_a_backend_that_hangs_its_self_check_is_skipped_with_one_warning(crashy_
     assert "using matmul.portable instead" in warnings[0]
     assert {e.kernel for e in ops.OP_LAUNCHERS["matmul"].memo.values()} == {"matmul.portable"}
     # the verdict is kept: a later process does not run the check again
+    from tunecache.backends import kernel_version
     from tunecache.key import triton_version
-    from tunecache.registry import kernel_version
 
     dev = interpreter_device()
     ok, detail = default_store().get_selfcheck(

@@ -150,9 +150,9 @@ def test_rest_by_shape_as_the_readme_shows_it(clean_fleet, db_url):
     import shlex
 
     from tunecache.key import DeviceClass
-    from tunecache.records import ConfigRecord
     from tunecache.shapes import canonical_problem
-    from tunecache.tuner import make_key
+    from tunecache.store.records import ConfigRecord
+    from tunecache.tuning.tuner import make_key
     from tunecache_kernels import matmul_hopper as hop
 
     dev = DeviceClass("sm_90", 132)
@@ -224,7 +224,7 @@ def test_doctor_checks_the_fleet_url_token_and_scopes(clean_fleet, db_url):
 
 def test_a_config_is_found_by_the_digest_prefix_ls_shows(clean_fleet):
     from tunecache.key import TuneKey
-    from tunecache.records import ConfigRecord
+    from tunecache.store.records import ConfigRecord
 
     cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     recs = [

@@ -18,7 +18,7 @@ from support.fleet import host_env, wait_for
 
 
 def test_shipped_manifests_parse():
-    from tunecache.pretune import load_manifest
+    from tunecache.fleet.pretune import load_manifest
 
     resnet = load_manifest("resnet50")
     assert len(resnet.shapes) == 46 and {s.op for s in resnet.shapes} == {"conv2d_fprop", "conv2d_wgrad"}
@@ -36,9 +36,9 @@ def test_shipped_manifests_parse():
 def test_pretune_enqueues_the_longest_tunes_first():
     """So that two GPUs run out of work together: on an H100 the resnet50 manifest's wgrad
     shapes with the largest spaces go first, the small matmul and fprop spaces last."""
+    from tunecache.backends import module_for_kernel
+    from tunecache.fleet.pretune import load_manifest, longest_first, plan
     from tunecache.key import DeviceClass
-    from tunecache.pretune import load_manifest, longest_first, plan
-    from tunecache.registry import module_for_kernel
 
     h100 = DeviceClass("sm_90", 132, "NVIDIA H100 80GB HBM3")
     planned = plan(load_manifest("resnet50"), h100)
@@ -55,7 +55,7 @@ def test_pretune_enqueues_the_longest_tunes_first():
 
 
 def test_bad_manifest_names_the_problem(tmp_path):
-    from tunecache.pretune import ManifestError, load_manifest
+    from tunecache.fleet.pretune import ManifestError, load_manifest
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[[shape]]\nname = "x"\nop = "matmul"\ndtype = "float16"\nM = 8\nN = 8\n')
@@ -97,8 +97,8 @@ def _state(store, digests):
 
 @pytest.mark.parametrize("interrupt", ["kill -9", "ctrl-c"])
 def test_rerun_does_nothing_and_an_interrupted_run_resumes(tmp_path, interrupt):
+    from tunecache.fleet.pretune import load_manifest, plan
     from tunecache.key import interpreter_device
-    from tunecache.pretune import load_manifest, plan
     from tunecache.store import Store
 
     env = host_env(tmp_path, "pretune", None, None)
@@ -165,10 +165,10 @@ def test_pretune_through_the_fleet(clean_fleet, tmp_path):
 def test_workers_side_by_side_split_the_cores_for_compiling(monkeypatch):
     """pretune on N GPUs runs N workers on one host: each starts compile processes for its
     share of the cores, not one per core each (a user's TUNECACHE_COMPILE_WORKERS stands)."""
-    from tunecache.pretune import worker_env
+    from tunecache.fleet.pretune import worker_env
 
     monkeypatch.delenv("TUNECACHE_COMPILE_WORKERS", raising=False)
-    monkeypatch.setattr("tunecache.compile.default_workers", lambda: 16)
+    monkeypatch.setattr("tunecache.tuning.compile_pool.default_workers", lambda: 16)
     assert worker_env(2)["TUNECACHE_COMPILE_WORKERS"] == "8"
     assert worker_env(32)["TUNECACHE_COMPILE_WORKERS"] == "1"
     assert "TUNECACHE_COMPILE_WORKERS" not in worker_env(1)

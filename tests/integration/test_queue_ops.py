@@ -3,7 +3,7 @@ Postgres: a claim's lease secret that every lease call must present, capped leas
 backoffs, the database's clock, `not_before` in answers and on the dashboard, a claim that goes
 past a lapsed last attempt, a row that cannot be read quarantined instead of a 500, a stuck
 queue on /healthz, `tunecache jobs ls | retry | drop` and the admin routes, and one queue
-interface (`tunecache.job_queue`) over the store and the fleet."""
+interface (`tunecache.fleet.protocol.Fleet`) over the store and the fleet."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def any_fleet(request):
     """The service over SQLite, then over Postgres; emptied for each test."""
     server = request.getfixturevalue("sqlite_fleet" if request.param == "sqlite" else "fleet")
     reset_fleet_tables(server.db_url)
-    from tunecache import client
+    from tunecache.fleet import client
 
     client.reset_clients()
     yield server
@@ -386,26 +386,26 @@ def test_jobs_help_says_which_queue():
 
 @pytest.fixture(params=["store", "fleet"])
 def queue(request, any_fleet):
-    """The same queue (the fleet's database) through each adapter of tunecache.job_queue."""
-    from tunecache.client import FleetClient
-    from tunecache.job_queue import FleetQueue, StoreQueue
+    """The same queue (the fleet's database) through each side of the `Fleet` protocol."""
+    from tunecache.fleet.client import FleetClient
+    from tunecache.fleet.store_fleet import StoreFleet
     from tunecache.store import Store
 
     if request.param == "store":
         store = Store(any_fleet.db_url)
-        yield StoreQueue(store)
+        yield StoreFleet(store)
         store.close()
     else:
         client = FleetClient(any_fleet.url, any_fleet.tokens["admin"], timeout_s=20)
-        yield FleetQueue(client)
+        yield client
         client.close()
 
 
 def test_one_queue_interface_over_the_store_and_the_fleet(queue):
-    from tunecache.job_queue import ClaimedJob, JobQueue, QueueError
+    from tunecache.fleet.protocol import ClaimedJob, Fleet, FleetError
     from tunecache.key import DeviceClass, TuneKey
 
-    q: JobQueue = queue
+    q: Fleet = queue
     cpu, h100 = DeviceClass("cpu", 0), DeviceClass("sm_90", 132)
     k1, k2 = TuneKey.from_fields(key(1)), TuneKey.from_fields(key(2))
     assert q.enqueue(k1, max_attempts=2) is not None and q.enqueue(k2, priority=5) is not None
@@ -429,24 +429,24 @@ def test_one_queue_interface_over_the_store_and_the_fleet(queue):
     assert listed[0].last_error == "boom again" and listed[0].key == k1 and listed[0].not_before is not None
     assert [j.digest for j in q.jobs(status="failed", device=cpu)] == [k1.digest] and q.jobs(device=h100) == []
     assert q.retry(k1.digest).status == "queued"
-    with pytest.raises(QueueError, match="done"):
+    with pytest.raises(FleetError, match="done"):
         q.retry(k2.digest)
     job = q.claim("w", cpu, 30)
     assert job.key == k1 and job.attempts == 1 and q.release(job) is True
-    q.drop(k1.digest)
-    with pytest.raises(QueueError, match="no job"):
-        q.drop(k1.digest)
+    q.drop_job(k1.digest)
+    with pytest.raises(FleetError, match="no job"):
+        q.drop_job(k1.digest)
     assert q.statuses([k1.digest]) == {}
 
 
 def test_the_worker_holds_its_lease_by_the_secret(any_fleet, tmp_path):
     """A real worker through FleetClient: claims, heartbeats (lease 3 s, so a few), publishes, completes."""
-    from tunecache import registry
+    from tunecache import backends
     from tunecache.key import interpreter_device
-    from tunecache.tuner import make_key
+    from tunecache.tuning.tuner import make_key
 
     k = make_key(
-        registry.backend_module("matmul", "portable"),
+        backends.backend_module("matmul", "portable"),
         {"M": 32, "N": 32, "K": 32, "dtype": "float32", "a_layout": "row", "b_layout": "row"},
         interpreter_device(),
     )
@@ -470,8 +470,7 @@ def test_a_pretunes_progress_polls_a_large_manifest_inside_the_rate_limit(any_fl
     are 20 requests. One GET per digest (15,000) ran into the token's rate limit (200 per 4 s)
     with a few dozen shapes polled each second, which opened the pretune's and its worker's
     circuit breakers and failed the run."""
-    from tunecache.client import FleetClient
-    from tunecache.job_queue import FleetQueue
+    from tunecache.fleet.client import FleetClient
     from tunecache.key import TuneKey
     from tunecache.store import Store
 
@@ -483,7 +482,7 @@ def test_a_pretunes_progress_polls_a_large_manifest_inside_the_rate_limit(any_fl
     client = FleetClient(any_fleet.url, any_fleet.tokens["read"], timeout_s=20)
     digests = [k.digest for k in keys]
     for _ in range(10):
-        assert FleetQueue(client).statuses(digests) == {k.digest: "queued" for k in keys[:1200]}
+        assert client.statuses(digests) == {k.digest: "queued" for k in keys[:1200]}
     client.close()
     with httpx.Client(base_url=any_fleet.url, headers={"Authorization": f"Bearer {any_fleet.tokens['read']}"}) as api:
         too_many = api.post("/v1/jobs/statuses", json={"digests": digests[:1] * 1001})
@@ -498,8 +497,8 @@ def test_a_pretune_of_hundreds_of_shapes_enqueues_them_inside_the_rate_limit(que
     hundred shapes: 300 shapes are 3 requests, where a lookup and an enqueue per shape (600) ran
     into the token's rate limit (200 per 4 s) and failed the pretune as unreachable."""
     from tunecache.key import TuneKey
-    from tunecache.records import ConfigRecord
     from tunecache.store import Store
+    from tunecache.store.records import ConfigRecord
     from tunecache_kernels.spaces import space_for
 
     keys = [TuneKey.from_fields(key(M)) for M in range(1, 301)]
@@ -518,3 +517,31 @@ def test_a_pretune_of_hundreds_of_shapes_enqueues_them_inside_the_rate_limit(que
         assert bad.status_code == 422 and "jobs[1]" in bad.text and "matmul.nosuch" in bad.text, bad.text
     assert len(store.list_jobs(limit=1000)) == len(jobs)  # nothing of a refused batch is enqueued
     store.close()
+
+
+def test_one_config_interface_over_the_store_and_the_fleet(queue):
+    """Publish, look up, sync, drop and purge answer alike whichever side of the fleet a caller
+    holds: the store reached directly keeps a result as the service keeps a worker token's."""
+    from tunecache.fleet.protocol import Fleet, FleetError, Published
+    from tunecache.key import DeviceClass, TuneKey
+    from tunecache.store.records import ConfigRecord, TrialRecord
+
+    q: Fleet = queue
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    slow_cfg = {**cfg, "BLOCK_K": 32}
+    k = TuneKey.from_fields(key(7))
+    assert q.lookup(k) is None and q.fetch(k) == ("miss", None)
+    sent = q.publish(ConfigRecord(k, cfg, 0.25), [TrialRecord(cfg, "ok", 0.25)], tune_seconds=1.0)
+    assert isinstance(sent, Published) and sent.won and sent.submission_id
+    assert q.lookup(k).config == cfg and q.fetch(k)[0] == "hit"
+    slower = q.publish(ConfigRecord(k, slow_cfg, 0.5))
+    assert slower.status == "kept_existing" and not slower.won and slower.kept.config == cfg
+    got = q.sync(DeviceClass("cpu", 0), "3.9.0", {"matmul.portable": "v1"})
+    assert [r.digest for r in got.configs] == [k.digest] and got.configs[0].config == cfg
+    before = q.current_generation()
+    q.drop(k.digest)
+    assert q.lookup(k) is None and q.current_generation() > before
+    with pytest.raises(FleetError, match="no tuned config"):
+        q.drop(k.digest)
+    report = q.purge("nobody", dry_run=True)
+    assert report.removed == [] and report.dry_run and report.token_name == "nobody"

@@ -1,5 +1,5 @@
 """A process's first tune does not wait for torch's import: its trial runner is forked from the
-host's runner server (tunecache.forkserver), and is as isolated as a fresh process (the
+host's runner server (tunecache.tuning.forkserver), and is as isolated as a fresh process (the
 caller's environment and directory, killed with its caller, a crash reported with its signal)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from support import KERNELS
-from tunecache import forkserver
+from tunecache.tuning import forkserver
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the runner server is Linux's (SO_PEERCRED)")
 
@@ -49,7 +49,7 @@ def _ppid(pid: int) -> int:
 TUNE = """
 import os, json, torch
 from tunecache import ops
-from tunecache.isolated import runner_for
+from tunecache.tuning.isolated import runner_for
 from tunecache.store import default_store
 torch.manual_seed(1)
 a, b = torch.randn(40, 24), torch.randn(24, 36)
@@ -88,7 +88,7 @@ def test_a_later_script_gets_its_runner_from_the_hosts_server_under_its_own_envi
 CRASH_THEN_HANG = """
 import json, sys, threading, time, torch
 import crashy_backend as m
-from tunecache.isolated import WorkerFailed, runner_for
+from tunecache.tuning.isolated import WorkerFailed, runner_for
 from tunecache.key import interpreter_device
 a, b = torch.randn(24, 16), torch.randn(16, 20)
 setup = {"cmd": "setup", "module": "crashy_backend", "problem": m.problem(a, b), "torch_device": "cpu",

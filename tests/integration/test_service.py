@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from support.fleet import Server
-from tunecache.migrate import head_revision
+from tunecache.store.migrate import head_revision
 
 PROBLEM = {"M": 64, "N": 64, "K": 64, "dtype": "float32", "a_layout": "row", "b_layout": "row"}
 CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -70,7 +70,7 @@ def test_default_and_vendor_times_are_published_with_the_result(clean_fleet):
     """A result's default_ms and vendor_ms (the untuned default config's and the vendor op's
     times, from the same run) are kept with its submission; a worker's result that wins
     carries them to the winner, and every answer about the winner returns them."""
-    from tunecache.client import FleetClient
+    from tunecache.fleet.client import FleetClient
 
     body = result(1.0, default_ms=1.8, vendor_ms=0.9)
     digest = key_of(body).digest

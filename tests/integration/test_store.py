@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tunecache.key import TuneKey
-from tunecache.migrate import current_revision, head_revision
 from tunecache.store import ConfigRecord, Store, TrialRecord
-from tunecache.transfer import export_configs, import_configs
+from tunecache.store.migrate import current_revision, head_revision
+from tunecache.store.transfer import export_configs, import_configs
 
 CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
@@ -137,7 +137,7 @@ def test_done_job_without_a_winner_is_requeued(store):
 def test_head_revision_agrees_with_alembic():
     from alembic.script import ScriptDirectory
 
-    from tunecache.migrate import alembic_config
+    from tunecache.store.migrate import alembic_config
 
     script = ScriptDirectory.from_config(alembic_config())
     assert script.get_current_head() == head_revision()
@@ -205,7 +205,7 @@ def test_the_times_revision_upgrades_and_downgrades(empty_db_url):
     from sqlalchemy import create_engine, inspect
     from sqlalchemy.exc import IntegrityError
 
-    from tunecache.migrate import alembic_config, upgrade
+    from tunecache.store.migrate import alembic_config, upgrade
 
     def downgrade(revision):
         cfg = alembic_config()

@@ -16,10 +16,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from support import run_py
-from tunecache import process_store
 from tunecache.key import TuneKey
-from tunecache.local_store import open_local_store
-from tunecache.migrate import head_revision
 from tunecache.store import (
     STORE_ERRORS,
     ConfigRecord,
@@ -29,6 +26,9 @@ from tunecache.store import (
     default_store,
     describe_fault,
 )
+from tunecache.store import process as process_store
+from tunecache.store.local import open_local_store
+from tunecache.store.migrate import head_revision
 
 CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
@@ -367,7 +367,7 @@ def test_held_lock_lets_reads_through_and_a_write_fails_in_words(tmp_path, caplo
 
 
 def test_held_lock_while_the_store_needs_migrating_warns_once_and_goes_on(tmp_path, caplog, short_busy_timeout):
-    from tunecache.migrate import upgrade
+    from tunecache.store.migrate import upgrade
 
     path = tmp_path / "store.sqlite"
     url = f"sqlite:///{path}"
@@ -400,7 +400,7 @@ def test_a_healthy_store_opens_as_it_is_without_alembic(tmp_path):
     url = f"sqlite:///{tmp_path / 'store.sqlite'}"
     seed(url)
     out = run_py(
-        "import sys; from tunecache.local_store import open_local_store; h = open_local_store(%r); "
+        "import sys; from tunecache.store.local import open_local_store; h = open_local_store(%r); "
         "print(h.outcome, h.fault, h.store.writable, 'alembic' in sys.modules)" % url
     )
     assert out.stdout.split() == ["ok", "None", "True", "False"]

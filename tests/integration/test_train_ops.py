@@ -13,7 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tunecache.nn as tnn
-from tunecache import custom_ops, ops  # noqa: F401  (custom_ops registers torch.ops.tunecache.*)
+from tunecache import ops  # noqa: F401  (custom_ops registers torch.ops.tunecache.*)
+from tunecache.ops import custom as custom_ops
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from support import run_py
 KEY = """
 import json
 
-from tunecache import triton_key_cache
+from tunecache.tuning import triton_key_cache
 import triton.runtime.cache as cache
 triton_key_cache.install()
 key = cache.triton_key()

@@ -21,13 +21,13 @@ WORKERS_PER_ROUND = 4  # started together, each killed once it holds a lease
 def _matmul_key(M, N, K):
     import torch
 
-    from tunecache import registry
+    from tunecache import backends
     from tunecache.key import interpreter_device
-    from tunecache.tuner import make_key
+    from tunecache.tuning.tuner import make_key
     from tunecache_kernels import problems
 
     p = problems.matmul_problem(torch.empty(M, K, device="meta"), torch.empty(K, N, device="meta"))
-    return make_key(registry.backend_module("matmul", "portable"), p, interpreter_device())
+    return make_key(backends.backend_module("matmul", "portable"), p, interpreter_device())
 
 
 def _holding(api, pid: int):
@@ -144,7 +144,7 @@ def test_a_worker_stopped_inside_code_compiled_from_a_string_exits_0(sig):
     made, a Triton binder): CPython then exited by SIGINT after the worker had handled it."""
     body = (
         "import os, signal, time\n"
-        "import tunecache.worker as w\n"
+        "import tunecache.fleet.worker as w\n"
         "class Interrupted:\n"
         "    owner, outcomes = 'w', []\n"
         "    def __init__(self, *a, **k): pass\n"

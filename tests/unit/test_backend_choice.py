@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunecache import registry
+from tunecache import backends
 from tunecache.key import DeviceClass, TuneKey
 
 BF16_MM = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
@@ -36,13 +36,13 @@ CONV = {
 )
 def test_backend_by_capability(arch, expected):
     dev = DeviceClass(arch, 148)
-    assert registry.backend_for("matmul", dev, BF16_MM).BACKEND == expected
-    assert registry.backend_for("conv2d_fprop", dev, CONV).BACKEND == expected
+    assert backends.backend_for("matmul", dev, BF16_MM).BACKEND == expected
+    assert backends.backend_for("conv2d_fprop", dev, CONV).BACKEND == expected
 
 
 def test_fp32_falls_back_to_portable_on_hopper():
     p = dict(BF16_MM, dtype="float32")
-    assert registry.backend_for("matmul", DeviceClass("sm_90", 132), p).BACKEND == "portable"
+    assert backends.backend_for("matmul", DeviceClass("sm_90", 132), p).BACKEND == "portable"
 
 
 def test_sm_count_separates_device_classes():
@@ -64,10 +64,10 @@ def test_device_facts_can_be_given(monkeypatch):
 
 
 def test_kernel_version_tracks_source_and_space():
-    mod = registry.backend_module("matmul", "portable")
-    v = registry.kernel_version(mod)
-    assert len(v) == 16 and v == registry.kernel_version(mod)
-    assert v != registry.kernel_version(registry.backend_module("conv2d_fprop", "portable"))
+    mod = backends.backend_module("matmul", "portable")
+    v = backends.kernel_version(mod)
+    assert len(v) == 16 and v == backends.kernel_version(mod)
+    assert v != backends.kernel_version(backends.backend_module("conv2d_fprop", "portable"))
 
 
 SMALL_AND_ODD = {
@@ -92,9 +92,9 @@ SMALL_AND_ODD = {
 def test_an_untuned_call_runs_the_portable_kernel_on_small_and_odd_shapes(op, arch):
     """The default config (what policy `default` launches before a worker tunes) fits the
     problem: the backend's own pruning keeps it, rather than sending the call to PyTorch."""
-    from tunecache.compile import canonical_problem
+    from tunecache.tuning.compile import canonical_problem
 
-    mod = registry.backend_module(op, "portable")
+    mod = backends.backend_module(op, "portable")
     dev = DeviceClass(arch, 0 if arch == "cpu" else 108)
     for given in SMALL_AND_ODD[op]:
         p = canonical_problem(op, given)

@@ -22,9 +22,9 @@ from typing import Callable
 import pytest
 
 from tunecache import settings
-from tunecache.client import FleetClient, is_loopback, sends_token_in_clear
+from tunecache.fleet.client import FleetClient, is_loopback, sends_token_in_clear
 from tunecache.key import TuneKey
-from tunecache.records import ConfigRecord
+from tunecache.store.records import ConfigRecord
 
 SLACK_S = 0.5
 KEY = TuneKey(
@@ -57,7 +57,7 @@ def clean_env(monkeypatch):
 
 @pytest.fixture
 def client_log(caplog):
-    caplog.set_level(logging.WARNING, logger="tunecache.client")
+    caplog.set_level(logging.WARNING, logger="tunecache.fleet.client")
     return caplog
 
 

@@ -8,7 +8,7 @@ import torch
 
 from tunecache import MissingConfig, ops
 from tunecache.store import default_store
-from tunecache.tuner import tune
+from tunecache.tuning.tuner import tune
 
 
 def test_strict_raises_naming_the_kernel(db_url, monkeypatch):
@@ -24,7 +24,7 @@ def test_unknown_policy_is_rejected(db_url, monkeypatch):
 
 
 def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
-    from tunecache import registry
+    from tunecache import backends
     from tunecache.key import interpreter_device
 
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
@@ -38,7 +38,7 @@ def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
     (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     assert entry.provisional
     # a worker tunes the queued key...
-    mod = registry.module_for_kernel(job.key.kernel)
+    mod = backends.module_for_kernel(job.key.kernel)
     result = tune(mod, dict(job.key.problem), interpreter_device(), source="worker")
     store.put_config(result.record(interpreter_device()), result.trials)
     # ...and the running process switches to the winner on its next call
@@ -48,12 +48,12 @@ def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
 
 
 def test_default_prefers_the_nearest_tuned_neighbour(db_url, monkeypatch):
-    from tunecache import registry
+    from tunecache import backends
     from tunecache.key import interpreter_device
-    from tunecache.launcher import nearest_neighbour
+    from tunecache.ops.launcher import nearest_neighbour
     from tunecache_kernels import problems
 
-    mod = registry.backend_module("matmul", "portable")
+    mod = backends.backend_module("matmul", "portable")
     dev = interpreter_device()
     near = problems.matmul_problem(torch.randn(64, 64), torch.randn(64, 64))
     far = problems.matmul_problem(torch.randn(16, 16), torch.randn(16, 16))
@@ -72,14 +72,15 @@ def test_a_sure_miss_is_known_before_the_store_opens(db_url):
     """A GPU call that will tune starts its trial runner before the fleet is asked and the store
     opened (`launcher._runner_ahead`), on a miss known from the SQLite file alone: no file yet,
     or no row. A stored winner is no sure miss, and neither is a store that cannot be read here."""
-    from tunecache import quick_read, registry
-    from tunecache.config_cache import CACHE
+    from tunecache import backends
+    from tunecache.cache.config_cache import CACHE
     from tunecache.key import interpreter_device
-    from tunecache.tuner import make_key
+    from tunecache.store import quick_read
+    from tunecache.tuning.tuner import make_key
 
     a, b = torch.randn(40, 24), torch.randn(24, 36)
     problem = ops.OP_LAUNCHERS["matmul"].problem_fn(a, b)
-    mod = registry.backends_for("matmul", interpreter_device(), problem)[0]
+    mod = backends.backends_for("matmul", interpreter_device(), problem)[0]
     digest = make_key(mod, problem, interpreter_device()).digest
     quick_read.forget()
     assert CACHE.surely_missing(digest)  # no file yet

@@ -10,7 +10,7 @@ best, so both the tuner and the drop-in autotuner see them.
 
 from __future__ import annotations
 
-from tunecache.timing import LEADER_FACTOR, MAX_SETTLED, settle
+from tunecache.tuning.timing import LEADER_FACTOR, MAX_SETTLED, settle
 
 
 def test_a_lucky_quick_time_no_longer_crowds_out_the_real_winner():

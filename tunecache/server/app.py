@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import settings
-from ..store import Store
-from . import audit, best, configs, identity, jobs, system
-from .deps import TokenCache, known_query_only
-from .guards import BodyDeadline, BodyLimit, RateLimits
-from .lookups import LookupCache
-from .metrics import Metrics
-from .schemas import ErrorOut
+from tunecache import settings
+from tunecache.server import audit, best, configs, identity, jobs, system
+from tunecache.server.deps import TokenCache, known_query_only
+from tunecache.server.guards import BodyDeadline, BodyLimit, RateLimits
+from tunecache.server.lookups import LookupCache
+from tunecache.server.metrics import Metrics
+from tunecache.server.schemas import ErrorOut
+from tunecache.store import Store
 
 MAX_IMPORT_BYTES = 64 << 20
 
@@ -51,7 +51,7 @@ def create_app(
     store: Store | None = None,
 ) -> FastAPI:
     """The service over the store at `store_url` (default TUNECACHE_DB_URL), migrated to head."""
-    from .. import __version__
+    from tunecache import __version__
 
     threads = settings.server_threads()
 

@@ -7,8 +7,8 @@ from typing import Any, Optional
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from .deps import AdminToken, StoreDep
-from .schemas import UtcTime
+from tunecache.server.deps import AdminToken, StoreDep
+from tunecache.server.schemas import UtcTime
 
 router = APIRouter(prefix="/v1", tags=["system"])
 _NO_NUL = r"^[^\x00]*$"  # Postgres text cannot hold NUL

@@ -16,17 +16,15 @@ from typing import Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query
 
+from tunecache.key import DeviceClass
+from tunecache.server.configs import out
+from tunecache.server.deps import ReadToken, StoreDep
+from tunecache.server.schemas import ConfigOut, ErrorOut
+from tunecache.shapes import KEYS, canonical_problem, problem_distance, shape_pairs
 from tunecache_kernels.spaces import BACKENDS
-
-from ..key import DeviceClass
-from ..shapes import KEYS, canonical_problem
-from .configs import out
-from .deps import ReadToken, StoreDep
-from .schemas import ConfigOut, ErrorOut
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
-_SIZES = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
 Shape = Optional[str]
 
 
@@ -112,26 +110,15 @@ def best(
         # the preferred backend, then its newest version
         hits.sort(key=lambda r: (kernels.index(r.key.kernel), -(r.tuned_at.timestamp() if r.tuned_at else 0)))
         return out(hits[0])
-    near = sorted(candidates, key=lambda r: _distance(problem, dict(r.key.problem)))[:3]
+    near = sorted(candidates, key=lambda r: problem_distance(problem, dict(r.key.problem)))[:3]
     shown = "; ".join(
-        f"{r.key.kernel} {_brief(r.key.problem)} (digest {r.digest[:12]})"
+        f"{r.key.kernel} {shape_pairs(r.key.problem)} (digest {r.digest[:12]})"
         for r in near
-        if math.isfinite(_distance(problem, dict(r.key.problem)))
+        if math.isfinite(problem_distance(problem, dict(r.key.problem)))
     )
     raise HTTPException(
         404,
-        f"no winner for {op} {_brief(problem)} on {dev} among {', '.join(kernels)}"
+        f"no winner for {op} {shape_pairs(problem)} on {dev} among {', '.join(kernels)}"
         f"{'' if kernel_version is None else f' version {kernel_version}'}; "
         f"nearest tuned shapes: {shown or 'none on this device class'}",
     )
-
-
-def _distance(a: dict, b: dict) -> float:
-    """Log distance over the GEMM sizes; infinite when a categorical field differs."""
-    if any(b.get(k) != v for k, v in a.items() if not isinstance(v, int)):
-        return math.inf
-    return sum(abs(math.log(max(1, a[k])) - math.log(max(1, b.get(k, 1)))) for k in _SIZES if k in a)
-
-
-def _brief(p) -> str:
-    return ",".join(f"{k}={v}" for k, v in dict(p).items() if not k.startswith("gemm_") and k not in ("P", "Q"))

@@ -9,15 +9,11 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Res
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from .. import floor
-from ..key import TuneKey
-from ..records import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
-from ..store import Store
-from ..transfer import FORMAT
-from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
-from .lookups import LookupCache, drops_lookups
-from .metrics import Metrics
-from .schemas import (
+from tunecache.key import TuneKey
+from tunecache.server.deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
+from tunecache.server.lookups import LookupCache, drops_lookups
+from tunecache.server.metrics import Metrics
+from tunecache.server.schemas import (
     Arch,
     BinariesIn,
     BinariesOut,
@@ -42,6 +38,9 @@ from .schemas import (
     SyncIn,
     SyncOut,
 )
+from tunecache.store import Store, floor
+from tunecache.store.records import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
+from tunecache.store.transfer import FORMAT
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
@@ -309,9 +308,8 @@ def submissions(
     dependencies=[Depends(drops_lookups)],
 )
 def delete_config(digest: DigestPath, token: AdminToken, store: StoreDep) -> DeleteOut:
-    if not store.delete_config(digest):
+    if not store.delete_config(digest, actor=token):
         raise HTTPException(404, f"no tuned config with digest {digest}")
-    store.audit(token, "config.delete", f"config:{digest}")
     return DeleteOut(deleted=True)
 
 
@@ -368,14 +366,7 @@ def import_(body: ImportIn, token: AdminToken, store: StoreDep, metrics: Metrics
     dependencies=[Depends(drops_lookups)],
 )
 def purge(body: PurgeIn, token: AdminToken, store: StoreDep) -> PurgeOut:
-    report = store.purge_token(body.token_name, dry_run=body.dry_run)
-    if not body.dry_run:
-        store.audit(
-            token,
-            "config.purge",
-            f"token:{body.token_name}",
-            {"removed": [r.digest for r in report.removed], "submissions": report.submissions},
-        )
+    report = store.purge_token(body.token_name, dry_run=body.dry_run, actor=token)
     return purge_out(report)
 
 
@@ -390,7 +381,7 @@ def purge_out(report: PurgeReport) -> PurgeOut:
     )
 
 
-# ---- a winner's compiled kernels (tunecache.binaries), and a host's sync ------------------
+# ---- a winner's compiled kernels (tunecache.tuning.binaries), and a host's sync ------------------
 
 # compiled kernels in one sync answer; the rest are named for the host to fetch one by one
 SYNC_BINARY_BYTES = 64 << 20
@@ -408,7 +399,7 @@ SYNC_BINARY_BYTES = 64 << 20
     "are served while `config` is the key's winner.",
 )
 def put_binaries(digest: DigestPath, body: BinariesIn, token: WorkerToken, store: StoreDep) -> BinariesStoredOut:
-    from ..binaries import Binary, refusal
+    from tunecache.tuning.binaries import Binary, refusal
 
     rec = store.get_config(digest)
     if rec is None:
@@ -456,7 +447,7 @@ def get_binaries(digest: DigestPath, _: ReadToken, store: StoreDep) -> BinariesO
     "a minute per token and client address (429 with Retry-After).",
 )
 def sync(body: SyncIn, token: ReadToken, request: Request, store: StoreDep) -> SyncOut:
-    from .guards import client_address
+    from tunecache.server.guards import client_address
 
     request.app.state.rate_limits.hit_sync(token, client_address(request))
     generation = store.generation()

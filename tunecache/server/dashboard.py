@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ..store import ConfigRecord, JobRecord, Store, utcnow
+from tunecache.shapes import shape_text
+from tunecache.store import ConfigRecord, JobRecord, Store, utcnow
 
 PLOT_CACHE_S = 10.0
 MAX_CONFIGS = 2000  # configs read for the plots and the summary
@@ -42,20 +43,6 @@ e = html.escape
 
 
 # ---- small formatting helpers ------------------------------------------------------------------
-
-
-def shape_of(problem: dict) -> str:
-    """The canonical short form of a problem ('4096x4096x4096 bf16', 'N32 56x56 64>64 3x3/s1p1 f16'),
-    as `tunecache ls` prints it; a problem of another kind as k=v pairs, without the derived
-    implicit-GEMM fields."""
-    from ..cli import shape_text
-
-    if not problem:
-        return "?"
-    text = shape_text(problem)
-    if "=" in text:
-        text = ",".join(f"{k}={v}" for k, v in problem.items() if not str(k).startswith("gemm_"))
-    return text
 
 
 def _short(text: str, n: int = SHAPE_CHARS) -> str:
@@ -159,7 +146,7 @@ class Group:
 
 
 def _order(kernel: str, problem: dict, shape: str) -> tuple:
-    from ..floor import work
+    from tunecache.store.floor import work
 
     w = work(kernel, problem)
     return (str(problem.get("dtype", "")), w[0] if w else math.inf, shape)
@@ -173,7 +160,7 @@ def groups_of(configs: Iterable[ConfigRecord]) -> list[Group]:
     for (arch, sms, kernel), recs in sorted(by.items()):
         shapes = []
         for r in recs:
-            text = shape_of(r.key.problem)
+            text = shape_text(r.key.problem)
             shapes.append(
                 Shape(r.digest, text, r.median_ms, r.default_ms, r.vendor_ms, order=_order(kernel, r.key.problem, text))
             )
@@ -492,7 +479,7 @@ def _table(
 def _shape_cell(problem: dict, unreadable: str | None = None) -> str:
     if unreadable:
         return f'<span class="empty" title="{e(unreadable)}">unreadable</span>'
-    full = shape_of(problem)
+    full = shape_text(problem)
     short = _short(full)
     title = f' title="{e(full)}"' if short != full else ""
     return f"<code{title}>{e(short)}</code>"

@@ -10,10 +10,10 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from ..records import TokenRecord, hash_token, utcnow
-from ..store import Store
-from .guards import client_address
-from .metrics import Metrics
+from tunecache.server.guards import client_address
+from tunecache.server.metrics import Metrics
+from tunecache.store import Store
+from tunecache.store.records import TokenRecord, hash_token, utcnow
 
 bearer = HTTPBearer(auto_error=False, description="a token from `tunecache token create --scope ...`")
 

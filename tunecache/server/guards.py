@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from ..records import TokenRecord
+from tunecache.store.records import TokenRecord
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class RateLimits:
 
     @classmethod
     def from_settings(cls) -> "RateLimits":
-        from .. import settings
+        from tunecache import settings
 
         return cls(Rate.of(*settings.rate_limit()), Rate.of(*settings.anon_rate_limit()), settings.rate_limit_storage())
 

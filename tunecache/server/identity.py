@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from ..records import TOKEN_SCOPES
-from .deps import ReadToken
+from tunecache.server.deps import ReadToken
+from tunecache.store.records import TOKEN_SCOPES
 
 router = APIRouter(prefix="/v1", tags=["system"])
 

@@ -7,11 +7,9 @@ from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Path, Query
 
-from ..faults import JobStateError
-from ..records import JOB_STATUSES, JobRecord
-from .configs import DigestPath, key_of
-from .deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
-from .schemas import (
+from tunecache.server.configs import DigestPath, key_of
+from tunecache.server.deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
+from tunecache.server.schemas import (
     INT32_MAX,
     Arch,
     ClaimIn,
@@ -32,6 +30,8 @@ from .schemas import (
     StatusesIn,
     StatusesOut,
 )
+from tunecache.store.faults import JobStateError
+from tunecache.store.records import JOB_STATUSES, JobRecord
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -173,12 +173,11 @@ def get_job(digest: DigestPath, _: ReadToken, store: StoreDep) -> JobOut:
 )
 def retry(digest: DigestPath, token: AdminToken, store: StoreDep) -> JobOut:
     try:
-        job = store.retry_job(digest)
+        job = store.retry_job(digest, actor=token)
     except JobStateError as e:
         raise HTTPException(409, str(e)) from None
     if job is None:
         raise HTTPException(404, f"no job for digest {digest}")
-    store.audit(token, "job.retry", f"job:{digest}", {"kernel": job.key.kernel})
     return job_out(job)
 
 
@@ -190,10 +189,8 @@ def retry(digest: DigestPath, token: AdminToken, store: StoreDep) -> JobOut:
     responses={404: {"model": ErrorOut}},
 )
 def drop(digest: DigestPath, token: AdminToken, store: StoreDep) -> DeleteOut:
-    job = store.get_job(digest)
-    if job is None or not store.drop_job(digest):
+    if store.drop_job(digest, actor=token) is None:
         raise HTTPException(404, f"no job for digest {digest}")
-    store.audit(token, "job.drop", f"job:{digest}", {"kernel": job.key.kernel, "status": job.status})
     return DeleteOut(deleted=True)
 
 

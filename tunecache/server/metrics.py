@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..store import JOB_STATUSES, Store
+from tunecache.store import JOB_STATUSES, Store
 
 
 class Metrics:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
-from ..records import MAX_BACKOFF_S, MAX_ENQUEUE_BATCH, MAX_LEASE_S, MAX_STATUS_DIGESTS
+from tunecache.store.records import MAX_BACKOFF_S, MAX_ENQUEUE_BATCH, MAX_LEASE_S, MAX_STATUS_DIGESTS
 
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
@@ -467,7 +467,7 @@ class ErrorOut(BaseModel):
 TritonHash = Annotated[
     str, StringConstraints(pattern=r"^[0-9a-f]{64}$"), Field(description="Triton's cache key: the entry's directory")
 ]
-# base64 of at most MAX_BINARY_BYTES (tunecache.binaries), checked there once decoded
+# base64 of at most MAX_BINARY_BYTES (tunecache.tuning.binaries), checked there once decoded
 Base64File = Annotated[str, StringConstraints(max_length=6 << 20, pattern=r"^[A-Za-z0-9+/=]*$")]
 
 

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..store import TokenRecord
-from .deps import MetricsDep, StoreDep, anonymous, authenticate
-from .guards import rate_limited_address
-from .schemas import ErrorOut, HealthOut
+from tunecache.server.deps import MetricsDep, StoreDep, anonymous, authenticate
+from tunecache.server.guards import rate_limited_address
+from tunecache.server.schemas import ErrorOut, HealthOut
+from tunecache.store import TokenRecord
 
 router = APIRouter(tags=["system"])
 
@@ -26,9 +26,9 @@ TOO_MANY = {429: {"model": ErrorOut, "description": "over the address's request 
     responses={503: {"model": ErrorOut, "description": "the database is unreachable"}, **TOO_MANY},
 )
 def healthz(store: StoreDep) -> HealthOut:
-    from .. import settings
-    from ..migrate import current_revision
-    from .schemas import QueueHealthOut
+    from tunecache import settings
+    from tunecache.server.schemas import QueueHealthOut
+    from tunecache.store.migrate import current_revision
 
     try:
         rev = current_revision(store.engine)
@@ -134,7 +134,7 @@ def dashboard(request: Request, store: StoreDep, m: MetricsDep) -> HTMLResponse:
         return _login_page("That token is invalid, expired or revoked.", forget=True)
     if caller is None:
         return _login_page()
-    from .dashboard import render_page
+    from tunecache.server.dashboard import render_page
 
     return HTMLResponse(render_page(store, m), headers=_PAGE_HEADERS)
 

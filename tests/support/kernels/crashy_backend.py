@@ -26,14 +26,14 @@ SPACE = ConfigSpace({**{k: (v,) for k, v in GOOD.items()}, "behaviour": BEHAVIOU
 
 def register(monkeypatch, *, preferred: bool = True) -> None:
     """Make this the preferred matmul backend (before portable) for the test's duration."""
-    from tunecache import registry
+    from tunecache import backends
     from tunecache_kernels import spaces
 
     spaces.space_for("matmul.portable")  # load the spaces
     monkeypatch.setitem(spaces._SPACES, KERNEL, SPACE)
-    preference = (BACKEND, "portable") if preferred else registry.BACKENDS_BY_OP[OP]
-    monkeypatch.setitem(registry.BACKENDS_BY_OP, OP, preference)
-    monkeypatch.setitem(registry._MODULES, (OP, BACKEND), sys.modules[__name__])
+    preference = (BACKEND, "portable") if preferred else backends.BACKENDS_BY_OP[OP]
+    monkeypatch.setitem(backends.BACKENDS_BY_OP, OP, preference)
+    monkeypatch.setitem(backends._MODULES, (OP, BACKEND), sys.modules[__name__])
 
 
 def config_space(p: dict, device) -> list[dict]:

@@ -39,12 +39,12 @@ JIT_FUNCTIONS = base.JIT_FUNCTIONS + (out_of_bounds_kernel, spin_kernel)
 
 
 def register(monkeypatch) -> None:
-    from tunecache import registry
+    from tunecache import backends
     from tunecache_kernels import spaces
 
     spaces.space_for("matmul.portable")
     monkeypatch.setitem(spaces._SPACES, KERNEL, SPACE)
-    monkeypatch.setitem(registry._MODULES, (OP, BACKEND), sys.modules[__name__])
+    monkeypatch.setitem(backends._MODULES, (OP, BACKEND), sys.modules[__name__])
 
 
 def config_space(p: dict, device) -> list[dict]:

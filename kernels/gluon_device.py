@@ -1,0 +1,40 @@
+"""Device helpers both Gluon architectures' kernels call: a ring of mbarriers set up and torn
+down, and an implicit-GEMM conv's walk over (channel block, filter tap) k-steps.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+
+@gluon.jit
+def init_ring(bars, count: gl.constexpr = 1):
+    """Initialize a ring of mbarriers ([NUM, 1] in shared memory), each expecting `count` arrivals."""
+    NUM: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(NUM):
+        mbarrier.init(bars.index(i), count=count)
+
+
+@gluon.jit
+def invalidate_ring(bars):
+    NUM: gl.constexpr = bars.shape[0]
+    for i in gl.static_range(NUM):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def next_conv_k(c0, r, s, Ci, R, S, BLOCK_K: gl.constexpr):
+    """An implicit-GEMM conv's next k-step: (channel block, tap) advanced by one without
+    dividing, channel blocks of a tap before the next tap; `done` when the tile's k-loop wraps."""
+    c0 = c0 + BLOCK_K
+    wrap_c = c0 >= Ci
+    c0 = gl.where(wrap_c, 0, c0)
+    s = gl.where(wrap_c, s + 1, s)
+    wrap_s = s == S
+    s = gl.where(wrap_s, 0, s)
+    r = gl.where(wrap_s, r + 1, r)
+    done = r == R
+    r = gl.where(done, 0, r)
+    return c0, r, s, done

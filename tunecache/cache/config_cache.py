@@ -1,0 +1,423 @@
+"""The one place configs are looked up and kept: local store -> fleet -> validate.
+
+`ConfigCache.get` is what the ops, `@tunecache.autotune` and the worker read through, and
+`keep` is how their results are stored and published. Both never fail the caller's call:
+
+- a fault of the local store (read-only, full disk, corrupt, newer schema, a lock held past
+  the busy timeout) is one warning naming the cause, and the lookup goes on with the fleet
+  and the miss policy (`tunecache.store.local` opens the best store that still works);
+- a config is returned only if the caller's `check` accepts it for this problem and device
+  (the kernel's space and the backend's own pruning): one that fails is dropped from the
+  local store and reported to the fleet;
+- a copy of a fleet winner is marked as one (source "fleet"), rechecked after
+  TUNECACHE_FLEET_TTL_S or when the fleet's generation moved (a winner was removed or
+  replaced), removed when the fleet no longer has it, and never keeps a result of this host
+  out (see `Store._keep_faster`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, NamedTuple
+
+from tunecache import settings
+from tunecache.errors import short
+from tunecache.fleet.protocol import KEPT_EXISTING, UNREACHABLE, WON, Fleet, Published
+from tunecache.key import TuneKey
+from tunecache.store.records import ConfigRecord, TrialRecord, utcnow
+
+if TYPE_CHECKING:
+    from tunecache.key import DeviceClass
+    from tunecache.store import Store
+    from tunecache.tuning.tuner import TuneResult
+
+log = logging.getLogger("tunecache")
+
+# How often a process asks the fleet for its generation (only when it reads a fleet copy).
+GENERATION_POLL_S = 60.0
+
+Check = Callable[[dict], "str | None"]  # a config -> why it cannot run here, or None
+
+
+class Kept(NamedTuple):
+    """What `ConfigCache.keep` did with a result."""
+
+    record: ConfigRecord  # the record to run: the result, or a faster one already kept
+    won: bool  # whether the result is the winner where it was kept
+    published: Published | None  # the fleet's answer; None when it was not published
+
+
+class SyncReport(NamedTuple):
+    """What `ConfigCache.sync` copied from the fleet."""
+
+    total: int
+    new: int  # new or changed winners
+    same: int  # copies already here
+    own: int  # tuned on this host: kept
+    installed: int  # compiled kernels written into Triton's cache
+    skipped: list[str]  # entries that could not be read, in words
+
+
+class ConfigCache:
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._generation: int | None = None
+        self._generation_at = -float("inf")
+        self._copied: set[str] = set()  # digests whose fleet copy this process has written (or queued)
+
+    # ---- where configs live ---------------------------------------------------------------
+
+    def store(self) -> Store | None:
+        """The local store, or None (one warning) when none can be had at all."""
+        from tunecache.store.process import default_store
+
+        try:
+            return default_store()
+        except Exception as e:  # noqa: BLE001 - no store is a warning, never the caller's failure
+            self._warn_fault("open", e)
+            return None
+
+    def fleet(self) -> Any:
+        """The fleet service's client (TUNECACHE_SERVER_URL), or None."""
+        url = settings.server_url()
+        if not url:
+            return None
+        from tunecache.fleet.client import fleet_client
+
+        return fleet_client(url)
+
+    def store_call(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
+        from tunecache.store import STORE_ERRORS, ReadOnlyStoreError
+
+        try:
+            return fn()
+        except ReadOnlyStoreError:  # the warning given when it was opened said why
+            log.debug("tunecache: the local store is read-only: cannot %s", what)
+            return default
+        except STORE_ERRORS as e:
+            self._warn_fault(what, e)
+            return default
+
+    def _warn_fault(self, what: str, e: BaseException) -> None:
+        from tunecache.store import describe_fault, sqlite_path
+
+        try:
+            path = sqlite_path(settings.db_url())
+        except Exception:  # noqa: BLE001 - the words are then less precise, nothing more
+            path = None
+        cause = describe_fault(e, path) or short(e)
+        if cause in self._warned:
+            return
+        self._warned.add(cause)
+        log.warning("tunecache: the local store failed to %s (%s); going on without it for this", what, cause)
+
+    def warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            log.warning("%s", text)
+
+    # ---- get ----------------------------------------------------------------------------
+
+    def _read(self, what: str, quick: Callable[[str], Any], slow: Callable[["Store"], Any], default: Any) -> Any:
+        """A read a warm host's first call makes: `tunecache.store.quick_read` without opening the
+        Store, else the Store (`default` without one, or on a fault)."""
+        from tunecache.store import quick_read
+        from tunecache.store.process import holds_nothing_yet
+
+        url = settings.db_url()
+        found = quick(url)
+        if found is not quick_read.UNKNOWN:
+            return found
+        if holds_nothing_yet(url):  # a fresh host: opening the store to read nothing costs 0.7 s
+            return default
+        store = self.store()
+        return default if store is None else self.store_call(what, lambda: slow(store), default)
+
+    def read_config(self, digest: str) -> ConfigRecord | None:
+        """The local store's winner for `digest` (None: none, or no store)."""
+        from tunecache.store import quick_read
+
+        return self._read("read", lambda url: quick_read.config(url, digest), lambda s: s.get_config(digest), None)
+
+    def read_trials(self, digest: str) -> list[TrialRecord]:
+        """The local store's trials of `digest` (none without a store)."""
+        from tunecache.store import quick_read
+
+        return self._read("read trials", lambda url: quick_read.trials(url, digest), lambda s: s.trials(digest), [])
+
+    def read_selfcheck(self, *k: Any) -> tuple[bool, str | None] | None:
+        """A backend's stored self-check verdict, as `Store.get_selfcheck` answers it."""
+        from tunecache.store import quick_read
+
+        return self._read(
+            "read a self-check", lambda url: quick_read.selfcheck(url, *k), lambda s: s.get_selfcheck(*k), None
+        )
+
+    def surely_missing(self, digest: str) -> bool:
+        """Whether this host's store has no winner for `digest`, known without opening the
+        Store: a plain SQLite store without the row, or without a file yet. (Postgres and
+        the like: not known, False.)"""
+        from tunecache.store import quick_read
+
+        url = settings.db_url()
+        found = quick_read.config(url, digest)
+        return quick_read.no_file(url) if found is quick_read.UNKNOWN else found is None
+
+    def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
+        """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
+        rec = self.read_config(key.digest)
+        if rec is not None and rec.source == "fleet" and self._stale(rec):
+            rec = self._recheck(self.store(), key, rec)
+        if rec is not None:
+            why = _why_not(rec, key, check)
+            if why is None:
+                return rec
+            self.drop(key, rec.config, why, where="stored")
+        fleet = self.fleet()
+        if fleet is None:
+            return None
+        status, frec = fleet.fetch(key)
+        if frec is None:
+            if status == "miss" and key.digest in self._copied:
+                # the copy this process queued may land after the fleet removed the winner
+                self._copied.discard(key.digest)
+                self.write_behind("remove a fleet copy", lambda store: store.delete_fleet_copy(key.digest))
+            return None
+        why = _why_not(frec, key, check)
+        if why is not None:
+            log.warning("tunecache: ignoring the fleet's config of %s %s: %s", key.kernel, key.digest[:12], why)
+            fleet.report(key, frec.config, why)
+            return None
+        frec.source = "fleet"
+        generation = fleet.generation
+        # write-through: the next process on this host needs no network
+        self._copied.add(key.digest)
+        self.write_behind("keep a fleet copy", lambda store: store.put_fleet_copy(frec, generation))
+        self.install_binaries(fleet, frec)
+        return frec
+
+    def _stale(self, rec: ConfigRecord) -> bool:
+        checked = rec.fleet_checked_at
+        if checked is None or utcnow() - checked > timedelta(seconds=settings.fleet_ttl_s()):
+            return True
+        generation = self._fleet_generation()
+        return generation is not None and generation != rec.fleet_generation
+
+    def _fleet_generation(self) -> int | None:
+        """The fleet's generation, asked at most once per GENERATION_POLL_S (None: unknown)."""
+        fleet = self.fleet()
+        if fleet is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            if now - self._generation_at < GENERATION_POLL_S:
+                return self._generation if fleet.generation is None else fleet.generation
+            self._generation_at = now
+        self._generation = fleet.current_generation()
+        return self._generation
+
+    def _recheck(self, store: Store | None, key: TuneKey, rec: ConfigRecord) -> ConfigRecord | None:
+        """Ask the fleet about a copy of its winner: still there, replaced, or removed."""
+        fleet = self.fleet()
+        if fleet is None:
+            return rec  # the fleet is no longer configured: the copy is what this host has
+        status, frec = fleet.fetch(key)
+        if status == "unavailable":
+            return rec
+        if status == "miss":
+            log.info("tunecache: the fleet no longer has %s %s: removing this host's copy", key.kernel, key.digest[:12])
+            if store is not None:
+                self.store_call("remove a fleet copy", lambda: store.delete_fleet_copy(key.digest))
+            return None
+        frec.source = "fleet"
+        if store is not None:
+            if frec.config == rec.config:
+                self.store_call("mark a fleet copy", lambda: store.mark_fleet_checked(key.digest, fleet.generation))
+            else:
+                self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        if frec.config != rec.config:
+            self.install_binaries(fleet, frec)
+        return frec
+
+    def install_binaries(self, fleet: Any, rec: ConfigRecord, found: "list | None" = None) -> int:
+        """Put the compiled kernels of a fleet winner into this host's Triton cache, so that its
+        first launch does not compile (tunecache.tuning.binaries); `found`: already fetched. Each is
+        checked against the key; nothing here fails the caller's call. Returns how many were
+        written."""
+        if rec.key.arch == "cpu" or not settings.fleet_binaries():
+            return 0
+        from tunecache.tuning import binaries
+
+        if found is None:
+            got = fleet.binaries(rec.digest)
+            if got is None or got[0] != rec.config:
+                return 0
+            found = got[1]
+        written = 0
+        for b in found:
+            why = binaries.refusal(b, rec.key.arch, rec.key.triton_version)
+            if why:
+                log.warning(
+                    "tunecache: not installing a compiled kernel of %s %s: %s", rec.key.kernel, rec.digest[:12], why
+                )
+                continue
+            try:
+                written += binaries.install(b)
+            except Exception as e:  # noqa: BLE001 - a full or read-only disk...: Triton compiles it as before
+                self.warn_once(
+                    f"tunecache: could not write a fleet kernel into Triton's cache ({short(e)}); "
+                    "kernels are compiled here as before"
+                )
+                break
+        return written
+
+    def write_behind(self, what: str, fn: Callable[["Store"], Any]) -> None:
+        """A write the call need not wait for (a fleet copy, the fleet's word for a backend):
+        done at once when this process has its store open; otherwise left to the store's
+        writer thread, which opens it (SQLAlchemy's import and the schema: 0.5-0.7 s of a
+        fresh host's first call) once the call has launched its kernel (`process_store.write_behind`)."""
+        from tunecache.store.process import store_is_open, write_behind
+
+        if store_is_open(settings.db_url()):
+            self._write(what, fn)
+        else:
+            write_behind(lambda: self._write(what, fn))
+
+    def _write(self, what: str, fn: Callable[["Store"], Any]) -> None:
+        store = self.store()
+        if store is not None:
+            self.store_call(what, lambda: fn(store))
+
+    # ---- keep, drop, enqueue ----------------------------------------------------------------
+
+    def keep(
+        self,
+        rec: ConfigRecord,
+        trials: Iterable[TrialRecord] = (),
+        *,
+        run_id: str | None = None,
+        tune_seconds: float | None = None,
+        publish: Literal["if_won", "always", "never"] = "if_won",
+        binaries: list | None = None,
+        store: Store | None = None,
+        fleet: Fleet | None = None,
+        publish_attempts: int = 1,
+    ) -> Kept:
+        """Store a result in this host's store (unless a faster one is kept there) and publish it
+        to the fleet, with its compiled kernels (`binaries`) when the fleet made it the winner.
+
+        `publish`: "if_won" here (a library call's result), "always" (a worker's: the fleet
+        decides), "never". `store`, `fleet`: where, when not this process's own; a fleet that
+        is this very store (a worker of a host's own queue) keeps it once. A publish the fleet
+        could not receive is tried `publish_attempts` times in all, waiting 0.5 s, 1 s, 2 s...
+        A store that cannot write keeps nothing and `rec` runs."""
+        trials = list(trials)
+        store = store or self.store()
+        fleet = fleet if fleet is not None else self.fleet()
+        kept, won = rec, True
+        if store is not None:
+            kept, won = self.store_call(
+                "keep a tuning result", lambda: store.put_config(rec, trials, run_id), (rec, True)
+            )
+        if fleet is None or publish == "never" or (publish == "if_won" and not won):
+            return Kept(kept, won, None)
+        if store is not None and getattr(fleet, "store", None) is store:
+            return Kept(kept, won, Published(WON if won else KEPT_EXISTING, kept=kept))
+        sent = Published(UNREACHABLE)
+        delay = 0.5
+        for attempt in range(max(1, publish_attempts)):
+            if attempt:
+                time.sleep(delay)
+                delay *= 2
+            sent = fleet.publish(rec, trials, tune_seconds=tune_seconds)
+            if sent.reached:
+                break
+        if binaries and sent.won:  # hosts that copy the winner need not compile it
+            fleet.publish_binaries(rec, binaries)
+        return Kept(kept, won, sent)
+
+    def keep_tuned(self, result: "TuneResult", device: "DeviceClass", **where: Any) -> Kept:
+        """`keep` a tuning run's result: its winner, trials, run and compiled kernels."""
+        return self.keep(
+            result.record(device),
+            result.trials,
+            run_id=result.run_id,
+            tune_seconds=result.seconds,
+            binaries=result.binaries,
+            **where,
+        )
+
+    def sync(
+        self, fleet: Fleet, device: "DeviceClass", kernel_versions: Any, triton_version: str, binaries: bool = True
+    ) -> SyncReport:
+        """Copy every fleet winner of `device` into this host's store, and their compiled kernels
+        into Triton's cache: one request, so that no call of a job that starts waits for the
+        fleet or compiles what the fleet has. A result tuned on this host is never replaced.
+        FleetError when the fleet could not answer; a store fault is the caller's error."""
+        answer = fleet.sync(device, triton_version, kernel_versions, binaries)
+        from tunecache.store.process import default_store
+
+        store = default_store()
+        recs: dict[str, ConfigRecord] = {}
+        new = same = own = 0
+        for rec in answer.configs:
+            rec.source = "fleet"
+            recs[rec.digest] = rec
+            before = store.get_config(rec.digest)
+            if not store.put_fleet_copy(rec, answer.generation):
+                own += 1
+            elif before is not None and before.config == rec.config:
+                same += 1
+            else:
+                new += 1
+        installed = 0
+        if binaries:
+            for digest, kernels in answer.binaries.items():
+                if digest in recs:
+                    installed += self.install_binaries(fleet, recs[digest], kernels)
+            for digest in answer.more_binaries:  # those the answer had no room for, one by one
+                if digest in recs:
+                    installed += self.install_binaries(fleet, recs[digest])
+        return SyncReport(len(recs), new, same, own, installed, answer.skipped)
+
+    def drop(self, key: TuneKey, config: dict, reason: str, *, where: str = "stored") -> None:
+        """A config that cannot run here: forget the local row that holds it, tell the fleet."""
+        log.warning(
+            "tunecache: dropping the %s config of %s %s %s: %s", where, key.kernel, key.digest[:12], config, reason
+        )
+        store = self.store()
+        if store is not None:
+
+            def delete() -> None:
+                rec = store.get_config(key.digest)
+                if rec is not None and rec.config == config:
+                    store.delete_config(key.digest)
+
+            self.store_call("drop a bad config", delete)
+        fleet = self.fleet()
+        if fleet is not None:
+            fleet.report(key, config, reason)
+
+    def enqueue(self, key: TuneKey) -> None:
+        store = self.store()
+        if store is not None:
+            self.store_call("queue a tuning job", lambda: store.enqueue(key))
+        fleet = self.fleet()
+        if fleet is not None:
+            fleet.enqueue(key)
+
+
+def _why_not(rec: ConfigRecord, key: TuneKey, check: Check) -> str | None:
+    if rec.key.digest != key.digest:
+        return f"it is the entry of another key ({rec.key.kernel} {rec.key.digest[:12]})"
+    try:
+        return check(rec.config)
+    except Exception as e:  # noqa: BLE001 - a check that cannot decide refuses
+        return f"checking it failed: {type(e).__name__}: {e}"
+
+
+CACHE = ConfigCache()

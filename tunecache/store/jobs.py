@@ -1,0 +1,500 @@
+"""The tuning queue: enqueue, claim under a lease, heartbeat, complete, fail, retry, drop, expire."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+from sqlalchemy import and_, case, false, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from tunecache.key import TuneKey
+
+# the names this module has always offered: most now live in tunecache.store.records, .rows,
+# .engine and .faults, and are re-exported here
+from tunecache.store.base import CLAIM_SCAN, LEASE_PREFIX, StoreBase, log
+from tunecache.store.engine import insert_ignore
+from tunecache.store.faults import (
+    JobStateError,
+)
+from tunecache.store.records import (
+    JOB_STATUSES,
+    MAX_BACKOFF_S,
+    MAX_LEASE_S,
+    JobRecord,
+    QueueWait,
+    TokenRecord,
+    hash_token,
+)
+from tunecache.store.rows import (
+    TunedConfigRow,
+    TuningJobRow,
+    job_record,
+)
+
+
+class JobStore(StoreBase):
+    """The tuning queue: enqueue, claim under a lease, heartbeat, complete, fail, retry, drop, expire."""
+
+    def enqueue_missing(self, jobs: Iterable[tuple[TuneKey, int, int | None]]) -> tuple[list[str], list[str]]:
+        """Enqueue, in order, the (key, priority, max_attempts or None for enqueue's default) jobs
+        whose key has no tuned config: (the digests found tuned, the digests queued). What a
+        pretune asks before its workers start, of a store queue or the service's POST
+        /v1/jobs/batch."""
+        tuned: list[str] = []
+        queued: list[str] = []
+        for key, priority, max_attempts in jobs:
+            if self.get_config(key.digest) is not None:
+                tuned.append(key.digest)
+                continue
+            attempts = {} if max_attempts is None else {"max_attempts": max_attempts}
+            self.enqueue(key, priority=priority, **attempts)
+            queued.append(key.digest)
+        return tuned, queued
+
+    def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> JobRecord:
+        """One active job per digest: a queued or running job is returned as it is. A done job
+        whose winner is gone, or a quarantined one, is queued again (the key's fields are
+        written again: enqueueing the key repairs a row that could not be read)."""
+        now = self._now_sql()
+        values = dict(
+            digest=key.digest,
+            **key.fields(),
+            status="queued",
+            priority=priority,
+            attempts=0,
+            max_attempts=max_attempts,
+            not_before=now,
+            created_at=now,
+            updated_at=now,
+        )
+        with self._write() as s:
+            insert_ignore(s, TuningJobRow.__table__, values)
+            row = s.execute(
+                select(TuningJobRow).where(TuningJobRow.digest == key.digest).with_for_update()
+            ).scalar_one()
+            changes: dict[str, Any] = {}
+            if job_record(row).unreadable is not None:
+                changes.update(key.fields())  # the key hashes to this digest: its fields are the row's
+            if row.status == "quarantined" or (
+                row.status == "done"
+                and s.execute(select(TunedConfigRow.id).where(TunedConfigRow.digest == key.digest)).first() is None
+            ):
+                # done, but its winner is gone (deleted): tune again
+                changes.update(
+                    status="queued",
+                    attempts=0,
+                    not_before=now,
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                )
+            if priority > row.priority and (row.status == "queued" or changes):
+                changes["priority"] = priority
+            if changes:
+                s.execute(
+                    update(TuningJobRow)
+                    .where(TuningJobRow.id == row.id)
+                    .values(**changes, updated_at=now)
+                    .execution_options(synchronize_session=False)
+                )
+                s.refresh(row)
+            return job_record(row)
+
+    def claim_job(
+        self,
+        owner: str,
+        arch: str | None = None,
+        sm_count: int | None = None,
+        lease_s: float = 60.0,
+        kernels: Iterable[str] | None = None,
+        *,
+        kernel_versions: Mapping[str, str] | None = None,
+        triton_version: str | None = None,
+    ) -> JobRecord | None:
+        """Lease the most urgent job of this device class: queued, or running with a lapsed lease.
+
+        The answer carries `lease_secret`, random and returned only here (the store keeps its
+        sha256): heartbeat, complete, fail and release must present it. `owner` only names the
+        holder for people. `lease_s` is capped at MAX_LEASE_S. `kernel_versions` ({kernel:
+        version}) and `triton_version` restrict the claim to jobs whose key this worker
+        reproduces: a worker on other code would tune another digest.
+
+        On the way, in the same call: a job whose last attempt's lease ran out is marked failed
+        (its worker died on every attempt), and a row that cannot be read is quarantined; the
+        claim goes on to the next job.
+        """
+        lease_s = min(float(lease_s), MAX_LEASE_S)
+        now = self._now_sql()
+        with self._write() as s:
+            self._fail_lapsed_last_attempts(s, arch, sm_count)
+            self._expire_queued(s)  # a job nobody took for TUNECACHE_JOB_TTL_S is not handed out
+            q = self._device_class_filter(
+                select(TuningJobRow).where(
+                    ((TuningJobRow.status == "queued") & (TuningJobRow.not_before <= now))
+                    | (
+                        (TuningJobRow.status == "running")
+                        & (TuningJobRow.lease_expires_at < now)
+                        & (TuningJobRow.attempts < TuningJobRow.max_attempts)
+                    )
+                ),
+                arch,
+                sm_count,
+            )
+            if kernels is not None:
+                q = q.where(TuningJobRow.kernel.in_(list(kernels)))
+            if kernel_versions is not None:
+                q = q.where(
+                    or_(
+                        false(),
+                        *(
+                            and_(TuningJobRow.kernel == k, TuningJobRow.kernel_version == v)
+                            for k, v in kernel_versions.items()
+                        ),
+                    )
+                )
+            if triton_version is not None:
+                q = q.where(TuningJobRow.triton_version == triton_version)
+            q = q.order_by(TuningJobRow.priority.desc(), TuningJobRow.id).limit(1)
+            if self.dialect == "postgresql":
+                q = q.with_for_update(skip_locked=True)
+            for _ in range(CLAIM_SCAN):
+                row = s.execute(q).scalar_one_or_none()
+                if row is None:
+                    return None
+                rec = job_record(row)
+                if rec.unreadable is not None:
+                    log.warning(
+                        "tunecache: job %d (%s) cannot be read (%s); quarantined",
+                        row.id,
+                        row.digest[:12],
+                        rec.unreadable,
+                    )
+                    s.execute(
+                        update(TuningJobRow)
+                        .where(TuningJobRow.id == row.id)
+                        .values(
+                            status="quarantined",
+                            lease_owner=None,
+                            lease_hash=None,
+                            lease_expires_at=None,
+                            last_error=f"quarantined: the row cannot be read ({rec.unreadable})",
+                            updated_at=now,
+                        )
+                        .execution_options(synchronize_session=False)
+                    )
+                    continue
+                secret = LEASE_PREFIX + secrets.token_urlsafe(32)
+                s.execute(
+                    update(TuningJobRow)
+                    .where(TuningJobRow.id == row.id)
+                    .values(
+                        status="running",
+                        lease_owner=owner[:128],
+                        lease_hash=hash_token(secret),
+                        lease_expires_at=self._now_sql(lease_s),
+                        attempts=TuningJobRow.attempts + 1,
+                        updated_at=now,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+                s.refresh(row)
+                return job_record(row, lease_secret=secret)
+            return None  # only unreadable rows so far; the next claim goes on
+
+    def _device_class_filter(self, q: Any, arch: str | None, sm_count: int | None) -> Any:
+        if arch is not None:
+            q = q.where(TuningJobRow.arch == arch)
+        if sm_count is not None:
+            q = q.where(TuningJobRow.sm_count == sm_count)
+        return q
+
+    def _fail_lapsed_last_attempts(self, s: Session, arch: str | None, sm_count: int | None) -> None:
+        """Mark failed the running jobs of this device class whose last attempt's lease ran out."""
+        now = self._now_sql()
+        q = self._device_class_filter(
+            select(
+                TuningJobRow.id,
+                TuningJobRow.digest,
+                TuningJobRow.lease_owner,
+                TuningJobRow.attempts,
+                TuningJobRow.max_attempts,
+                TuningJobRow.last_error,
+            ).where(
+                TuningJobRow.status == "running",
+                TuningJobRow.lease_expires_at < now,
+                TuningJobRow.attempts >= TuningJobRow.max_attempts,
+            ),
+            arch,
+            sm_count,
+        ).limit(CLAIM_SCAN)
+        if self.dialect == "postgresql":
+            q = q.with_for_update(skip_locked=True)
+        for job_id, digest, owner, attempts, max_attempts, last_error in s.execute(q).all():
+            why = f"the lease of {owner or 'its worker'} ran out on the last attempt ({attempts}/{max_attempts})"
+            log.warning("tunecache: job %d (%s): %s; marked failed", job_id, digest[:12], why)
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == job_id)
+                .values(
+                    status="failed",
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                    updated_at=now,
+                    last_error="\n".join(filter(None, [last_error, why]))[-8000:],
+                )
+                .execution_options(synchronize_session=False)
+            )
+
+    @staticmethod
+    def _held(job_id: int, lease_secret: str) -> tuple:
+        """The running job `job_id` whose lease this secret holds."""
+        return (
+            TuningJobRow.id == job_id,
+            TuningJobRow.status == "running",
+            TuningJobRow.lease_hash == hash_token(lease_secret),
+        )
+
+    def heartbeat(self, job_id: int, lease_secret: str, lease_s: float = 60.0) -> bool:
+        """Extend the lease (capped at MAX_LEASE_S); False unless `lease_secret` holds it (the
+        lease ran out and the job was claimed again, it is finished, or the secret is wrong)."""
+        if not lease_secret:
+            return False
+        now = self._now_sql()
+        with self._write() as s:
+            res = s.execute(
+                update(TuningJobRow)
+                .where(*self._held(job_id, lease_secret))
+                .values(lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)), updated_at=now)
+                .execution_options(synchronize_session=False)
+            )
+            return res.rowcount == 1
+
+    def complete_job(self, job_id: int, lease_secret: str) -> bool:
+        if not lease_secret:
+            return False
+        with self._write() as s:
+            res = s.execute(
+                update(TuningJobRow)
+                .where(*self._held(job_id, lease_secret))
+                .values(
+                    status="done", lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=self._now_sql()
+                )
+                .execution_options(synchronize_session=False)
+            )
+            return res.rowcount == 1
+
+    def fail_job(self, job_id: int, lease_secret: str, error: str, backoff_s: float = 5.0) -> str | None:
+        """Record a failure: back to the queue after a backoff (doubling per attempt, at most
+        MAX_BACKOFF_S), or `failed` after max attempts. None unless `lease_secret` holds the lease."""
+        if not lease_secret:
+            return None
+        now = self._now_sql()
+        with self._write() as s:
+            row = s.execute(
+                select(TuningJobRow).where(*self._held(job_id, lease_secret)).with_for_update()
+            ).scalar_one_or_none()
+            if row is None:
+                return None
+            values: dict[str, Any] = dict(
+                last_error=error[:8000], lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=now
+            )
+            if row.attempts >= row.max_attempts:
+                values["status"] = "failed"
+            else:
+                # capped: an exponent of a few dozen attempts would overflow datetime
+                wait = min(max(float(backoff_s), 0.0) * 2 ** min(row.attempts - 1, 30), MAX_BACKOFF_S)
+                values.update(status="queued", not_before=self._now_sql(wait))
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == row.id)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+            return values["status"]
+
+    def get_job(self, digest: str) -> JobRecord | None:
+        with self._read() as s:
+            row = s.execute(select(TuningJobRow).where(TuningJobRow.digest == digest)).scalar_one_or_none()
+            return None if row is None else job_record(row)
+
+    def list_jobs(
+        self, status: str | None = None, limit: int = 1000, *, arch: str | None = None, sm_count: int | None = None
+    ) -> list[JobRecord]:
+        """Jobs by id; a row that cannot be read is listed with `unreadable` saying why."""
+        with self._read() as s:
+            q = self._device_class_filter(select(TuningJobRow), arch, sm_count).order_by(TuningJobRow.id).limit(limit)
+            if status:
+                q = q.where(TuningJobRow.status == status)
+            return [job_record(r) for r in s.execute(q).scalars()]
+
+    # ---- queue operations (operators: `tunecache jobs`, the admin routes, /healthz) ---------
+
+    def retry_job(self, digest: str, actor: TokenRecord | str | None = None) -> JobRecord | None:
+        """Queue a failed, quarantined or backing-off job again now, its attempts reset (its
+        last error is kept), audited as `actor`'s. None if there is no such job; JobStateError if
+        it is running, done, or cannot be read."""
+        now = self._now_sql()
+        with self._write() as s:
+            row = s.execute(
+                select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
+            ).scalar_one_or_none()
+            if row is None:
+                return None
+            rec = job_record(row)
+            if rec.unreadable is not None:
+                raise JobStateError(
+                    f"job {digest[:12]} cannot be read ({rec.unreadable}): drop it, and enqueue "
+                    f"its key again to tune it"
+                )
+            if row.status == "running":
+                raise JobStateError(
+                    f"job {digest[:12]} is running (leased to {row.lease_owner!r} until "
+                    f"{row.lease_expires_at} UTC): let it finish, or drop it"
+                )
+            if row.status == "done":
+                raise JobStateError(
+                    f"job {digest[:12]} is done and its winner is stored: delete the config "
+                    f"(DELETE /v1/configs/{digest}) and enqueue the key to tune it again"
+                )
+            s.execute(
+                update(TuningJobRow)
+                .where(TuningJobRow.id == row.id)
+                .values(
+                    status="queued",
+                    attempts=0,
+                    not_before=now,
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                    updated_at=now,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            s.refresh(row)
+            job = job_record(row)
+        if actor is not None:
+            self.audit(actor, "job.retry", f"job:{digest}", {"kernel": job.key.kernel})
+        return job
+
+    def drop_job(self, digest: str, actor: TokenRecord | str | None = None) -> JobRecord | None:
+        """Delete the job of this digest, in whatever state (a worker holding it loses its lease),
+        audited as `actor`'s; the job as it was, or None if there was none."""
+        with self._write() as s:
+            row = s.execute(
+                select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
+            ).scalar_one_or_none()
+            if row is None:
+                return None
+            job = job_record(row)
+            s.execute(TuningJobRow.__table__.delete().where(TuningJobRow.id == row.id))
+        if actor is not None:
+            self.audit(actor, "job.drop", f"job:{digest}", {"kernel": job.key.kernel, "status": job.status})
+        return job
+
+    def queue_waits(self) -> tuple[datetime, list[QueueWait]]:
+        """(the database's time now, per device class: the jobs a worker could claim now, how
+        long the oldest of them has waited, and the live leases)."""
+        with self._read() as s:
+            now = s.execute(select(self._now_sql())).scalar_one()
+            claimable = or_(
+                and_(TuningJobRow.status == "queued", TuningJobRow.not_before <= now),
+                and_(TuningJobRow.status == "running", TuningJobRow.lease_expires_at < now),
+            )
+            since = case(
+                (TuningJobRow.status == "queued", TuningJobRow.not_before), else_=TuningJobRow.lease_expires_at
+            )
+            out: dict[tuple[str, int], QueueWait] = {}
+            for arch, sms, n, oldest in s.execute(
+                select(TuningJobRow.arch, TuningJobRow.sm_count, func.count(), func.min(since))
+                .where(claimable)
+                .group_by(TuningJobRow.arch, TuningJobRow.sm_count)
+            ):
+                wait = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
+                out[(arch, sms)] = QueueWait(arch, sms, waiting=n, oldest_wait_s=wait)
+            for arch, sms, n in s.execute(
+                select(TuningJobRow.arch, TuningJobRow.sm_count, func.count())
+                .where(TuningJobRow.status == "running", TuningJobRow.lease_expires_at >= now)
+                .group_by(TuningJobRow.arch, TuningJobRow.sm_count)
+            ):
+                out.setdefault((arch, sms), QueueWait(arch, sms)).running = n
+            return now, sorted(out.values(), key=lambda w: (w.arch, w.sm_count))
+
+    # ---- fleet: submissions, tokens and queue state (the service's side of the store) ------
+
+    def _expire_queued(self, s: Session, ttl_s: float | None = None) -> int:
+        """Mark jobs queued for longer than the TTL (TUNECACHE_JOB_TTL_S, since they last became
+        queued, by the database's clock) as failed, saying so: no worker of their device class
+        took them. Runs in the caller's write transaction (prune; a claim may call it first);
+        returns how many."""
+        from tunecache import settings
+
+        ttl = settings.job_ttl_s() if ttl_s is None else ttl_s
+        res = s.execute(
+            update(TuningJobRow)
+            .where(TuningJobRow.status == "queued", TuningJobRow.updated_at < self._now_sql(-ttl))
+            .values(
+                status="failed",
+                updated_at=self._now_sql(),
+                last_error=f"expired: queued for over {ttl / 86400:g} day(s) without a worker claiming it "
+                f"(TUNECACHE_JOB_TTL_S); `tunecache jobs retry` queues it again",
+            )
+            .execution_options(synchronize_session=False)
+        )
+        return res.rowcount
+
+    def expire_queued_jobs(self, ttl_s: float | None = None) -> int:
+        """_expire_queued in a transaction of its own."""
+        with self._write() as s:
+            return self._expire_queued(s, ttl_s)
+
+    def job_counts(self, arch: str | None = None, sm_count: int | None = None) -> dict[str, int]:
+        """Jobs per status (the queue depth), optionally of one device class."""
+        with self._read() as s:
+            q = select(TuningJobRow.status, func.count()).group_by(TuningJobRow.status)
+            if arch is not None:
+                q = q.where(TuningJobRow.arch == arch)
+            if sm_count is not None:
+                q = q.where(TuningJobRow.sm_count == sm_count)
+            out = {status: 0 for status in JOB_STATUSES}
+            out.update({status: n for status, n in s.execute(q)})
+            return out
+
+    def job_statuses(self, digests: Iterable[str]) -> dict[str, str]:
+        """{digest: status} of the jobs for these digests (absent: no job)."""
+        digests = list(digests)
+        out: dict[str, str] = {}
+        with self._read() as s:
+            for i in range(0, len(digests), 500):
+                q = select(TuningJobRow.digest, TuningJobRow.status).where(
+                    TuningJobRow.digest.in_(digests[i : i + 500])
+                )
+                out.update({d: st for d, st in s.execute(q)})
+        return out
+
+    def release_job(self, job_id: int, lease_secret: str) -> bool:
+        """Give a leased job back to the queue now, without spending an attempt (a worker
+        stopped by Ctrl-C or SIGTERM: its job need not wait for the lease to run out)."""
+        if not lease_secret:
+            return False
+        now = self._now_sql()
+        with self._write() as s:
+            res = s.execute(
+                update(TuningJobRow)
+                .where(*self._held(job_id, lease_secret))
+                .values(
+                    status="queued",
+                    lease_owner=None,
+                    lease_hash=None,
+                    lease_expires_at=None,
+                    not_before=now,
+                    attempts=func.max(TuningJobRow.attempts - 1, 0)
+                    if self.dialect == "sqlite"
+                    else func.greatest(TuningJobRow.attempts - 1, 0),
+                    updated_at=now,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            return res.rowcount == 1
