@@ -54,13 +54,7 @@ from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_dgrad", "blackwell"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_dgrad_problem
-inputs = problems.conv2d_dgrad_inputs
-reference = problems.conv2d_dgrad_reference
-flops = problems.conv2d_dgrad_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -397,7 +391,7 @@ JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
 
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
-    if cap is None or cap[0] != 10 or p.get("dtype") not in _DTYPES:
+    if cap is None or cap[0] != 10 or p.get("dtype") not in gh.MMA_DTYPES:
         return False
     p2, q2, ph, pw = gdg.dgrad_walk(p)
     return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
@@ -495,8 +489,7 @@ def _blocks(c: dict):
 
 
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
-    st = problems.pair(stride, "stride", minimum=1)
-    pd = problems.pair(padding, "padding", minimum=0)
+    st, pd = problems.stride_padding(stride, padding)
     geo = gdg.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype)
     g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     g_blk, w_blk, y_blk = _blocks(config)

@@ -56,13 +56,7 @@ from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_dgrad", "hopper"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_dgrad_problem
-inputs = problems.conv2d_dgrad_inputs
-reference = problems.conv2d_dgrad_reference
-flops = problems.conv2d_dgrad_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 ZERO_PHASES = True  # the epilogue stores the zeros of phases no tap reaches (gluon_dgrad.DgradGeometry)
 
 
@@ -499,7 +493,7 @@ JIT_FUNCTIONS = (conv2d_dgrad_kernel, sk.split_k_reduce_kernel)
 
 
 def supports(p: dict, device) -> bool:
-    if device.capability != (9, 0) or p.get("dtype") not in _DTYPES:
+    if device.capability != (9, 0) or p.get("dtype") not in gh.MMA_DTYPES:
         return False
     p2, q2, ph, pw = gdg.dgrad_walk(p)
     return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
@@ -664,8 +658,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
 
 
 def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride, padding, key):
-    st = problems.pair(stride, "stride", minimum=1)
-    pd = problems.pair(padding, "padding", minimum=0)
+    st, pd = problems.stride_padding(stride, padding)
     geo = gdg.DgradGeometry(grad_out.shape, w.shape, H, W, st, pd, w.dtype, zero_phases=ZERO_PHASES)
     g, wp = gh.pad_last_dim(grad_out, geo.co), gh.pad_last_dim(w, geo.ciw)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]

@@ -19,11 +19,7 @@ from .spaces.portable import SPACES
 
 OP, BACKEND = "conv2d_dgrad", "portable"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_dgrad_problem
-inputs = problems.conv2d_dgrad_inputs
-reference = problems.conv2d_dgrad_reference
-flops = problems.conv2d_dgrad_flops
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 @triton.jit
@@ -120,8 +116,7 @@ def conv2d_dgrad_kernel(
 JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
 
 
-def supports(p: dict, device) -> bool:
-    return True
+supports = rules.supports
 
 
 def config_space(p: dict, device) -> list[dict]:
@@ -138,50 +133,23 @@ def prune(configs: list[dict], p: dict, device) -> list[dict]:
     return rules.prune(configs, p, device, s, (s["BLOCK_M"], p["Ci"], p["gemm_K"]))
 
 
+_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
 def default_config(p: dict, device) -> dict:
-    if device.arch == "cpu":
-        c = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    return rules.fit(c, _sizes(p), device)
+    return rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
 
 
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):
     N, P, Q, Co = grad_out.shape
     _, R, S, Ci = w.shape
-    (sh, sw), (ph, pw) = problems.pair(stride, "stride", minimum=1), problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     P2, Q2 = triton.cdiv(H, sh), triton.cdiv(W, sw)
     phases = min(R, sh) * min(S, sw)
     zeros = R < sh or S < sw  # phases no tap reaches are zeros
     gx = (torch.zeros if zeros else torch.empty)((N, H, W, Ci), device=grad_out.device, dtype=grad_out.dtype)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (phases * triton.cdiv(N * P2 * Q2, bm) * triton.cdiv(Ci, bn),)
-    conv2d_dgrad_kernel[grid](
-        grad_out,
-        w,
-        gx,
-        N,
-        H,
-        W,
-        Ci,
-        Co,
-        P,
-        Q,
-        R,
-        S,
-        sh,
-        sw,
-        ph,
-        pw,
-        P2,
-        Q2,
-        min(S, sw),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"],
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-        UPCAST=rules.interpreter_upcast(grad_out),
-    )
+    grid = (phases * triton.cdiv(N * P2 * Q2, config["BLOCK_M"]) * triton.cdiv(Ci, config["BLOCK_N"]),)
+    conv = (N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw)
+    conv2d_dgrad_kernel[grid](grad_out, w, gx, *conv, P2, Q2, min(S, sw), **rules.launch_options(config, grad_out))
     return gx

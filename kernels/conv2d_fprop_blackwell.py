@@ -65,13 +65,7 @@ from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_fprop", "blackwell"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_fprop_problem
-inputs = problems.conv2d_fprop_inputs
-reference = problems.conv2d_fprop_reference
-flops = problems.conv2d_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 # the kernel's shape arguments: unspecialized i32, so one compile per config serves every shape
 _SHAPE_ARGS = ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m")
 
@@ -344,7 +338,7 @@ JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
 
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
+    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
@@ -448,8 +442,7 @@ def _blocks(c: dict):
 
 
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
-    (sh, sw) = problems.pair(stride, "stride", minimum=1)
-    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     N, H, W, Ci = x.shape
     Co, R, S, _ = w.shape
     P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)

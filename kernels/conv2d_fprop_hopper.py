@@ -42,13 +42,7 @@ from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_fprop", "hopper"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_fprop_problem
-inputs = problems.conv2d_fprop_inputs
-reference = problems.conv2d_fprop_reference
-flops = problems.conv2d_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 # ---- device code -------------------------------------------------------------------------------
@@ -444,7 +438,7 @@ JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
 
 
 def supports(p: dict, device) -> bool:
-    return device.capability == (9, 0) and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
+    return device.capability == (9, 0) and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
@@ -655,8 +649,7 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
 
 
 def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding, key) -> torch.Tensor:
-    (sh, sw) = problems.pair(stride, "stride", minimum=1)
-    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     N, H, W, Ci = x.shape
     Co, R, S, _ = w.shape
     P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)

@@ -13,11 +13,7 @@ from .spaces.portable import SPACES
 
 OP, BACKEND = "conv2d_fprop", "portable"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_fprop_problem
-inputs = problems.conv2d_fprop_inputs
-reference = problems.conv2d_fprop_reference
-flops = problems.conv2d_flops
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 @triton.jit
@@ -88,58 +84,36 @@ def conv2d_fprop_kernel(
 JIT_FUNCTIONS = (conv2d_fprop_kernel,)
 
 
-def supports(p: dict, device) -> bool:
-    return True
+supports = rules.supports
 
 
 def config_space(p: dict, device) -> list[dict]:
     return list(SPACES[OP])
 
 
+def _sizes(p: dict) -> dict[str, int]:
+    return {"BLOCK_M": p["gemm_M"], "BLOCK_N": p["Co"], "BLOCK_K": p["Ci"]}
+
+
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    sizes = {"BLOCK_M": p["gemm_M"], "BLOCK_N": p["Co"], "BLOCK_K": p["Ci"]}
-    return rules.prune(configs, p, device, sizes, (p["gemm_M"], p["gemm_N"], p["gemm_K"]))
+    return rules.prune(configs, p, device, _sizes(p), (p["gemm_M"], p["gemm_N"], p["gemm_K"]))
+
+
+_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
 def default_config(p: dict, device) -> dict:
-    if device.arch == "cpu":
-        c = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    return rules.fit(c, {"BLOCK_M": p["gemm_M"], "BLOCK_N": p["Co"], "BLOCK_K": p["Ci"]}, device)
+    return rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
 
 
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
     N, H, W, Ci = x.shape
     Co, R, S, _ = w.shape
-    (sh, sw), (ph, pw) = problems.pair(stride, "stride", minimum=1), problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
     y = torch.empty((N, P, Q, Co), device=x.device, dtype=x.dtype)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(N * P * Q, bm) * triton.cdiv(Co, bn),)
-    conv2d_fprop_kernel[grid](
-        x,
-        w,
-        y,
-        N,
-        H,
-        W,
-        Ci,
-        Co,
-        P,
-        Q,
-        R,
-        S,
-        sh,
-        sw,
-        ph,
-        pw,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"],
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-        UPCAST=rules.interpreter_upcast(x),
-    )
+    grid = (triton.cdiv(N * P * Q, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"]),)
+    conv = (N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw)
+    conv2d_fprop_kernel[grid](x, w, y, *conv, **rules.launch_options(config, x))
     return y

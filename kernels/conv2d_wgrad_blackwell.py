@@ -68,13 +68,7 @@ from .spaces.blackwell import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "blackwell"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_wgrad_problem
-inputs = problems.conv2d_wgrad_inputs
-reference = problems.conv2d_wgrad_reference
-flops = problems.conv2d_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -567,7 +561,7 @@ JIT_FUNCTIONS = (
 
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
+    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
@@ -680,8 +674,7 @@ def _constexprs(c: dict, im2col: bool) -> dict:
 
 
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
-    (sh, sw) = problems.pair(stride, "stride", minimum=1)
-    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]

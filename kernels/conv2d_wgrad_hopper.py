@@ -46,13 +46,7 @@ from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "hopper"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_wgrad_problem
-inputs = problems.conv2d_wgrad_inputs
-reference = problems.conv2d_wgrad_reference
-flops = problems.conv2d_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 # ---- device code -------------------------------------------------------------------------------
@@ -552,7 +546,7 @@ GATHER_MAX_STAGES = 5
 
 
 def supports(p: dict, device) -> bool:
-    return device.capability == (9, 0) and p.get("dtype") in _DTYPES and gh.conv_geometry_ok(p)
+    return device.capability == (9, 0) and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
@@ -768,8 +762,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
 def _launch_jit(
     config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride, padding, key
 ) -> torch.Tensor:
-    (sh, sw) = problems.pair(stride, "stride", minimum=1)
-    (ph, pw) = problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
     if gpt.packs_taps({"Ci": Ci0}):

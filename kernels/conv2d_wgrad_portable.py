@@ -14,11 +14,7 @@ from .spaces.portable import SPACES
 
 OP, BACKEND = "conv2d_wgrad", "portable"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.conv2d_wgrad_problem
-inputs = problems.conv2d_wgrad_inputs
-reference = problems.conv2d_wgrad_reference
-flops = problems.conv2d_flops
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 @triton.jit
@@ -85,23 +81,24 @@ def conv2d_wgrad_kernel(
 JIT_FUNCTIONS = (conv2d_wgrad_kernel,)
 
 
-def supports(p: dict, device) -> bool:
-    return True
+supports = rules.supports
 
 
 def config_space(p: dict, device) -> list[dict]:
     return list(SPACES[OP])
 
 
+def _sizes(p: dict) -> dict[str, int]:
+    return {"BLOCK_M": p["Co"], "BLOCK_N": p["gemm_N"], "BLOCK_K": p["gemm_K"]}
+
+
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    sizes = {"BLOCK_M": p["Co"], "BLOCK_N": p["gemm_N"], "BLOCK_K": p["gemm_K"]}
     # a split must leave each program at least one full BLOCK_K of the reduction
     configs = [c for c in configs if c["SPLIT_K"] * c["BLOCK_K"] <= max(c["BLOCK_K"], p["gemm_K"])]
     if device.arch == "cpu":
         configs = [c for c in configs if c["SPLIT_K"] in (1, 4)]
-    return rules.prune(
-        configs, p, device, sizes, (p["gemm_M"], p["gemm_N"], p["gemm_K"]), gpu_extra=lambda c: _split_ok(c, p, device)
-    )
+    gemm = (p["gemm_M"], p["gemm_N"], p["gemm_K"])
+    return rules.prune(configs, p, device, _sizes(p), gemm, gpu_extra=lambda c: _split_ok(c, p, device))
 
 
 def _split_ok(c: dict, p: dict, device) -> bool:
@@ -112,12 +109,12 @@ def _split_ok(c: dict, p: dict, device) -> bool:
     return tiles * c["SPLIT_K"] <= 4 * max(1, device.sm_count) and tiles < 2 * max(1, device.sm_count)
 
 
+_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+_GPU_DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+
+
 def default_config(p: dict, device) -> dict:
-    if device.arch == "cpu":
-        c = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-    else:
-        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
-    c = rules.fit(c, {"BLOCK_M": p["Co"], "BLOCK_N": p["gemm_N"], "BLOCK_K": p["gemm_K"]}, device)
+    c = rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
     if prune([c], p, device):
         return c
     return dict(c, SPLIT_K=1)  # a reduction too short to split
@@ -126,38 +123,15 @@ def default_config(p: dict, device) -> dict:
 def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
     N, H, W, Ci = x.shape
     _, P, Q, Co = grad_out.shape
-    (sh, sw), (ph, pw) = problems.pair(stride, "stride", minimum=1), problems.pair(padding, "padding", minimum=0)
+    (sh, sw), (ph, pw) = problems.stride_padding(stride, padding)
     bm, bn, bk, split = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
     npq, rsc = N * P * Q, R * S * Ci
     k_per_split = triton.cdiv(triton.cdiv(npq, bk), split) * bk
     split = triton.cdiv(npq, k_per_split)  # no empty splits
     ws = torch.empty((split, Co, rsc), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(Co, bm), triton.cdiv(rsc, bn), split)
-    conv2d_wgrad_kernel[grid](
-        x,
-        grad_out,
-        ws,
-        N,
-        H,
-        W,
-        Ci,
-        Co,
-        P,
-        Q,
-        R,
-        S,
-        sh,
-        sw,
-        ph,
-        pw,
-        k_per_split,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-        UPCAST=rules.interpreter_upcast(x),
-    )
+    conv = (N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw)
+    conv2d_wgrad_kernel[grid](x, grad_out, ws, *conv, k_per_split, **rules.launch_options(config, x))
     # the second pass: a fixed-order sum of the partials, so split-K stays deterministic
     gw = ws[0] if split == 1 else ws.sum(dim=0)
     return gw.to(x.dtype).view(Co, R, S, Ci)

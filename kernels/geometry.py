@@ -2,12 +2,18 @@
 
 `problems.py` builds problems from the user's tensors (after checking them) through these, and
 `tunecache.shapes` builds them from a shape typed by hand, on hosts and in the service alike,
-so the same shape always gives the same key.
+so the same shape always gives the same key. Also the integer rounding every backend's static
+rules share (pow2_at_least): here, where the portable backends reach it without Triton.
 """
 
 from __future__ import annotations
 
 DTYPES = ("float16", "bfloat16", "float32")
+
+
+def pow2_at_least(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def out_size(size: int, k: int, stride: int, pad: int) -> int:

@@ -20,6 +20,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
 
+from .geometry import pow2_at_least  # noqa: F401 (the Gluon backends' rules read it as gh.pow2_at_least)
 from .hardware import arch_for
 from .problems import dtype_name
 
@@ -28,6 +29,9 @@ TMA_ALIGN_BYTES = 16
 
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+# the operand dtypes the Gluon kernels take (their tensor-core MMAs'): fp32 is the portable backends'
+MMA_DTYPES = ("float16", "bfloat16")
 
 
 # names used in kernel signatures (`triton.compile`) and in Gluon code
@@ -52,10 +56,6 @@ def round_up(n: int, multiple: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def is_tma_compatible(t: torch.Tensor) -> bool:

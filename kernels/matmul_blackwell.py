@@ -56,13 +56,7 @@ from .spaces.blackwell import SPACES
 
 OP, BACKEND = "matmul", "blackwell"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.matmul_problem
-inputs = problems.matmul_inputs
-reference = problems.matmul_reference
-flops = problems.matmul_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -384,7 +378,7 @@ JIT_FUNCTIONS = (matmul_kernel,)
 
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in _DTYPES
+    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES
 
 
 def config_space(p: dict, device) -> list[dict]:

@@ -44,13 +44,7 @@ from .spaces.hopper import SPACES
 
 OP, BACKEND = "matmul", "hopper"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.matmul_problem
-inputs = problems.matmul_inputs
-reference = problems.matmul_reference
-flops = problems.matmul_flops
-
-_DTYPES = ("float16", "bfloat16")
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 # ---- device code -------------------------------------------------------------------------------
@@ -272,7 +266,7 @@ JIT_FUNCTIONS = (matmul_kernel,)
 
 
 def supports(p: dict, device) -> bool:
-    return device.capability == (9, 0) and p.get("dtype") in _DTYPES
+    return device.capability == (9, 0) and p.get("dtype") in gh.MMA_DTYPES
 
 
 def config_space(p: dict, device) -> list[dict]:

@@ -13,11 +13,7 @@ from .spaces.portable import SPACES
 
 OP, BACKEND = "matmul", "portable"
 KERNEL = f"{OP}.{BACKEND}"
-
-problem = problems.matmul_problem
-inputs = problems.matmul_inputs
-reference = problems.matmul_reference
-flops = problems.matmul_flops
+problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 
 
 @triton.jit
@@ -74,52 +70,34 @@ def matmul_kernel(
 JIT_FUNCTIONS = (matmul_kernel,)
 
 
-def supports(p: dict, device) -> bool:
-    return True
+supports = rules.supports
 
 
 def config_space(p: dict, device) -> list[dict]:
     return list(SPACES[OP])
 
 
+def _sizes(p: dict) -> dict[str, int]:
+    return {"BLOCK_M": p["M"], "BLOCK_N": p["N"], "BLOCK_K": p["K"]}
+
+
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    sizes = {"BLOCK_M": p["M"], "BLOCK_N": p["N"], "BLOCK_K": p["K"]}
-    return rules.prune(configs, p, device, sizes, (p["M"], p["N"], p["K"]))
+    return rules.prune(configs, p, device, _sizes(p), (p["M"], p["N"], p["K"]))
+
+
+_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
 def default_config(p: dict, device) -> dict:
-    if device.arch == "cpu":
-        c = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-    return rules.fit(c, {"BLOCK_M": p["M"], "BLOCK_N": p["N"], "BLOCK_K": p["K"]}, device)
+    return rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
 
 
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    matmul_kernel[grid](
-        a,
-        b,
-        c,
-        M,
-        N,
-        K,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"],
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-        UPCAST=rules.interpreter_upcast(a),
-    )
+    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    strides = (*a.stride(), *b.stride(), *c.stride())
+    matmul_kernel[grid](a, b, c, M, N, K, *strides, **rules.launch_options(config, a))
     return c

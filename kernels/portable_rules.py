@@ -1,12 +1,18 @@
-"""Pruning rules shared by the portable kernels (plain data in, bool out)."""
+"""What the portable backends share on the host: their pruning (plain data in, bool out), their
+default configs fitted to a problem, and the keyword arguments of a launch. A backend states
+only its own: the problem's extent along each tile dimension (`sizes`), its implicit GEMM, its
+default tiles and the arguments of its kernel."""
 
 from __future__ import annotations
 
+from .geometry import pow2_at_least
 from .hardware import HOPPER
 
 
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def supports(p: dict, device) -> bool:
+    """A portable kernel runs every problem of its op, on any GPU Triton supports and on the
+    CPU interpreter."""
+    return True
 
 
 def interpreter_ok(c: dict, sizes: dict[str, int], fixed: dict) -> bool:
@@ -40,11 +46,12 @@ def gpu_ok(c: dict, sizes: dict[str, int], itemsize: int, smem_limit: int = HOPP
     return tile // (32 * warps) <= 128
 
 
-def fit(config: dict, sizes: dict[str, int], device) -> dict:
-    """A default config shrunk to a small problem, so that the pruning keeps it: no tile
-    dimension past the largest the rules allow for the problem's (`interpreter_ok` on the CPU,
-    `gpu_ok` on a GPU), and warps to match the smaller tile."""
-    c = dict(config)
+def default(cpu: dict, gpu: dict, sizes: dict[str, int], device) -> dict:
+    """The default config for the device (`cpu` on the interpreter, `gpu` elsewhere) shrunk to a
+    small problem, so that the pruning keeps it: no tile dimension past the largest the rules
+    allow for the problem's (`interpreter_ok` on the CPU, `gpu_ok` on a GPU), and warps to match
+    the smaller tile."""
+    c = dict(cpu if device.arch == "cpu" else gpu)
     for b, n in sizes.items():
         c[b] = min(c[b], max(16, pow2_at_least(n) if device.arch == "cpu" else 2 * pow2_at_least(n)))
     if device.arch != "cpu" and c["num_warps"] == 8 and c["BLOCK_M"] * c["BLOCK_N"] < 128 * 128:
@@ -53,6 +60,16 @@ def fit(config: dict, sizes: dict[str, int], device) -> dict:
 
 
 INTERPRETER_FIXED = {"num_warps": 4, "num_stages": 3, "GROUP_M": 8}
+
+
+# a config's parameters the host reads itself; the kernel takes the rest as keyword arguments
+HOST_PARAMS = ("SPLIT_K",)
+
+
+def launch_options(config: dict, t) -> dict:
+    """A portable kernel's keyword arguments under config: its meta-parameters and launch
+    options (all of config but HOST_PARAMS), and UPCAST for operands like t."""
+    return {**{k: v for k, v in config.items() if k not in HOST_PARAMS}, "UPCAST": interpreter_upcast(t)}
 
 
 def interpreter_upcast(t) -> bool:

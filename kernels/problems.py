@@ -7,7 +7,7 @@ Tensors are NHWC: x is (N, H, W, Ci), w is (Co, R, S, Ci), y and grad_out are (N
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -58,6 +58,11 @@ def pair(value: Any, name: str, *, minimum: int) -> tuple[int, int]:
     return int(h), int(w)
 
 
+def stride_padding(stride: Any, padding: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A conv's stride (positive) and padding (non-negative), each an int or (h, w), as pairs."""
+    return pair(stride, "stride", minimum=1), pair(padding, "padding", minimum=0)
+
+
 def _int_arg(name: str, v: Any, what: str) -> int:
     """A size argument (R, S, H, W): a positive int, else an error naming it."""
     if isinstance(v, bool) or not isinstance(v, int):
@@ -98,6 +103,17 @@ def _contiguous_nhwc(t: torch.Tensor, name: str) -> None:
         )
 
 
+def _check_nhwc(tensors: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
+    """A conv's two tensors (name -> tensor): 4-D, of one device and dtype, contiguous NHWC;
+    returns their shapes as ints."""
+    for name, t in tensors.items():
+        _check_tensor(t, name, 4)
+    _same_device_dtype(tensors)
+    for name, t in tensors.items():
+        _contiguous_nhwc(t, name)
+    return [tuple(int(v) for v in t.shape) for t in tensors.values()]
+
+
 def matrix_layout(t: torch.Tensor, name: str) -> str:
     """'row' (row-major) or 'col' (a transposed view of a row-major matrix)."""
     rows, cols = t.shape
@@ -109,6 +125,34 @@ def matrix_layout(t: torch.Tensor, name: str) -> str:
         f"{name} must be row-major or a transpose of a row-major matrix; "
         f"got strides {t.stride()} for shape {tuple(t.shape)} (call .contiguous())"
     )
+
+
+def _random(p: dict, device: str, *dims: str) -> torch.Tensor:
+    """A random tensor of problem p's dtype whose shape is p's sizes `dims` ("N", "H", ...)."""
+    return torch.randn(*(p[d] for d in dims), device=device, dtype=torch_dtype(p["dtype"]))
+
+
+def _computable(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The operands of a reference as PyTorch computes them: in fp32 on the CPU, which has no
+    half-precision GEMMs or convolutions; as they are elsewhere."""
+    if tensors[0].device.type == "cpu" and tensors[0].dtype != torch.float32:
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
+def _nchw(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """NHWC tensors as the NCHW views torch's convolutions take, computable (_computable)."""
+    return _computable(*(t.permute(0, 3, 1, 2) for t in tensors))
+
+
+def _nhwc(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An NCHW result of torch's convolutions as a contiguous NHWC tensor of like's dtype."""
+    return t.permute(0, 2, 3, 1).to(like.dtype).contiguous()
+
+
+def _conv_args(p: dict) -> tuple:
+    """The (stride, padding) arguments of problem p's op."""
+    return (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
 
 
 # ---- matmul: c[M, N] = a[M, K] @ b[K, N] ------------------------------------------------
@@ -131,9 +175,7 @@ def matmul_problem(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def matmul_inputs(p: dict, device: str) -> tuple:
-    dt = torch_dtype(p["dtype"])
-    a = torch.randn(p["M"], p["K"], device=device, dtype=dt)
-    b = torch.randn(p["K"], p["N"], device=device, dtype=dt)
+    a, b = _random(p, device, "M", "K"), _random(p, device, "K", "N")
     if p["a_layout"] == "col":
         a = a.t().contiguous().t()
     if p["b_layout"] == "col":
@@ -142,9 +184,8 @@ def matmul_inputs(p: dict, device: str) -> tuple:
 
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.device.type == "cpu" and a.dtype != torch.float32:
-        return (a.float() @ b.float()).to(a.dtype)
-    return a @ b
+    af, bf = _computable(a, b)
+    return (af @ bf).to(a.dtype)
 
 
 def matmul_flops(p: dict) -> float:
@@ -161,35 +202,32 @@ def _conv_geometry(N, H, W, Ci, Co, R, S, stride, padding, dtype) -> dict:
     return geometry.conv(N, H, W, Ci, Co, R, S, stride, padding, dtype_name(dtype))
 
 
+def _forward_of(grad_out_pq: tuple[int, int], *conv: Any, given: str, advice: str = "") -> dict:
+    """The forward conv's problem (_conv_geometry(*conv)) of a gradient, whose grad_out must be
+    that conv's output; the error says what `given` makes the output instead."""
+    p = _conv_geometry(*conv)
+    if (p["P"], p["Q"]) != grad_out_pq:
+        P, Q = grad_out_pq
+        raise ValueError(f"grad_out is {P}x{Q} (grad_out.shape[1:3]) but {given} gives {p['P']}x{p['Q']}{advice}")
+    return p
+
+
 def conv2d_fprop_problem(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> dict:
-    _check_tensor(x, "x", 4)
-    _check_tensor(w, "w", 4)
-    _same_device_dtype({"x": x, "w": w})
-    _contiguous_nhwc(x, "x")
-    _contiguous_nhwc(w, "w")
-    st = pair(stride, "stride", minimum=1)
-    pd = pair(padding, "padding", minimum=0)
-    N, H, W, Ci = (int(v) for v in x.shape)
-    Co, R, S, Ci_w = (int(v) for v in w.shape)
+    (N, H, W, Ci), (Co, R, S, Ci_w) = _check_nhwc({"x": x, "w": w})
+    st, pd = stride_padding(stride, padding)
     if Ci_w != Ci:
         raise ValueError(f"w has {Ci_w} input channels (w.shape[3]) but x has {Ci} (x.shape[3])")
     return _conv_geometry(N, H, W, Ci, Co, R, S, st, pd, x.dtype)
 
 
 def conv2d_fprop_inputs(p: dict, device: str) -> tuple:
-    dt = torch_dtype(p["dtype"])
-    x = torch.randn(p["N"], p["H"], p["W"], p["Ci"], device=device, dtype=dt)
-    w = torch.randn(p["Co"], p["R"], p["S"], p["Ci"], device=device, dtype=dt)
-    return (x, w, (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+    return (_random(p, device, "N", "H", "W", "Ci"), _random(p, device, "Co", "R", "S", "Ci"), *_conv_args(p))
 
 
 def conv2d_fprop_reference(x, w, stride=1, padding=0) -> torch.Tensor:
-    st, pd = pair(stride, "stride", minimum=1), pair(padding, "padding", minimum=0)
-    xf, wf = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)
-    if x.device.type == "cpu" and x.dtype != torch.float32:
-        xf, wf = xf.float(), wf.float()
-    y = torch.nn.functional.conv2d(xf, wf, stride=st, padding=pd)
-    return y.permute(0, 2, 3, 1).to(x.dtype).contiguous()
+    st, pd = stride_padding(stride, padding)
+    xf, wf = _nchw(x, w)
+    return _nhwc(torch.nn.functional.conv2d(xf, wf, stride=st, padding=pd), x)
 
 
 def conv2d_flops(p: dict) -> float:
@@ -200,86 +238,77 @@ def conv2d_flops(p: dict) -> float:
 
 
 def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> dict:
-    _check_tensor(x, "x", 4)
-    _check_tensor(grad_out, "grad_out", 4)
-    _same_device_dtype({"x": x, "grad_out": grad_out})
-    _contiguous_nhwc(x, "x")
-    _contiguous_nhwc(grad_out, "grad_out")
+    (N, H, W, Ci), (No, P, Q, Co) = _check_nhwc({"x": x, "grad_out": grad_out})
     R, S = _int_arg("R", R, "filter size"), _int_arg("S", S, "filter size")
-    st = pair(stride, "stride", minimum=1)
-    pd = pair(padding, "padding", minimum=0)
-    N, H, W, Ci = (int(v) for v in x.shape)
-    No, P, Q, Co = (int(v) for v in grad_out.shape)
+    st, pd = stride_padding(stride, padding)
     if No != N:
         raise ValueError(f"grad_out has batch {No} (grad_out.shape[0]) but x has {N}")
-    p = _conv_geometry(N, H, W, Ci, Co, R, S, st, pd, x.dtype)
-    if (p["P"], p["Q"]) != (P, Q):
-        raise ValueError(
-            f"grad_out is {P}x{Q} (grad_out.shape[1:3]) but x {H}x{W} with a {R}x{S} filter, stride "
-            f"{st} and padding {pd} gives {p['P']}x{p['Q']}"
-        )
+    given = f"x {H}x{W} with a {R}x{S} filter, stride {st} and padding {pd}"
+    p = _forward_of((P, Q), N, H, W, Ci, Co, R, S, st, pd, x.dtype, given=given)
     return geometry.wgrad(p)
 
 
 def conv2d_wgrad_inputs(p: dict, device: str) -> tuple:
-    dt = torch_dtype(p["dtype"])
-    x = torch.randn(p["N"], p["H"], p["W"], p["Ci"], device=device, dtype=dt)
-    g = torch.randn(p["N"], p["P"], p["Q"], p["Co"], device=device, dtype=dt)
-    return (x, g, p["R"], p["S"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+    x, g = _random(p, device, "N", "H", "W", "Ci"), _random(p, device, "N", "P", "Q", "Co")
+    return (x, g, p["R"], p["S"], *_conv_args(p))
 
 
 def conv2d_wgrad_reference(x, grad_out, R, S, stride=1, padding=0) -> torch.Tensor:
-    st, pd = pair(stride, "stride", minimum=1), pair(padding, "padding", minimum=0)
-    xf, gf = x.permute(0, 3, 1, 2), grad_out.permute(0, 3, 1, 2)
-    if x.device.type == "cpu" and x.dtype != torch.float32:
-        xf, gf = xf.float(), gf.float()
+    st, pd = stride_padding(stride, padding)
+    xf, gf = _nchw(x, grad_out)
     Co, Ci = grad_out.shape[3], x.shape[3]
-    gw = torch.nn.grad.conv2d_weight(xf, (Co, Ci, R, S), gf, stride=st, padding=pd)
-    return gw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
+    return _nhwc(torch.nn.grad.conv2d_weight(xf, (Co, Ci, R, S), gf, stride=st, padding=pd), x)
 
 
 # ---- conv2d dgrad: grad_x[N, H, W, Ci] from grad_out and w -------------------------------------
 
 
 def conv2d_dgrad_problem(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> dict:
-    _check_tensor(grad_out, "grad_out", 4)
-    _check_tensor(w, "w", 4)
-    _same_device_dtype({"grad_out": grad_out, "w": w})
-    _contiguous_nhwc(grad_out, "grad_out")
-    _contiguous_nhwc(w, "w")
+    (N, P, Q, Co), (Co_w, R, S, Ci) = _check_nhwc({"grad_out": grad_out, "w": w})
     H, W = _int_arg("H", H, "the input's height"), _int_arg("W", W, "the input's width")
-    st = pair(stride, "stride", minimum=1)
-    pd = pair(padding, "padding", minimum=0)
-    N, P, Q, Co = (int(v) for v in grad_out.shape)
-    Co_w, R, S, Ci = (int(v) for v in w.shape)
+    st, pd = stride_padding(stride, padding)
     if Co_w != Co:
         raise ValueError(f"w has {Co_w} output channels (w.shape[0]) but grad_out has {Co} (grad_out.shape[3])")
-    p = _conv_geometry(N, H, W, Ci, Co, R, S, st, pd, grad_out.dtype)
-    if (p["P"], p["Q"]) != (P, Q):
-        raise ValueError(
-            f"grad_out is {P}x{Q} (grad_out.shape[1:3]) but an input of H={H}, W={W} gives {p['P']}x{p['Q']} at "
-            f"stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
-        )
+    advice = f" at stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
+    p = _forward_of(
+        (P, Q), N, H, W, Ci, Co, R, S, st, pd, grad_out.dtype, given=f"an input of H={H}, W={W}", advice=advice
+    )
     return geometry.dgrad(p)
 
 
 def conv2d_dgrad_inputs(p: dict, device: str) -> tuple:
-    dt = torch_dtype(p["dtype"])
-    g = torch.randn(p["N"], p["P"], p["Q"], p["Co"], device=device, dtype=dt)
-    w = torch.randn(p["Co"], p["R"], p["S"], p["Ci"], device=device, dtype=dt)
-    return (g, w, p["H"], p["W"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+    g, w = _random(p, device, "N", "P", "Q", "Co"), _random(p, device, "Co", "R", "S", "Ci")
+    return (g, w, p["H"], p["W"], *_conv_args(p))
 
 
 def conv2d_dgrad_reference(grad_out, w, H, W, stride=1, padding=0) -> torch.Tensor:
-    st, pd = pair(stride, "stride", minimum=1), pair(padding, "padding", minimum=0)
-    gf, wf = grad_out.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)
-    if grad_out.device.type == "cpu" and grad_out.dtype != torch.float32:
-        gf, wf = gf.float(), wf.float()
+    st, pd = stride_padding(stride, padding)
+    gf, wf = _nchw(grad_out, w)
     N, Ci = grad_out.shape[0], w.shape[3]
-    gx = torch.nn.grad.conv2d_input((N, Ci, H, W), wf, gf, stride=st, padding=pd)
-    return gx.permute(0, 2, 3, 1).to(grad_out.dtype).contiguous()
+    return _nhwc(torch.nn.grad.conv2d_input((N, Ci, H, W), wf, gf, stride=st, padding=pd), grad_out)
 
 
 def conv2d_dgrad_flops(p: dict) -> float:
     """The forward convolution's multiply-adds: the phases do no others."""
     return 2.0 * p["N"] * p["P"] * p["Q"] * p["Co"] * p["R"] * p["S"] * p["Ci"]
+
+
+# ---- what every backend of an op shares ----------------------------------------------------
+
+
+class OpFunctions(NamedTuple):
+    """The backend contract's functions that are the op's, not the backend's (backend.Backend):
+    a backend module takes them as `problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]`."""
+
+    problem: Callable[..., dict]
+    inputs: Callable[[dict, str], tuple]
+    reference: Callable[..., torch.Tensor]
+    flops: Callable[[dict], float]
+
+
+OP_FUNCTIONS = {
+    "matmul": OpFunctions(matmul_problem, matmul_inputs, matmul_reference, matmul_flops),
+    "conv2d_fprop": OpFunctions(conv2d_fprop_problem, conv2d_fprop_inputs, conv2d_fprop_reference, conv2d_flops),
+    "conv2d_wgrad": OpFunctions(conv2d_wgrad_problem, conv2d_wgrad_inputs, conv2d_wgrad_reference, conv2d_flops),
+    "conv2d_dgrad": OpFunctions(conv2d_dgrad_problem, conv2d_dgrad_inputs, conv2d_dgrad_reference, conv2d_dgrad_flops),
+}

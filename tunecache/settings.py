@@ -83,6 +83,26 @@ def candidate_timeout_s() -> float:
     return _seconds("TUNECACHE_CANDIDATE_TIMEOUT_S", 60.0)
 
 
+def tune_wait_s() -> float:
+    """TUNECACHE_TUNE_WAIT_S: how long a process that misses a key another process of this host
+    is tuning waits for that winner before it tunes the key itself."""
+    return _seconds("TUNECACHE_TUNE_WAIT_S", 600.0)
+
+
+def lock_dir() -> str:
+    """TUNECACHE_LOCK_DIR: where the processes of this host meet: one tune per key, one timer per
+    GPU (default: tunecache-locks in the system's temporary directory, shared by every user)."""
+    import tempfile
+
+    return os.environ.get("TUNECACHE_LOCK_DIR") or os.path.join(tempfile.gettempdir(), "tunecache-locks")
+
+
+def timing_trace() -> str | None:
+    """TUNECACHE_TIMING_TRACE: a file to which each trial runner appends, as a JSON line, every
+    window in which it held a GPU's timer (pid, device, start, end): who timed on a GPU when."""
+    return os.environ.get("TUNECACHE_TIMING_TRACE") or None
+
+
 def fleet_binaries() -> bool:
     """TUNECACHE_FLEET_BINARIES: a host that copies a fleet winner also installs its compiled
     kernels into Triton's cache (built by the fleet's tuning hosts), so it need not compile

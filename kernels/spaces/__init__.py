@@ -22,8 +22,28 @@ class UnknownKernel(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class _Schema:
+    """What a published config is checked against: `check` raises ValueError naming what is
+    wrong, `contains` says whether there is nothing."""
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def contains(self, config: Mapping[str, Any]) -> bool:
+        try:
+            self.check(config)
+            return True
+        except ValueError:
+            return False
+
+
+def _check_object(config: Any) -> None:
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be an object, got {type(config).__name__}")
+
+
 @dataclass(frozen=True)
-class ConfigSpace:
+class ConfigSpace(_Schema):
     """A grid of meta-parameters: every config is one value per parameter."""
 
     params: Mapping[str, tuple]
@@ -41,8 +61,7 @@ class ConfigSpace:
 
     def check(self, config: Mapping[str, Any]) -> None:
         """Raise ValueError naming the first key that is missing, unknown or out of range."""
-        if not isinstance(config, Mapping):
-            raise ValueError(f"config must be an object, got {type(config).__name__}")
+        _check_object(config)
         for name in config:
             if name not in self.params:
                 raise ValueError(
@@ -55,13 +74,6 @@ class ConfigSpace:
             # bool is an int in Python; keep True from matching 1 and vice versa
             if not any(type(value) is type(a) and value == a for a in allowed):
                 raise ValueError(f"config {name}={value!r} is outside the space {list(allowed)}")
-
-    def contains(self, config: Mapping[str, Any]) -> bool:
-        try:
-            self.check(config)
-            return True
-        except ValueError:
-            return False
 
     def fingerprint(self) -> str:
         data = json.dumps({k: list(v) for k, v in self.params.items()}, sort_keys=True)
@@ -100,7 +112,7 @@ _SPACES: dict[str, ConfigSpace] | None = None
 USER_KERNEL_PREFIX = "triton:"
 
 
-class TritonConfigSchema:
+class TritonConfigSchema(_Schema):
     """The 'space' of a user's own Triton kernel (`@tunecache.autotune`): its configs live in
     the user's code, so the service can only check that a config is a well-formed
     triton.Config: scalar kwargs and sane launch options."""
@@ -108,8 +120,7 @@ class TritonConfigSchema:
     OPTIONS = {"num_warps": (1, 2, 4, 8, 16, 32), "num_stages": tuple(range(0, 9)), "num_ctas": (1, 2, 4, 8)}
 
     def check(self, config: Mapping[str, Any]) -> None:
-        if not isinstance(config, Mapping):
-            raise ValueError(f"config must be an object, got {type(config).__name__}")
+        _check_object(config)
         for name in ("kwargs", "num_warps", "num_stages", "num_ctas"):
             if name not in config:
                 raise ValueError(f"config is missing {name!r}")
@@ -134,13 +145,6 @@ class TritonConfigSchema:
             isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 16 <= maxnreg <= 256
         ):
             raise ValueError(f"config maxnreg={maxnreg!r} must be null or an int in [16, 256]")
-
-    def contains(self, config: Mapping[str, Any]) -> bool:
-        try:
-            self.check(config)
-            return True
-        except ValueError:
-            return False
 
 
 def space_for(kernel: str) -> ConfigSpace | TritonConfigSchema:

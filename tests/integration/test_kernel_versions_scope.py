@@ -49,7 +49,8 @@ SCOPE = {
 }
 
 # Modules a backend may import without its version covering them: they shape the key's problem
-# (problems, geometry: a problem's fields are in the key itself), are data the version covers
+# (problems, geometry: a problem's fields are in the key itself; geometry also holds the integer
+# rounding, pow2_at_least, that the portable and Gluon rules share), are data the version covers
 # otherwise (spaces: their fingerprint), or are hardware facts (hardware: fixed per architecture,
 # and the device class is in the key).
 NOT_KERNEL_CODE = {"problems.py", "geometry.py", "hardware.py", "spaces/__init__.py"} | {

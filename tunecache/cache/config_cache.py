@@ -292,6 +292,16 @@ class ConfigCache:
         if store is not None:
             self.store_call(what, lambda: fn(store))
 
+    # ---- the processes of a host ---------------------------------------------------------
+
+    def turn(self, key: TuneKey):
+        """One tune of `key` per host and store (`tunecache.locks.tune_turn`): a context whose
+        `Turn` says whether this process waited for another's tune (then `get` the winner first)."""
+        from tunecache import locks
+        from tunecache.shapes import shape_text
+
+        return locks.tune_turn(settings.db_url(), key.digest, f"{key.kernel} {shape_text(dict(key.problem))}")
+
     # ---- keep, drop, enqueue ----------------------------------------------------------------
 
     def keep(

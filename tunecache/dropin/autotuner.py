@@ -29,6 +29,7 @@ from triton.runtime.autotuner import Autotuner as TritonAutotuner
 from triton.runtime.autotuner import Config
 from triton.runtime.jit import JITFunction
 
+from tunecache import locks
 from tunecache.key import DeviceClass, TuneKey, canonical_json, device_of, triton_version
 from tunecache.tuning import triton_key_cache
 from tunecache.tuning.timing import QUICK_REP_MS, QUICK_WARMUP_MS, leaders, settle, wall_clock_bench
@@ -143,18 +144,26 @@ class Autotuner(TritonAutotuner):
         if found is not None:
             self.cache[tuning_key], self.configs_timings = found
             return True
-        parallel = not knobs.runtime.interpret and len(configs) > 1
-        self._round = list(configs) if parallel else None
-        t0 = time.perf_counter()
-        try:
-            bench_fn()
-            if parallel and not self._own_timing:
-                self._settle(tuning_key)
-        finally:
-            self._round, self._quick, self._settle_with = None, None, None
-        self.bench_time = time.perf_counter() - t0
-        self._persist(key, device, tuning_key, configs)
-        return False
+        from tunecache.cache.config_cache import CACHE
+
+        with CACHE.turn(key) as turn:  # one process of the host tunes a key; the others wait for it
+            found = self._lookup(key, configs) if turn.waited else None
+            if found is not None:
+                self.cache[tuning_key], self.configs_timings = found
+                return True
+            parallel = not knobs.runtime.interpret and len(configs) > 1
+            self._round = list(configs) if parallel else None
+            t0 = time.perf_counter()
+            try:
+                with locks.gpu_timer(_timer_of(device)):  # no other process times on this GPU meanwhile
+                    bench_fn()
+                    if parallel and not self._own_timing:
+                        self._settle(tuning_key)
+            finally:
+                self._round, self._quick, self._settle_with = None, None, None
+            self.bench_time = time.perf_counter() - t0
+            self._persist(key, device, tuning_key, configs)
+            return False
 
     def _settle(self, tuning_key: tuple) -> None:
         """Time the quick round's leaders (`timing.settle`) as Triton would (its do_bench
@@ -302,6 +311,15 @@ class Autotuner(TritonAutotuner):
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def _timer_of(device: DeviceClass) -> str:
+    """The name of the GPU's timer (`tunecache.locks.gpu_timer`): its UUID, "cpu" on the interpreter."""
+    if device.arch == "cpu":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
 def config_values(config: Config) -> dict | None:

@@ -457,29 +457,34 @@ def _decide(
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest"
         )
     if policy == "tune":
-        failure = None
-        try:
-            announce = _announce(mod, problem, device, torch_device)
-            result = tune(mod, problem, device, torch_device=torch_device, progress=announce)
-        except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
-            result, failure = None, e
-        default_ran = result is not None and result.default_ms is not None
-        if not default_ran and selfcheck.applies(device) and selfcheck.unknown(mod, device):
-            # never checked here, and its default config did not run right in this tune: the
-            # backend's own check decides whether the next backend takes this shape
-            rest = selfcheck.trusted(mods, device, torch_device)
-            if rest[:1] != [mod]:
-                return (
-                    _decide(op, raw, rest, problem, device, torch_device)
-                    if rest
-                    else _reference_entry(mod, problem, device)
-                )
-        if result is None:
-            log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(failure))
-            return _reference_entry(mod, problem, device)
-        selfcheck.checked_by_tuning(mod, device, result, problem)
-        kept = CACHE.keep_tuned(result, device).record
-        return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
+        with CACHE.turn(key) as turn:  # one process of the host tunes a key; the others wait for it
+            if turn.waited:
+                rec = CACHE.get(key, check)
+                if rec is not None:
+                    return _entry(op, raw, mod, problem, device, rec.config, key, rec=rec, fallbacks=fallbacks)
+            failure = None
+            try:
+                announce = _announce(mod, problem, device, torch_device)
+                result = tune(mod, problem, device, torch_device=torch_device, progress=announce)
+            except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
+                result, failure = None, e
+            default_ran = result is not None and result.default_ms is not None
+            if not default_ran and selfcheck.applies(device) and selfcheck.unknown(mod, device):
+                # never checked here, and its default config did not run right in this tune: the
+                # backend's own check decides whether the next backend takes this shape
+                rest = selfcheck.trusted(mods, device, torch_device)
+                if rest[:1] != [mod]:
+                    return (
+                        _decide(op, raw, rest, problem, device, torch_device)
+                        if rest
+                        else _reference_entry(mod, problem, device)
+                    )
+            if result is None:
+                log.warning("tunecache: %s; this shape runs PyTorch's own op in this process", short(failure))
+                return _reference_entry(mod, problem, device)
+            selfcheck.checked_by_tuning(mod, device, result, problem)
+            kept = CACHE.keep_tuned(result, device).record
+            return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
     CACHE.enqueue(key)
     config = nearest_neighbour(mod, problem, device, CACHE.store()) or mod.default_config(problem, device)

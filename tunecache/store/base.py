@@ -31,10 +31,6 @@ from tunecache.store.rows import (
     config_record,
 )
 
-# the names this module has always offered: most now live in tunecache.store.records, .rows,
-# .engine and .faults, and are re-exported here
-
-
 log = logging.getLogger("tunecache.store")
 
 # A new result replaces a stored one only when it is this much faster: timing noise must

@@ -9,9 +9,6 @@ from sqlalchemy import and_, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from tunecache.key import TuneKey
-
-# the names this module has always offered: most now live in tunecache.store.records, .rows,
-# .engine and .faults, and are re-exported here
 from tunecache.store.base import REPLACE_MARGIN, StoreBase, _readable, log
 from tunecache.store.engine import dialect_insert, insert_ignore
 from tunecache.store.records import (

@@ -10,9 +10,6 @@ from sqlalchemy import and_, case, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from tunecache.key import TuneKey
-
-# the names this module has always offered: most now live in tunecache.store.records, .rows,
-# .engine and .faults, and are re-exported here
 from tunecache.store.base import CLAIM_SCAN, LEASE_PREFIX, StoreBase, log
 from tunecache.store.engine import insert_ignore
 from tunecache.store.faults import (
@@ -32,6 +29,15 @@ from tunecache.store.rows import (
     TuningJobRow,
     job_record,
 )
+
+# what a job without a lease holds: no owner, no secret's hash, no expiry
+NO_LEASE: dict[str, Any] = {"lease_owner": None, "lease_hash": None, "lease_expires_at": None}
+
+
+def update_jobs(s: Session, where: tuple, **values: Any) -> Any:
+    """UPDATE tuning_jobs SET `values` WHERE all of `where`, in one statement; the session's
+    loaded rows are left as they are (a caller that reads one again refreshes it)."""
+    return s.execute(update(TuningJobRow).where(*where).values(**values).execution_options(synchronize_session=False))
 
 
 class JobStore(StoreBase):
@@ -86,19 +92,12 @@ class JobStore(StoreBase):
                     status="queued",
                     attempts=0,
                     not_before=now,
-                    lease_owner=None,
-                    lease_hash=None,
-                    lease_expires_at=None,
+                    **NO_LEASE,
                 )
             if priority > row.priority and (row.status == "queued" or changes):
                 changes["priority"] = priority
             if changes:
-                s.execute(
-                    update(TuningJobRow)
-                    .where(TuningJobRow.id == row.id)
-                    .values(**changes, updated_at=now)
-                    .execution_options(synchronize_session=False)
-                )
+                update_jobs(s, (TuningJobRow.id == row.id,), **changes, updated_at=now)
                 s.refresh(row)
             return job_record(row)
 
@@ -171,33 +170,25 @@ class JobStore(StoreBase):
                         row.digest[:12],
                         rec.unreadable,
                     )
-                    s.execute(
-                        update(TuningJobRow)
-                        .where(TuningJobRow.id == row.id)
-                        .values(
-                            status="quarantined",
-                            lease_owner=None,
-                            lease_hash=None,
-                            lease_expires_at=None,
-                            last_error=f"quarantined: the row cannot be read ({rec.unreadable})",
-                            updated_at=now,
-                        )
-                        .execution_options(synchronize_session=False)
+                    update_jobs(
+                        s,
+                        (TuningJobRow.id == row.id,),
+                        status="quarantined",
+                        **NO_LEASE,
+                        last_error=f"quarantined: the row cannot be read ({rec.unreadable})",
+                        updated_at=now,
                     )
                     continue
                 secret = LEASE_PREFIX + secrets.token_urlsafe(32)
-                s.execute(
-                    update(TuningJobRow)
-                    .where(TuningJobRow.id == row.id)
-                    .values(
-                        status="running",
-                        lease_owner=owner[:128],
-                        lease_hash=hash_token(secret),
-                        lease_expires_at=self._now_sql(lease_s),
-                        attempts=TuningJobRow.attempts + 1,
-                        updated_at=now,
-                    )
-                    .execution_options(synchronize_session=False)
+                update_jobs(
+                    s,
+                    (TuningJobRow.id == row.id,),
+                    status="running",
+                    lease_owner=owner[:128],
+                    lease_hash=hash_token(secret),
+                    lease_expires_at=self._now_sql(lease_s),
+                    attempts=TuningJobRow.attempts + 1,
+                    updated_at=now,
                 )
                 s.refresh(row)
                 return job_record(row, lease_secret=secret)
@@ -234,18 +225,13 @@ class JobStore(StoreBase):
         for job_id, digest, owner, attempts, max_attempts, last_error in s.execute(q).all():
             why = f"the lease of {owner or 'its worker'} ran out on the last attempt ({attempts}/{max_attempts})"
             log.warning("tunecache: job %d (%s): %s; marked failed", job_id, digest[:12], why)
-            s.execute(
-                update(TuningJobRow)
-                .where(TuningJobRow.id == job_id)
-                .values(
-                    status="failed",
-                    lease_owner=None,
-                    lease_hash=None,
-                    lease_expires_at=None,
-                    updated_at=now,
-                    last_error="\n".join(filter(None, [last_error, why]))[-8000:],
-                )
-                .execution_options(synchronize_session=False)
+            update_jobs(
+                s,
+                (TuningJobRow.id == job_id,),
+                status="failed",
+                **NO_LEASE,
+                updated_at=now,
+                last_error="\n".join(filter(None, [last_error, why]))[-8000:],
             )
 
     @staticmethod
@@ -264,11 +250,11 @@ class JobStore(StoreBase):
             return False
         now = self._now_sql()
         with self._write() as s:
-            res = s.execute(
-                update(TuningJobRow)
-                .where(*self._held(job_id, lease_secret))
-                .values(lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)), updated_at=now)
-                .execution_options(synchronize_session=False)
+            res = update_jobs(
+                s,
+                (self._held(job_id, lease_secret)),
+                lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)),
+                updated_at=now,
             )
             return res.rowcount == 1
 
@@ -276,13 +262,12 @@ class JobStore(StoreBase):
         if not lease_secret:
             return False
         with self._write() as s:
-            res = s.execute(
-                update(TuningJobRow)
-                .where(*self._held(job_id, lease_secret))
-                .values(
-                    status="done", lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=self._now_sql()
-                )
-                .execution_options(synchronize_session=False)
+            res = update_jobs(
+                s,
+                (self._held(job_id, lease_secret)),
+                status="done",
+                **NO_LEASE,
+                updated_at=self._now_sql(),
             )
             return res.rowcount == 1
 
@@ -298,21 +283,14 @@ class JobStore(StoreBase):
             ).scalar_one_or_none()
             if row is None:
                 return None
-            values: dict[str, Any] = dict(
-                last_error=error[:8000], lease_owner=None, lease_hash=None, lease_expires_at=None, updated_at=now
-            )
+            values: dict[str, Any] = dict(last_error=error[:8000], **NO_LEASE, updated_at=now)
             if row.attempts >= row.max_attempts:
                 values["status"] = "failed"
             else:
                 # capped: an exponent of a few dozen attempts would overflow datetime
                 wait = min(max(float(backoff_s), 0.0) * 2 ** min(row.attempts - 1, 30), MAX_BACKOFF_S)
                 values.update(status="queued", not_before=self._now_sql(wait))
-            s.execute(
-                update(TuningJobRow)
-                .where(TuningJobRow.id == row.id)
-                .values(**values)
-                .execution_options(synchronize_session=False)
-            )
+            update_jobs(s, (TuningJobRow.id == row.id,), **values)
             return values["status"]
 
     def get_job(self, digest: str) -> JobRecord | None:
@@ -359,19 +337,14 @@ class JobStore(StoreBase):
                     f"job {digest[:12]} is done and its winner is stored: delete the config "
                     f"(DELETE /v1/configs/{digest}) and enqueue the key to tune it again"
                 )
-            s.execute(
-                update(TuningJobRow)
-                .where(TuningJobRow.id == row.id)
-                .values(
-                    status="queued",
-                    attempts=0,
-                    not_before=now,
-                    lease_owner=None,
-                    lease_hash=None,
-                    lease_expires_at=None,
-                    updated_at=now,
-                )
-                .execution_options(synchronize_session=False)
+            update_jobs(
+                s,
+                (TuningJobRow.id == row.id,),
+                status="queued",
+                attempts=0,
+                not_before=now,
+                **NO_LEASE,
+                updated_at=now,
             )
             s.refresh(row)
             job = job_record(row)
@@ -432,16 +405,16 @@ class JobStore(StoreBase):
         from tunecache import settings
 
         ttl = settings.job_ttl_s() if ttl_s is None else ttl_s
-        res = s.execute(
-            update(TuningJobRow)
-            .where(TuningJobRow.status == "queued", TuningJobRow.updated_at < self._now_sql(-ttl))
-            .values(
-                status="failed",
-                updated_at=self._now_sql(),
-                last_error=f"expired: queued for over {ttl / 86400:g} day(s) without a worker claiming it "
-                f"(TUNECACHE_JOB_TTL_S); `tunecache jobs retry` queues it again",
-            )
-            .execution_options(synchronize_session=False)
+        res = update_jobs(
+            s,
+            (
+                TuningJobRow.status == "queued",
+                TuningJobRow.updated_at < self._now_sql(-ttl),
+            ),
+            status="failed",
+            updated_at=self._now_sql(),
+            last_error=f"expired: queued for over {ttl / 86400:g} day(s) without a worker claiming it "
+            f"(TUNECACHE_JOB_TTL_S); `tunecache jobs retry` queues it again",
         )
         return res.rowcount
 
@@ -481,20 +454,15 @@ class JobStore(StoreBase):
             return False
         now = self._now_sql()
         with self._write() as s:
-            res = s.execute(
-                update(TuningJobRow)
-                .where(*self._held(job_id, lease_secret))
-                .values(
-                    status="queued",
-                    lease_owner=None,
-                    lease_hash=None,
-                    lease_expires_at=None,
-                    not_before=now,
-                    attempts=func.max(TuningJobRow.attempts - 1, 0)
-                    if self.dialect == "sqlite"
-                    else func.greatest(TuningJobRow.attempts - 1, 0),
-                    updated_at=now,
-                )
-                .execution_options(synchronize_session=False)
+            res = update_jobs(
+                s,
+                (self._held(job_id, lease_secret)),
+                status="queued",
+                **NO_LEASE,
+                not_before=now,
+                attempts=func.max(TuningJobRow.attempts - 1, 0)
+                if self.dialect == "sqlite"
+                else func.greatest(TuningJobRow.attempts - 1, 0),
+                updated_at=now,
             )
             return res.rowcount == 1

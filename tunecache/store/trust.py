@@ -12,11 +12,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tunecache.key import TuneKey
-
-# the names this module has always offered: most now live in tunecache.store.records, .rows,
-# .engine and .faults, and are re-exported here
 from tunecache.store.base import REPLACE_MARGIN, TOKEN_PREFIX, StoreBase
 from tunecache.store.engine import insert_ignore
+from tunecache.store.jobs import NO_LEASE, update_jobs
 from tunecache.store.records import (
     TOKEN_SCOPES,
     AuditRecord,
@@ -178,21 +176,14 @@ class TrustStore(StoreBase):
                 status="queued",
                 attempts=0,
                 not_before=now,
-                lease_owner=None,
-                lease_hash=None,
-                lease_expires_at=None,
+                **NO_LEASE,
                 last_error=None,
                 retime=retime,
             )
         elif row.status in ("queued", "running") and retime and not row.retime:
             changes = dict(retime=True)
         if changes:
-            s.execute(
-                update(TuningJobRow)
-                .where(TuningJobRow.id == row.id)
-                .values(**changes, updated_at=now)
-                .execution_options(synchronize_session=False)
-            )
+            update_jobs(s, (TuningJobRow.id == row.id,), **changes, updated_at=now)
             s.refresh(row)
         return job_record(row)
 

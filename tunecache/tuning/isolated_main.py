@@ -156,9 +156,10 @@ def setup(msg: dict) -> dict:
     if dev.startswith("cuda"):
         torch.cuda.synchronize()
     took("reference")
-    _STATE.update(
-        mod=mod, args=args, ref=ref, on_gpu=dev.startswith("cuda"), tol=msg["tolerance"], digest=msg["digest"]
-    )
+    on_gpu = dev.startswith("cuda")
+    # the GPU's timer is named by its UUID: CUDA_VISIBLE_DEVICES numbers GPUs per process
+    timer = str(torch.cuda.get_device_properties(torch.device(dev)).uuid) if on_gpu else "cpu"
+    _STATE.update(mod=mod, args=args, ref=ref, on_gpu=on_gpu, tol=msg["tolerance"], digest=msg["digest"], timer=timer)
     return {"ready": msg["digest"], "seconds": seconds}
 
 
@@ -174,12 +175,21 @@ def _cuda_broken() -> bool:
 
 
 def trial(msg: dict) -> dict:
-    """Launch one config, check it against the reference, time it (quick or full)."""
-    from tunecache.tuning import timing as bench
-    from tunecache.tuning.accuracy import relative_error
+    """Launch one config, check it against the reference, time it (quick or full), holding the
+    GPU's timer (`tunecache.locks.gpu_timer`): no other process of the host runs candidates on
+    it meanwhile."""
+    from tunecache import locks
 
     if _STATE.get("digest") != msg["digest"]:
         return {"status": "failed", "error": "the trial runner lost the problem's inputs", "resetup": True}
+    with locks.gpu_timer(_STATE["timer"]):
+        return _trial(msg)
+
+
+def _trial(msg: dict) -> dict:
+    from tunecache.tuning import timing as bench
+    from tunecache.tuning.accuracy import relative_error
+
     mod, args, on_gpu = _STATE["mod"], _STATE["args"], _STATE["on_gpu"]
     cfg = msg["config"]
     if msg.get("check", True):
@@ -212,14 +222,17 @@ def trial(msg: dict) -> dict:
 
 
 def reference(msg: dict) -> dict:
-    """Time the reference op (torch's: cuBLAS / cuDNN on a GPU) on the same inputs."""
+    """Time the reference op (torch's: cuBLAS / cuDNN on a GPU) on the same inputs, holding the
+    GPU's timer."""
+    from tunecache import locks
     from tunecache.tuning import timing as bench
 
     if _STATE.get("digest") != msg["digest"]:
         return {"status": "failed", "error": "the trial runner lost the problem's inputs"}
     mod, args = _STATE["mod"], _STATE["args"]
     try:
-        ms = bench.time_ms(lambda: mod.reference(*args), _STATE["on_gpu"], **(msg.get("timing") or {}))
+        with locks.gpu_timer(_STATE["timer"]):
+            ms = bench.time_ms(lambda: mod.reference(*args), _STATE["on_gpu"], **(msg.get("timing") or {}))
     except Exception as e:
         return {"status": "failed", "error": _short(e)}
     return {"status": "ok", "median_ms": ms}

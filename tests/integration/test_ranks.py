@@ -1,0 +1,103 @@
+"""A job is many processes (README "Jobs of many ranks"): the processes of a host that miss the
+same key at once tune it once, the others wait for that winner and run it; no two processes
+time candidates on one device at once; a process killed mid-tune leaves nothing held."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RANK = r"""
+import json, os, sys, time, torch
+from tunecache import ops
+torch.manual_seed(0)
+M = int(sys.argv[1])
+a, b = torch.randn(M, 40), torch.randn(40, 36)
+t0 = time.perf_counter()
+c = ops.matmul(a, b)
+assert torch.allclose(c, a @ b, atol=1e-4, rtol=1e-4)
+(entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
+print(json.dumps({"config": entry.config, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def _start(tmp_path: Path, n: int, M: int, store: str, **env: str) -> list[subprocess.Popen]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    full = {
+        **os.environ,
+        "TUNECACHE_DB_URL": f"sqlite:///{tmp_path / store}",
+        "TUNECACHE_LOCK_DIR": str(tmp_path / "locks"),
+        **env,
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), str(M)], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(n)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[tuple[dict, str]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append((json.loads(stdout.strip().splitlines()[-1]), stderr))
+    return out
+
+
+def _trials(tmp_path: Path, store: str) -> int:
+    from tunecache.store import Store
+
+    s = Store(f"sqlite:///{tmp_path / store}")
+    try:
+        return s.counts()["trials"]
+    finally:
+        s.close()
+
+
+def test_three_processes_that_miss_one_key_tune_it_once_and_run_one_winner(tmp_path):
+    _finish(_start(tmp_path, 1, 48, "alone.sqlite"))
+    one_tune = _trials(tmp_path, "alone.sqlite")
+    assert one_tune >= 3
+    ranks = _finish(_start(tmp_path, 3, 48, "ranks.sqlite"))
+    assert _trials(tmp_path, "ranks.sqlite") == one_tune, "more than one process of the host tuned the key"
+    assert len({json.dumps(r["config"], sort_keys=True) for r, _ in ranks}) == 1, "the ranks run different configs"
+    waited = [err for _, err in ranks if "is being tuned by process" in err]
+    assert len(waited) == 2, [err[-500:] for _, err in ranks]
+    assert all("waiting for its winner" in err for err in waited)
+
+
+def test_two_tuning_processes_never_time_on_one_device_at_once(tmp_path):
+    """Two processes tune different shapes at the same moment on the one device there is: every
+    window in which one of them held the device's timer is disjoint from the other's."""
+    trace = tmp_path / "timing.jsonl"
+    procs = _start(tmp_path, 1, 48, "a.sqlite", TUNECACHE_TIMING_TRACE=str(trace))
+    procs += _start(tmp_path, 1, 56, "b.sqlite", TUNECACHE_TIMING_TRACE=str(trace))
+    _finish(procs)
+    windows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len({w["pid"] for w in windows}) == 2, "both processes' trial runners timed"
+    windows.sort(key=lambda w: w["start"])
+    for before, after in zip(windows, windows[1:]):
+        assert before["device"] == after["device"] == "cpu"
+        assert after["start"] >= before["end"], f"{before} and {after} overlap"
+
+
+def test_a_process_killed_while_it_tunes_leaves_the_key_to_the_next(tmp_path):
+    (holder,) = _start(tmp_path, 1, 64, "killed.sqlite")
+    locks = tmp_path / "locks"
+    deadline = time.monotonic() + 300
+    while not list(locks.glob("*/tune-*.holder")):  # it holds the key and tunes
+        assert holder.poll() is None and time.monotonic() < deadline, holder.stderr.read()[-2000:]
+        time.sleep(0.05)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(60)
+    ((res, err),) = _finish(_start(tmp_path, 1, 64, "killed.sqlite", TUNECACHE_TUNE_WAIT_S="120"))
+    assert "waiting for its winner" not in err, err[-2000:]
+    assert _trials(tmp_path, "killed.sqlite") >= 3
