@@ -25,7 +25,23 @@ _LAZY = {
     "MissingConfig": ("tunecache.ops.launcher", "MissingConfig"),
 }
 
-__all__ = ["autotune", "patch_triton", "unpatch_triton", *_LAZY]
+__all__ = ["autotune", "patch_triton", "refresh", "unpatch_triton", *_LAZY]
+
+
+def refresh() -> None:
+    """Move on to the newest winners: the next call of every shape (of the ops and of your
+    @tunecache.autotune kernels) looks its config up again, in this host's store and then the
+    fleet, instead of running the one this process settled on first. Until then a process keeps
+    its first winner for each key, so ranks stay on one config; call it on every rank at the
+    same step boundary."""
+    import sys
+
+    ops = sys.modules.get("tunecache.ops")
+    if ops is not None:
+        ops.clear_memo()
+    dropin = sys.modules.get("tunecache.dropin.autotuner")
+    if dropin is not None:
+        dropin.forget_all()
 
 
 def __getattr__(name: str) -> Any:

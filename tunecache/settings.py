@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -40,8 +41,14 @@ def server_token() -> str | None:
 
 
 def recheck_seconds() -> float:
-    """How often a provisional (default-config) memo entry asks the store for a winner."""
-    return float(os.environ.get("TUNECACHE_RECHECK_S", "30"))
+    """TUNECACHE_RECHECK_S: how often a provisional (default-config) memo entry asks the store
+    for a winner; `never`: only at `tunecache.refresh()` (ranks that must agree at every step)."""
+    v = os.environ.get("TUNECACHE_RECHECK_S", "").strip().lower()
+    if v == "never":
+        return math.inf
+    if v in ("0", "0.0"):
+        return 0.0  # at every call
+    return _seconds("TUNECACHE_RECHECK_S", 30.0)
 
 
 def backend_override() -> str | None:

@@ -101,3 +101,75 @@ def test_a_process_killed_while_it_tunes_leaves_the_key_to_the_next(tmp_path):
     ((res, err),) = _finish(_start(tmp_path, 1, 64, "killed.sqlite", TUNECACHE_TUNE_WAIT_S="120"))
     assert "waiting for its winner" not in err, err[-2000:]
     assert _trials(tmp_path, "killed.sqlite") >= 3
+
+
+STEPS = r"""
+import json, os, sys, time, torch
+import tunecache
+from tunecache import ops
+shared = sys.argv[1]
+torch.manual_seed(0)
+a, b = torch.randn(48, 40), torch.randn(40, 36)
+seen = []
+for step in range(4):
+    while not os.path.exists(os.path.join(shared, f"step{step}")):
+        time.sleep(0.02)
+    if step == 2:
+        tunecache.refresh()  # the job's step boundary: every rank moves here
+    torch.testing.assert_close(ops.matmul(a, b), a @ b)
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
+    seen.append(entry.config)
+    open(os.path.join(shared, f"done{step}-{os.getpid()}"), "w").close()
+print(json.dumps(seen))
+"""
+
+
+def test_ranks_under_policy_default_move_to_the_winner_together_at_refresh(tmp_path):
+    """Policy `default` with TUNECACHE_RECHECK_S=never: every rank runs the default until the job
+    calls `tunecache.refresh()` at a step boundary, then every rank runs the winner, so no step
+    sees two configs across ranks, though the winner landed between two steps."""
+    import torch
+
+    from tunecache.key import interpreter_device
+    from tunecache.store import Store
+    from tunecache.store.records import ConfigRecord
+    from tunecache.tuning.tuner import make_key
+    from tunecache_kernels import matmul_portable as mod
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
+    url = f"sqlite:///{tmp_path / 'store.sqlite'}"
+    env = {
+        **os.environ,
+        "TUNECACHE_DB_URL": url,
+        "TUNECACHE_LOCK_DIR": str(tmp_path / "locks"),
+        "TUNECACHE_MISS_POLICY": "default",
+        "TUNECACHE_RECHECK_S": "never",
+    }
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(shared)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+
+    def step(n: int) -> None:
+        (shared / f"step{n}").touch()
+        deadline = time.monotonic() + 300
+        while len(list(shared.glob(f"done{n}-*"))) < len(ranks):
+            assert all(r.poll() is None for r in ranks) and time.monotonic() < deadline
+            time.sleep(0.02)
+
+    step(0)
+    problem = mod.problem(torch.randn(48, 40), torch.randn(40, 36))
+    device = interpreter_device()
+    default = mod.default_config(problem, device)
+    winner = next(c for c in mod.prune(mod.config_space(problem, device), problem, device) if c != default)
+    store = Store(url)
+    store.put_config(ConfigRecord(make_key(mod, problem, device), winner, 0.001, source="worker"))
+    store.close()
+    for n in (1, 2, 3):
+        step(n)
+    seen = [json.loads(r.communicate(timeout=60)[0].strip().splitlines()[-1]) for r in ranks]
+    assert seen[0] == seen[1], "the ranks ran different configs at one step"
+    assert seen[0] == [default, default, winner, winner]

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -40,11 +41,21 @@ KERNEL_PREFIX = "triton:"  # tunecache_kernels.spaces.USER_KERNEL_PREFIX: the fl
 _KERNEL_NAME_MAX = 128  # tuned_configs.kernel is a String(128)
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every decorated kernel of the process (`forget_all`)
+
+
+def forget_all() -> None:
+    """Every decorated kernel looks its configs up again at its next call (`tunecache.refresh`)."""
+    for tuner in list(_LIVE):
+        tuner.cache.clear()
+
+
 class Autotuner(TritonAutotuner):
     """`triton.runtime.autotuner.Autotuner` whose results persist; see `tunecache.autotune`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _LIVE.add(self)
         self.cache_results = True  # the store is always on, under the interpreter too
         self.kernel_name = kernel_name(self.base_fn)
         self._call_kwargs: dict[str, Any] = {}

@@ -48,7 +48,7 @@ class Entry:
     config: dict
     kernel: str
     provisional: bool = False  # a default config, run until a winner is known
-    watch: bool = False  # a default or a fleet copy: the hot path asks again after `recheck_at`
+    watch: bool = False  # a default: the hot path asks again after `recheck_at`
     recheck_at: float = math.inf
     key: TuneKey | None = None
     mod: ModuleType | None = None
@@ -74,7 +74,7 @@ class Op:
         (`process_store.hold_writes`): the returned entry's `run` lets them go."""
         entry = self.memo.get(raw)
         if entry is not None and entry.watch and time.monotonic() < entry.recheck_at:
-            return entry  # a fleet copy or a default, watched, before its time: every call comes here
+            return entry  # a default, watched, before its time: every call comes here
         process_store.hold_writes()
         try:
             entry = self._resolve(raw, args, device_tensor)
@@ -133,18 +133,14 @@ class Op:
         return entry
 
     def _recheck(self, raw: tuple, entry: Entry) -> Entry | None:
-        """A watched entry after its time: the same, a new winner, or None (decide again: the
-        fleet removed the winner this process was running)."""
+        """A default after its time: the same default (asked again later), or the winner now known."""
         if time.monotonic() < entry.recheck_at:
             return entry
         # the key's own backend: a provisional entry may be running another one's default
         mod = backends.module_for_kernel(entry.key.kernel)
         rec = CACHE.get(entry.key, launchable(mod, entry.problem, entry.device))
-        if rec is None and not entry.provisional:
-            self.memo.pop(raw, None)
-            return None
-        if rec is None or (rec.config == entry.config and mod is entry.mod):
-            entry.recheck_at = time.monotonic() + _recheck_after(rec)
+        if rec is None:
+            entry.recheck_at = time.monotonic() + settings.recheck_seconds()
             return entry
         new = _entry(
             self, raw, mod, entry.problem, entry.device, rec.config, entry.key, rec=rec, fallbacks=entry.fallbacks
@@ -207,10 +203,6 @@ def _reference_entry(mod: ModuleType, problem: dict, device: DeviceClass) -> Ent
     """PyTorch's own op: what runs when no backend can be trusted with this shape."""
     reference = mod.reference
     return Entry(lambda *a: reference(*a), {}, "torch", mod=mod, problem=problem, device=device)
-
-
-def _recheck_after(rec: ConfigRecord | None) -> float:
-    return settings.recheck_seconds() if rec is None else settings.fleet_ttl_s()
 
 
 def _bind(op: Op, raw: tuple, mod: ModuleType, config: dict) -> Callable[..., Any]:
@@ -308,17 +300,15 @@ def _entry(
     fallbacks: tuple = (),
     provisional: bool = False,
 ) -> Entry:
-    # a fleet copy is rechecked now and then, so that a running process follows the fleet
-    watch = provisional or (rec is not None and rec.source == "fleet")
+    # A winner stays this process's for its key (every rank that read it runs it) until
+    # `tunecache.refresh()`; only a default, run until a winner is known, is asked about again.
     return Entry(
         _bind(op, raw, mod, config),
         config,
         mod.KERNEL,
         provisional=provisional,
-        watch=watch,
-        recheck_at=time.monotonic() + (settings.recheck_seconds() if provisional else settings.fleet_ttl_s())
-        if watch
-        else math.inf,
+        watch=provisional,
+        recheck_at=time.monotonic() + settings.recheck_seconds() if provisional else math.inf,
         key=key,
         mod=mod,
         problem=problem,
