@@ -49,8 +49,10 @@ def test_default_runs_now_enqueues_and_picks_up_the_winner(db_url, monkeypatch):
 
 def test_default_prefers_the_nearest_tuned_neighbour(db_url, monkeypatch):
     from tunecache import backends
+    from tunecache.cache.config_cache import CACHE
     from tunecache.key import interpreter_device
-    from tunecache.ops.launcher import nearest_neighbour
+    from tunecache.ops.launcher import launchable
+    from tunecache.tuning.tuner import make_key
     from tunecache_kernels import problems
 
     mod = backends.backend_module("matmul", "portable")
@@ -63,9 +65,13 @@ def test_default_prefers_the_nearest_tuned_neighbour(db_url, monkeypatch):
     for r in (tuned_near, far_result):
         store.put_config(r.record(dev), r.trials)
     query = problems.matmul_problem(torch.randn(60, 64), torch.randn(64, 60))
-    assert nearest_neighbour(mod, query, dev, store) == tuned_near.config
+
+    def nearest(problem):
+        return CACHE.nearest(make_key(mod, problem, dev), launchable(mod, problem, dev))
+
+    assert nearest(query) == tuned_near.config
     other_dtype = problems.matmul_problem(torch.randn(60, 64).half(), torch.randn(64, 60).half())
-    assert nearest_neighbour(mod, other_dtype, dev, store) is None
+    assert nearest(other_dtype) is None
 
 
 def test_a_sure_miss_is_known_before_the_store_opens(db_url):

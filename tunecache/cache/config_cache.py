@@ -157,6 +157,33 @@ class ConfigCache:
             "read a self-check", lambda url: quick_read.selfcheck(url, *k), lambda s: s.get_selfcheck(*k), None
         )
 
+    def nearest(self, key: TuneKey, check: Check) -> dict | None:
+        """The config of the closest tuned problem (`tunecache.shapes.problem_distance`) of this
+        kernel version, Triton and device class that `check` accepts: what a miss runs under
+        policy `default` until its own winner is known. None without one, or without a store."""
+        from tunecache.shapes import problem_distance
+
+        store = self.store()
+        if store is None:
+            return None
+        records = self.store_call(
+            "read a neighbour's config", lambda: store.list_configs(kernel=key.kernel, arch=key.arch), []
+        )
+        problem = dict(key.problem)
+        best, best_d = None, float("inf")
+        for rec in records:
+            k = rec.key
+            if (k.kernel_version, k.triton_version, k.sm_count) != (
+                key.kernel_version,
+                key.triton_version,
+                key.sm_count,
+            ):
+                continue
+            d = problem_distance(problem, dict(k.problem))
+            if d < best_d and _why_not(rec, rec.key, check) is None:
+                best, best_d = rec.config, d
+        return best
+
     def surely_missing(self, digest: str) -> bool:
         """Whether this host's store has no winner for `digest`, known without opening the
         Store: a plain SQLite store without the row, or without a file yet. (Postgres and
@@ -336,16 +363,17 @@ class ConfigCache:
         if fleet is None or publish == "never" or (publish == "if_won" and not won):
             return Kept(kept, won, None)
         if store is not None and getattr(fleet, "store", None) is store:
-            return Kept(kept, won, Published(WON if won else KEPT_EXISTING, kept=kept))
-        sent = Published(UNREACHABLE)
-        delay = 0.5
-        for attempt in range(max(1, publish_attempts)):
-            if attempt:
-                time.sleep(delay)
-                delay *= 2
-            sent = fleet.publish(rec, trials, tune_seconds=tune_seconds)
-            if sent.reached:
-                break
+            sent = Published(WON if won else KEPT_EXISTING, kept=kept)  # kept once, above
+        else:
+            sent = Published(UNREACHABLE)
+            delay = 0.5
+            for attempt in range(max(1, publish_attempts)):
+                if attempt:
+                    time.sleep(delay)
+                    delay *= 2
+                sent = fleet.publish(rec, trials, tune_seconds=tune_seconds)
+                if sent.reached:
+                    break
         if binaries and sent.won:  # hosts that copy the winner need not compile it
             fleet.publish_binaries(rec, binaries)
         return Kept(kept, won, sent)

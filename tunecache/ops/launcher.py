@@ -21,7 +21,6 @@ from tunecache.cache.config_cache import CACHE
 from tunecache.errors import short
 from tunecache.key import DeviceClass, TuneKey, device_of, torch_device_for, use_interpreter_without_gpu
 from tunecache.ops import selfcheck
-from tunecache.shapes import problem_distance
 from tunecache.store import process as process_store
 from tunecache.store.records import ConfigRecord
 from tunecache.tuning import triton_driver
@@ -29,7 +28,7 @@ from tunecache.tuning.tuner import TuneError, make_key, tune
 from tunecache_kernels import gluon_launch as direct
 
 if TYPE_CHECKING:
-    from tunecache.store import Store
+    pass
 
 direct.set_direct_launch(settings.gluon_direct_launch())  # the kernels read no settings: told here
 
@@ -477,7 +476,7 @@ def _decide(
             return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it
     CACHE.enqueue(key)
-    config = nearest_neighbour(mod, problem, device, CACHE.store()) or mod.default_config(problem, device)
+    config = CACHE.nearest(key, check) or mod.default_config(problem, device)
     if check(config) is None:
         return _entry(op, raw, mod, problem, device, config, key, fallbacks=fallbacks, provisional=True)
     log.warning(
@@ -488,28 +487,3 @@ def _decide(
         if launchable(other, problem, device)(config) is None:
             return _entry(op, raw, other, problem, device, config, key, provisional=True)
     return _reference_entry(mod, problem, device)
-
-
-def nearest_neighbour(mod: ModuleType, problem: dict, device: DeviceClass, store: "Store | None") -> dict | None:
-    """The config of the closest tuned problem of this kernel version and device class.
-
-    Distance is `tunecache.shapes.problem_distance`; the config must pass this problem's launch check.
-    """
-    if store is None:
-        return None
-    key = make_key(mod, problem, device)
-    try:
-        records = store.list_configs(kernel=mod.KERNEL, arch=device.arch)
-    except Exception as e:  # noqa: BLE001 - a store fault means no neighbour, not a failed call
-        log.warning("tunecache: cannot read the store for a neighbour's config: %s", e)
-        return None
-    check = launchable(mod, problem, device)
-    best, best_d = None, math.inf
-    for rec in records:
-        k = rec.key
-        if (k.kernel_version, k.triton_version, k.sm_count) != (key.kernel_version, key.triton_version, key.sm_count):
-            continue
-        d = problem_distance(problem, dict(k.problem))
-        if d < best_d and check(rec.config) is None:
-            best, best_d = rec.config, d
-    return best
