@@ -10,7 +10,11 @@ Then, from the store and the trial runners' timing trace (TUNECACHE_TIMING_TRACE
   ranks_agree     every rank runs the same config for each shape
   timing_overlaps windows in which two processes held one GPU's timer at once (0 is the goal)
 
-    python benchmarks/bench_ranks.py [--ranks 1,2,4] [--shapes 3]
+  tune_all        with --tune-all MANIFEST: `tunecache.tune_all(MANIFEST)` run by 1 rank, then by
+                  one rank per GPU, each on a fresh store with Triton's cache equally warm (a first
+                  pass warms it): the seconds of each and the speed-up
+
+    python benchmarks/bench_ranks.py [--ranks 1,2,4] [--shapes 3] [--tune-all llama_layer,resnet50]
 
 Writes benchmarks/results/ranks-<device>.json with a `summary`.
 """
@@ -63,6 +67,18 @@ def gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def start_ranks(ranks: int, argv: list[str], env: dict) -> list[subprocess.Popen]:
+    """`ranks` Python processes, spread over the host's GPUs as torchrun would (one GPU each)."""
+    n_gpus = gpus()
+    procs = []
+    for r in range(ranks):
+        e = dict(env, CUDA_VISIBLE_DEVICES=str(r % n_gpus)) if n_gpus else dict(env)
+        procs.append(
+            subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    return procs
+
+
 def run(ranks: int, shapes: list, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "timing.jsonl"
@@ -77,20 +93,7 @@ def run(ranks: int, shapes: list, work: Path) -> dict:
         "PYTHONUNBUFFERED": "1",
     }
     t0 = time.perf_counter()
-    procs = []
-    for r in range(ranks):
-        e = dict(env)
-        if n_gpus:
-            e["CUDA_VISIBLE_DEVICES"] = str(r % n_gpus)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), json.dumps(shapes)],
-                env=e,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    procs = start_ranks(ranks, [str(script), json.dumps(shapes)], env)
     results, waited = [], 0
     for p in procs:
         stdout, stderr = p.communicate(timeout=1800)
@@ -128,11 +131,45 @@ def run(ranks: int, shapes: list, work: Path) -> dict:
     }
 
 
+TUNE_ALL = r"""
+import json, sys, time
+import tunecache
+t0 = time.perf_counter()
+r = tunecache.tune_all(sys.argv[1])
+print(json.dumps({"seconds": time.perf_counter() - t0, "tuned": r.tuned, "by_others": r.by_others,
+                  "failed": r.failed, "total": r.total}))
+"""
+
+
+def tune_all(manifest: str, ranks: int, work: Path) -> dict:
+    """`ranks` processes (one per GPU, round robin) run tune_all(manifest) on one fresh store."""
+    work.mkdir(parents=True, exist_ok=True)
+    script = work / "tune_all.py"
+    script.write_text(TUNE_ALL)
+    env = {
+        **os.environ,
+        "TUNECACHE_DB_URL": f"sqlite:///{work / 'store.sqlite'}",
+        "TUNECACHE_LOCK_DIR": str(work / "locks"),
+    }
+    t0 = time.perf_counter()
+    procs = start_ranks(ranks, [str(script), manifest], env)
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=3600)
+        if p.returncode != 0:
+            raise SystemExit(f"tune_all failed ({p.returncode}):\n{stderr[-3000:]}")
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    return {"manifest": manifest, "ranks": ranks, "wall_s": time.perf_counter() - t0, "processes": outs}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,2,4", help="rank counts to run, comma-separated (1 first: the baseline)")
     ap.add_argument("--shapes", type=int, default=3, help="new matmul shapes every rank calls")
     ap.add_argument("--out", default=None, help="results file name (default ranks-<device>)")
+    ap.add_argument(
+        "--tune-all", default="", help="manifests to tune with tunecache.tune_all on 1 rank and on every GPU"
+    )
     args = ap.parse_args()
     counts = [int(r) for r in args.ranks.split(",")]
     shapes = (SHAPES if gpus() else CPU_SHAPES)[: args.shapes]
@@ -145,6 +182,19 @@ def main() -> int:
                 f"{r} rank(s) on {res['gpus']} GPU(s): {res['trials']} trials, first call (slowest rank, median "
                 f"over shapes) {res['first_call_s_median']:.1f} s, ranks agree: {res['ranks_agree']}, "
                 f"timing overlaps: {res['timing_overlaps']}, waits announced: {res['waited_messages']}",
+                flush=True,
+            )
+    speedups, tune_all_runs = {}, []
+    with tempfile.TemporaryDirectory(prefix="bench-tune-all-") as tmp:
+        for manifest in [m for m in args.tune_all.split(",") if m]:
+            tune_all(manifest, 1, Path(tmp) / f"{manifest}-warm")  # Triton's cache: as warm for both runs
+            one = tune_all(manifest, 1, Path(tmp) / f"{manifest}-1")
+            every = tune_all(manifest, max(1, gpus()), Path(tmp) / f"{manifest}-all")
+            speedups[manifest] = one["wall_s"] / every["wall_s"]
+            tune_all_runs += [one, every]
+            print(
+                f"tune_all({manifest}): 1 rank {one['wall_s']:.1f} s, {every['ranks']} ranks {every['wall_s']:.1f} s: "
+                f"{speedups[manifest]:.2f}x",
                 flush=True,
             )
     base = next((r for r in runs if r["ranks"] == 1), None)
@@ -161,11 +211,12 @@ def main() -> int:
         "first_call_s": {str(r["ranks"]): round(r["first_call_s_median"], 2) for r in runs},
         "ranks_agree": all(r["ranks_agree"] for r in runs),
         "timing_overlaps": sum(r["timing_overlaps"] for r in runs),
-        "pretune_speedup": None,  # issue 38 item 5: not built yet
+        "tune_all_speedup": speedups or None,  # one rank per GPU over one rank, Triton's cache warm for both
     }
     print(json.dumps(summary, indent=1))
     slug = device.lower().replace("nvidia ", "").split()[0] if device != "cpu" else "cpu"
-    path = write_results(args.out or f"ranks-{slug}", {"summary": summary, "runs": runs, "command": " ".join(sys.argv)})
+    payload = {"summary": summary, "runs": runs, "tune_all": tune_all_runs, "command": " ".join(sys.argv)}
+    path = write_results(args.out or f"ranks-{slug}", payload)
     print(f"wrote {path}")
     return 0
 

@@ -23,6 +23,7 @@ _LAZY = {
     "DeviceClass": ("tunecache.key", "DeviceClass"),
     "Store": ("tunecache.store", "Store"),
     "MissingConfig": ("tunecache.ops.launcher", "MissingConfig"),
+    "tune_all": ("tunecache.ops.ahead", "tune_all"),
 }
 
 __all__ = ["autotune", "patch_triton", "refresh", "unpatch_triton", *_LAZY]

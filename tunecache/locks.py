@@ -93,11 +93,12 @@ def _holder_text(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def tune_turn(store_url: str, digest: str, what: str) -> Iterator[Turn]:
+def tune_turn(store_url: str, digest: str, what: str, wait: bool = True) -> Iterator[Turn]:
     """One tune of a key per host and store: the first process to miss it tunes while the block
     runs; the others wait here (saying for whom, at most TUNECACHE_TUNE_WAIT_S), then read the
     winner it kept. A holder that dies releases the key at once; one that outlives the bound is
-    left to finish, and the waiter tunes the key itself."""
+    left to finish, and the waiter tunes the key itself. `wait=False`: never wait (the turn is
+    not held when another process holds the key: come back to it later)."""
     from filelock import Timeout
 
     room = hashlib.sha256(store_url.encode()).hexdigest()[:16]  # processes of one store meet
@@ -108,6 +109,9 @@ def tune_turn(store_url: str, digest: str, what: str) -> Iterator[Turn]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
+        if not wait:
+            yield Turn(waited=False, held=False)
+            return
         waited = True
         bound = settings.tune_wait_s()
         log.warning(

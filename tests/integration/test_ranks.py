@@ -173,3 +173,44 @@ def test_ranks_under_policy_default_move_to_the_winner_together_at_refresh(tmp_p
     seen = [json.loads(r.communicate(timeout=60)[0].strip().splitlines()[-1]) for r in ranks]
     assert seen[0] == seen[1], "the ranks ran different configs at one step"
     assert seen[0] == [default, default, winner, winner]
+
+
+TUNE_ALL = r"""
+import json, sys
+import tunecache
+shapes = [("matmul", {"M": m, "N": 36, "K": 40, "dtype": "float32"}) for m in (24, 32, 40, 48, 56, 64)]
+report = tunecache.tune_all(shapes)
+print(json.dumps({"tuned": report.tuned, "by_others": report.by_others, "already": report.already,
+                  "failed": report.failed, "total": report.total}))
+"""
+
+
+def test_tune_all_splits_the_shapes_over_the_processes_that_run_it(tmp_path):
+    """Two processes run `tunecache.tune_all` over one list at once: between them each shape is
+    tuned once (as many trials as one process alone), both take part, and both end with every
+    winner."""
+    script = tmp_path / "tune_all.py"
+    script.write_text(TUNE_ALL)
+
+    def start(store: str) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            "TUNECACHE_DB_URL": f"sqlite:///{tmp_path / store}",
+            "TUNECACHE_LOCK_DIR": str(tmp_path / "locks"),
+        }
+        return subprocess.Popen(
+            [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def result(p: subprocess.Popen) -> dict:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    alone = result(start("alone.sqlite"))
+    assert alone["tuned"] == alone["total"] == 6 and not alone["failed"]
+    pair = [start("pair.sqlite") for _ in range(2)]
+    a, b = (result(p) for p in pair)
+    assert a["tuned"] + b["tuned"] == 6 and a["tuned"] > 0 and b["tuned"] > 0, (a, b)
+    assert a["tuned"] + a["by_others"] == 6 and b["tuned"] + b["by_others"] == 6
+    assert _trials(tmp_path, "pair.sqlite") == _trials(tmp_path, "alone.sqlite")

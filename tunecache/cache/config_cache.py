@@ -321,13 +321,15 @@ class ConfigCache:
 
     # ---- the processes of a host ---------------------------------------------------------
 
-    def turn(self, key: TuneKey):
+    def turn(self, key: TuneKey, wait: bool = True):
         """One tune of `key` per host and store (`tunecache.locks.tune_turn`): a context whose
-        `Turn` says whether this process waited for another's tune (then `get` the winner first)."""
+        `Turn` says whether this process waited for another's tune (then `get` the winner first)
+        and whether it holds the key (`wait=False`: not when another process does)."""
         from tunecache import locks
         from tunecache.shapes import shape_text
 
-        return locks.tune_turn(settings.db_url(), key.digest, f"{key.kernel} {shape_text(dict(key.problem))}")
+        what = f"{key.kernel} {shape_text(dict(key.problem))}"
+        return locks.tune_turn(settings.db_url(), key.digest, what, wait)
 
     # ---- keep, drop, enqueue ----------------------------------------------------------------
 

@@ -348,7 +348,7 @@ def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[
     return check
 
 
-def _announce(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> Callable[..., None]:
+def announce_tune(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> Callable[..., None]:
     """Tuning blocks the caller's call: say so once, with what and roughly how long."""
     said = []
     from tunecache.tuning.isolated import runner_start_s
@@ -453,7 +453,7 @@ def _decide(
                     return _entry(op, raw, mod, problem, device, rec.config, key, rec=rec, fallbacks=fallbacks)
             failure = None
             try:
-                announce = _announce(mod, problem, device, torch_device)
+                announce = announce_tune(mod, problem, device, torch_device)
                 result = tune(mod, problem, device, torch_device=torch_device, progress=announce)
             except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
                 result, failure = None, e

@@ -1,0 +1,112 @@
+"""`tunecache.tune_all(shapes)`: tune a model's shapes ahead of its first step, the work split
+over every process of the host that calls it at the same time (the ranks of a job, each on its
+own GPU).
+
+Each process walks the shapes longest tune first and takes every key no other process holds
+(`ConfigCache.turn(wait=False)`), tuning it on its own GPU; the keys others held it then waits
+for, and runs their winners. N ranks of a host thus tune each shape once between them, about N
+times as fast as one rank alone, and every rank ends with the same winners.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from tunecache.cache.config_cache import CACHE
+from tunecache.key import DeviceClass, local_device, torch_device_for
+
+log = logging.getLogger("tunecache")
+
+
+@dataclass
+class TuneAllReport:
+    total: int  # shapes (distinct keys) asked for
+    already: int = 0  # had a winner before
+    tuned: int = 0  # tuned by this process
+    by_others: int = 0  # tuned by another process of the host meanwhile
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _planned(shapes: Any, device: DeviceClass) -> list:
+    from tunecache.fleet.pretune import Manifest, Shape, load_manifest, longest_first, plan
+    from tunecache.shapes import canonical_problem
+
+    if isinstance(shapes, (str, os.PathLike)):
+        manifest = load_manifest(shapes)
+    elif isinstance(shapes, Manifest):
+        manifest = shapes
+    else:
+        manifest = Manifest(name="tune_all", path=Path("tune_all"))
+        for op, given in shapes:
+            manifest.shapes.append(Shape(op, dict(given), canonical_problem(op, dict(given))))
+    return longest_first(plan(manifest, device), device)
+
+
+def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | None = None) -> TuneAllReport:
+    """Tune every shape of `shapes` (a manifest's name or path, as `tunecache pretune` takes, or
+    (op, {KEY: VALUE}) pairs as `tunecache tune -p` takes) that has no winner yet, on this
+    process's GPU (`gpu`, default the current one), sharing the shapes with every process of the
+    host that runs `tune_all` over the same store meanwhile. Returns what was done."""
+    from tunecache import backends
+    from tunecache.ops.launcher import announce_tune, launchable
+    from tunecache.tuning.tuner import TuneError, tune
+
+    t0 = time.perf_counter()
+    device = local_device(gpu)
+    if device.arch != "cpu" and gpu is None:
+        import torch
+
+        gpu = torch.cuda.current_device()
+    where = torch_device_for(device, gpu)
+    planned = _planned(shapes, device)
+    report = TuneAllReport(total=len(planned))
+
+    def settle(p: Any, wait: bool) -> bool:
+        """Tune p's key if it is this process's turn; False: another process holds it (wait=False)."""
+        mod = backends.module_for_kernel(p.kernel)
+        problem = p.shape.problem
+        check = launchable(mod, problem, device)
+        with CACHE.turn(p.key, wait=wait) as turn:
+            if not turn.held and not turn.waited:
+                return False
+            if CACHE.get(p.key, check) is not None:  # it had none when this call began
+                report.by_others += 1
+                return True
+            try:
+                result = tune(
+                    mod, problem, device, torch_device=where, progress=announce_tune(mod, problem, device, where)
+                )
+            except TuneError as e:
+                report.failed.append(f"{p.kernel} {problem}: {e}")
+                return True
+            CACHE.keep_tuned(result, device)
+            report.tuned += 1
+            return True
+
+    todo = []
+    for p in planned:
+        if CACHE.get(p.key, launchable(backends.module_for_kernel(p.kernel), p.shape.problem, device)) is not None:
+            report.already += 1
+        else:
+            todo.append(p)
+    later = [p for p in todo if not settle(p, wait=False)]
+    for p in later:  # another process had each of these: its winner, or this process's own tune
+        settle(p, wait=True)
+    report.seconds = time.perf_counter() - t0
+    log.warning(
+        "tunecache: tune_all on %s: %d shape(s), %d had a winner, %d tuned here, %d by other processes%s in %.1f s",
+        device,
+        report.total,
+        report.already,
+        report.tuned,
+        report.by_others,
+        f", {len(report.failed)} failed" if report.failed else "",
+        report.seconds,
+    )
+    return report
