@@ -48,3 +48,25 @@ def clean_fleet(fleet):
     client.reset_clients()
     yield fleet
     client.reset_clients()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_db_url(request, tmp_path):
+    """An empty database of each engine, no schema yet: for migrations and upgrades."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'old.sqlite'}"
+        return
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(request.getfixturevalue("pg_url"))
+    name = f"tc_old_{uuid.uuid4().hex[:10]}"
+    conn = psycopg.connect(
+        host=base.host, port=base.port or 5432, user=base.username, dbname=base.database, autocommit=True
+    )
+    conn.execute(f'CREATE DATABASE "{name}"')
+    yield base.set(database=name).render_as_string(hide_password=False)
+    conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    conn.close()

@@ -8,31 +8,18 @@ benchmarks/results/dashboard-20261123.png)."""
 from __future__ import annotations
 
 import re
-import shutil
 import struct
 import subprocess
 from datetime import date
 from pathlib import Path
 
 import httpx
-import pytest
 
+from support.browser import chromium, needs_chromium
 from support.fleet import Server
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # the page refreshes itself every 10 s: the virtual-time budget stays under that
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--hide-scrollbars",
-    "--virtual-time-budget=3000",
-]
+BUDGET_MS = 3000
 
 H100 = ("sm_90", 132, "NVIDIA H100 80GB HBM3")
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
@@ -128,12 +115,7 @@ def _seed(db_url: str) -> dict:
 
 
 def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = chromium(tmp_path / "profile", *args, budget_ms=BUDGET_MS)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
@@ -148,7 +130,7 @@ def _marks(dom: str, series: str) -> set[str]:
     return set(re.findall(rf'<g id="tcm-[0-9-]+" class="mark {series}" data-digest="([0-9a-f]{{64}})">', dom))
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+@needs_chromium
 def test_the_dashboard_renders_its_plots_in_chromium(clean_fleet, tmp_path):
     seeded = _seed(clean_fleet.db_url)
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from support.fleet import Server, reset_fleet_tables, start_fleet
+from support.fleet import Server, reset_fleet_tables, result_body, start_fleet
 from tunecache.cli import app as cli
 
 PROBLEM = {"M": 64, "N": 64, "K": 64, "dtype": "float32", "a_layout": "row", "b_layout": "row"}
@@ -66,18 +66,7 @@ def tight(request, tmp_path_factory):
 
 
 def result(median_ms=5.0, config=None, **key):
-    body = {
-        "kernel": "matmul.portable",
-        "kernel_version": "v1",
-        "triton_version": "3.9.0",
-        "arch": "cpu",
-        "sm_count": 0,
-        "problem": dict(PROBLEM),
-        "config": dict(config or CONFIG),
-        "median_ms": median_ms,
-    }
-    body.update(key)
-    return body
+    return result_body(median_ms, config or CONFIG, PROBLEM, **key)
 
 
 def job_key(**key) -> dict:

@@ -478,28 +478,7 @@ def test_fleet_purge_on_the_command_line(svc, tmp_path):
     assert "removed 0 winner(s)" in purge().stdout
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def fresh_db_url(request, tmp_path):
-    """An empty database of each engine (the purge of winners stored before the upgrade)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'old.sqlite'}"
-        return
-    pg_url = request.getfixturevalue("pg_url")
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    base = make_url(pg_url)
-    name = f"tc_old_{uuid.uuid4().hex[:10]}"
-    conn = psycopg.connect(
-        host=base.host, port=base.port or 5432, user=base.username, dbname=base.database, autocommit=True
-    )
-    conn.execute(f'CREATE DATABASE "{name}"')
-    yield base.set(database=name).render_as_string(hide_password=False)
-    conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-    conn.close()
-
-
-def test_winners_stored_before_the_upgrade_are_purged_by_their_latest_accepted_submission(fresh_db_url):
+def test_winners_stored_before_the_upgrade_are_purged_by_their_latest_accepted_submission(empty_db_url):
     """Winners that publish tokens made before this trust model: the upgrade links each winner
     to its key's latest accepted submission, so `fleet purge` finds them."""
     from sqlalchemy import JSON, bindparam, create_engine, text
@@ -507,7 +486,7 @@ def test_winners_stored_before_the_upgrade_are_purged_by_their_latest_accepted_s
     from tunecache.store import Store
     from tunecache.store.migrate import upgrade
 
-    engine = create_engine(fresh_db_url)
+    engine = create_engine(empty_db_url)
     upgrade(engine, "0003")
     key = matmul_key(64)
     fields = {**key.fields(), "problem": dict(key.problem), "config": launchable(key)[0], "digest": key.digest}
@@ -538,7 +517,7 @@ def test_winners_stored_before_the_upgrade_are_purged_by_their_latest_accepted_s
                 {**fields, "median_ms": ms, "who": who, "accepted": accepted},
             )
     engine.dispose()
-    store = Store(fresh_db_url)  # migrates to head
+    store = Store(empty_db_url)  # migrates to head
     try:
         assert store.purge_token("honest-worker").removed == [], "its winner was replaced since"
         report = store.purge_token("old-publish")

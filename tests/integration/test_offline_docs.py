@@ -4,37 +4,16 @@ network reaches nothing outside."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
-import pytest
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--virtual-time-budget=10000",
-]
+from support.browser import chromium, needs_chromium
 
 
 def _dom(url: str, tmp_path) -> str:
-    proc = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = chromium(tmp_path / "profile", "--dump-dom", url, budget_ms=10000)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+@needs_chromium
 def test_swagger_ui_and_redoc_render_without_a_cdn(clean_fleet, tmp_path):
     page = _dom(f"{clean_fleet.url}/docs", tmp_path)
     assert "cdn.jsdelivr.net" not in page and "/static-offline-docs/swagger-ui-bundle.js" in page
@@ -43,16 +22,11 @@ def test_swagger_ui_and_redoc_render_without_a_cdn(clean_fleet, tmp_path):
     redoc = _dom(f"{clean_fleet.url}/redoc", tmp_path)
     assert "/static-offline-docs/redoc.standalone.js" in redoc and "Look up by digest" in redoc, redoc[-2000:]
     shot = tmp_path / "docs.png"
-    subprocess.run(
-        [
-            CHROMIUM,
-            *FLAGS,
-            f"--user-data-dir={tmp_path / 'profile'}",
-            f"--screenshot={shot}",
-            "--window-size=1200,900",
-            f"{clean_fleet.url}/docs",
-        ],
-        capture_output=True,
-        timeout=120,
+    chromium(
+        tmp_path / "profile",
+        f"--screenshot={shot}",
+        "--window-size=1200,900",
+        f"{clean_fleet.url}/docs",
+        budget_ms=10000,
     )
     assert shot.stat().st_size > 10_000

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from support.fleet import Server
+from support.fleet import Server, result_body
 from tunecache.store.migrate import head_revision
 
 PROBLEM = {"M": 64, "N": 64, "K": 64, "dtype": "float32", "a_layout": "row", "b_layout": "row"}
@@ -18,18 +18,7 @@ CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps"
 
 
 def result(median_ms=1.0, config=None, **key):
-    body = {
-        "kernel": "matmul.portable",
-        "kernel_version": "v1",
-        "triton_version": "3.9.0",
-        "arch": "cpu",
-        "sm_count": 0,
-        "problem": dict(PROBLEM),
-        "config": dict(config or CONFIG),
-        "median_ms": median_ms,
-    }
-    body.update(key)
-    return body
+    return result_body(median_ms, config or CONFIG, PROBLEM, **key)
 
 
 def key_of(body):

@@ -176,28 +176,6 @@ def test_default_and_vendor_times_go_with_the_result(store, tmp_path):
     assert store.get_config(k.digest).default_ms == 2.0, "a submission never changes the winner"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_db_url(request, tmp_path):
-    """An empty database of each engine, for migrations."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'old.sqlite'}"
-        return
-    import uuid
-
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    base = make_url(request.getfixturevalue("pg_url"))
-    name = f"tc_old_{uuid.uuid4().hex[:10]}"
-    conn = psycopg.connect(
-        host=base.host, port=base.port or 5432, user=base.username, dbname=base.database, autocommit=True
-    )
-    conn.execute(f'CREATE DATABASE "{name}"')
-    yield base.set(database=name).render_as_string(hide_password=False)
-    conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-    conn.close()
-
-
 def test_the_times_revision_upgrades_and_downgrades(empty_db_url):
     """Revision 0005 adds default_ms and vendor_ms to winners and submissions (null for what was
     stored before) and drops them again, keeping the rows and their indexes."""

@@ -95,6 +95,23 @@ class Server:
         self.proc.send_signal(signal.SIGCONT)
 
 
+def result_body(median_ms: float, config: dict, problem: dict, /, **key) -> dict:
+    """A published result as `POST /v1/configs` takes it, for the portable matmul on the CPU
+    interpreter unless `key` says otherwise."""
+    body = {
+        "kernel": "matmul.portable",
+        "kernel_version": "v1",
+        "triton_version": "3.9.0",
+        "arch": "cpu",
+        "sm_count": 0,
+        "problem": dict(problem),
+        "config": dict(config),
+        "median_ms": median_ms,
+    }
+    body.update(key)
+    return body
+
+
 def reset_fleet_tables(db_url: str) -> None:
     """Empty the queue and the configs between tests (tokens stay)."""
     from sqlalchemy import create_engine

@@ -109,19 +109,27 @@ def _when(v: Any) -> datetime | None:
     return None if v is None else datetime.fromisoformat(str(v))
 
 
-def config(url: str, digest: str) -> ConfigRecord | None:
-    """The stored winner for `digest`, None if the store has none, or UNKNOWN: ask the Store."""
+def _read(url: str, sql: str, args: tuple, parse: Any) -> Any:
+    """`parse(rows)` of one read-only query, or UNKNOWN (no such file, another schema, a fault, a
+    row that cannot be read): then the caller asks the Store, which says what is wrong."""
     conn = _connection(url)
     if conn is None:
         return UNKNOWN
     try:
         with _LOCK:
-            row = conn.execute(
-                f"SELECT {', '.join(_CONFIG_COLUMNS)} FROM tuned_configs WHERE digest = ?", (digest,)
-            ).fetchone()
-        if row is None:
+            rows = conn.execute(sql, args).fetchall()
+        return parse(rows)
+    except (sqlite3.Error, ValueError, TypeError, KeyError):
+        return UNKNOWN
+
+
+def config(url: str, digest: str) -> ConfigRecord | None:
+    """The stored winner for `digest`, None if the store has none, or UNKNOWN: ask the Store."""
+
+    def parse(rows: list) -> ConfigRecord | None:
+        if not rows:
             return None
-        r = dict(zip(_CONFIG_COLUMNS, row))
+        r = dict(zip(_CONFIG_COLUMNS, rows[0]))
         key = TuneKey(
             r["kernel"],
             r["kernel_version"],
@@ -148,42 +156,31 @@ def config(url: str, digest: str) -> ConfigRecord | None:
             fleet_checked_at=_when(r["fleet_checked_at"]),
             fleet_generation=r["fleet_generation"],
         )
-    except (sqlite3.Error, ValueError, TypeError, KeyError):
-        return UNKNOWN
+
+    return _read(url, f"SELECT {', '.join(_CONFIG_COLUMNS)} FROM tuned_configs WHERE digest = ?", (digest,), parse)
 
 
 def trials(url: str, digest: str) -> list[TrialRecord]:
     """A key's stored trials, oldest first, as `Store.trials` answers them; UNKNOWN: ask the Store."""
-    conn = _connection(url)
-    if conn is None:
-        return UNKNOWN
-    try:
-        with _LOCK:
-            rows = conn.execute(
-                "SELECT config, status, median_ms, error FROM trials WHERE digest = ? ORDER BY id", (digest,)
-            ).fetchall()
-        return [TrialRecord(json.loads(c), status, ms, error) for c, status, ms, error in rows]
-    except (sqlite3.Error, ValueError, TypeError):
-        return UNKNOWN
+    return _read(
+        url,
+        "SELECT config, status, median_ms, error FROM trials WHERE digest = ? ORDER BY id",
+        (digest,),
+        lambda rows: [TrialRecord(json.loads(c), status, ms, error) for c, status, ms, error in rows],
+    )
 
 
 def selfcheck(
     url: str, kernel: str, kernel_version: str, triton_version: str, arch: str, sm_count: int
 ) -> tuple[bool, str | None] | None:
     """(ok, detail) of the stored verdict, None if there is none, or UNKNOWN: ask the Store."""
-    conn = _connection(url)
-    if conn is None:
-        return UNKNOWN
-    try:
-        with _LOCK:
-            row = conn.execute(
-                "SELECT ok, detail FROM selfchecks WHERE kernel = ? AND kernel_version = ? AND "
-                "triton_version = ? AND arch = ? AND sm_count = ?",
-                (kernel, kernel_version, triton_version, arch, sm_count),
-            ).fetchone()
-    except sqlite3.Error:
-        return UNKNOWN
-    return None if row is None else (bool(row[0]), row[1])
+    return _read(
+        url,
+        "SELECT ok, detail FROM selfchecks WHERE kernel = ? AND kernel_version = ? AND "
+        "triton_version = ? AND arch = ? AND sm_count = ?",
+        (kernel, kernel_version, triton_version, arch, sm_count),
+        lambda rows: None if not rows else (bool(rows[0][0]), rows[0][1]),
+    )
 
 
 def forget() -> None:
