@@ -5,34 +5,15 @@ that copy) for every backend's version."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from support import ROOT
+from support import ROOT, kernel_versions
 
 BACKENDS = [
     f"{op}.{b}" for op in ("matmul", "conv2d_fprop", "conv2d_wgrad") for b in ("blackwell", "hopper", "portable")
 ]
-VERSIONS = (
-    "import json; from tunecache import backends as registry; "
-    f"print(json.dumps({{k: registry.kernel_version(registry.module_for_kernel(k)) for k in {BACKENDS!r}}}))"
-)
-
-
-def _versions(kernels_dir) -> dict:
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{kernels_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "TRITON_INTERPRET": "1",
-    }
-    proc = subprocess.run([sys.executable, "-c", VERSIONS], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +29,7 @@ def copies(tmp_path_factory):
         if edit:
             with open(root / "tunecache_kernels" / edit, "a") as f:
                 f.write("\n# an edit\n")
-        seen[edit] = _versions(root)
+        seen[edit] = kernel_versions(root, BACKENDS)
         return seen[edit]
 
     return copy

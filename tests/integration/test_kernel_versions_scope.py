@@ -13,18 +13,14 @@ kernels moves exactly the expected versions.
 from __future__ import annotations
 
 import ast
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from support import ROOT
+from support import ROOT, kernel_versions
 from tunecache.backends import _kernel_sources, backend_module
 from tunecache.shapes import OPS
 from tunecache_kernels.spaces import BACKENDS
@@ -118,22 +114,6 @@ def test_every_shared_kernels_module_has_a_stated_scope():
 
 # ---- a real edit, versions computed by a fresh process over a copy of the kernels ---------------
 
-VERSIONS = (
-    "import json; from tunecache import backends as registry; "
-    f"print(json.dumps({{k: registry.kernel_version(registry.module_for_kernel(k)) for k in {ALL!r}}}))"
-)
-
-
-def _versions(root: Path) -> dict:
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "TRITON_INTERPRET": "1",
-    }
-    proc = subprocess.run([sys.executable, "-c", VERSIONS], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 @pytest.fixture(scope="module")
 def versions_after(tmp_path_factory):
@@ -148,7 +128,7 @@ def versions_after(tmp_path_factory):
             if edit:
                 with open(root / "tunecache_kernels" / edit, "a") as f:
                     f.write("\n# an edit\n")
-            seen[edit] = _versions(root)
+            seen[edit] = kernel_versions(root, ALL)
         return seen[edit]
 
     return versions

@@ -10,6 +10,7 @@ on its PYTHONPATH."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,3 +29,20 @@ def run_py(code: str, env: dict | None = None, timeout: float = 600) -> subproce
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def kernel_versions(first_on_path: Path, kernels: list[str]) -> dict[str, str]:
+    """Each kernel's version (`tunecache.backends.kernel_version`) as a fresh process computes
+    it with `first_on_path` ahead on its import path (a copy of the kernels, edited)."""
+    code = (
+        "import json; from tunecache import backends; "
+        f"print(json.dumps({{k: backends.kernel_version(backends.module_for_kernel(k)) for k in {kernels!r}}}))"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{first_on_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "TRITON_INTERPRET": "1",
+    }
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

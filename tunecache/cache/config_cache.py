@@ -169,18 +169,14 @@ class ConfigCache:
         records = self.store_call(
             "read a neighbour's config", lambda: store.list_configs(kernel=key.kernel, arch=key.arch), []
         )
-        problem = dict(key.problem)
+        problem, same = dict(key.problem), (key.kernel_version, key.triton_version, key.sm_count)
         best, best_d = None, float("inf")
         for rec in records:
             k = rec.key
-            if (k.kernel_version, k.triton_version, k.sm_count) != (
-                key.kernel_version,
-                key.triton_version,
-                key.sm_count,
-            ):
+            if (k.kernel_version, k.triton_version, k.sm_count) != same:
                 continue
             d = problem_distance(problem, dict(k.problem))
-            if d < best_d and _why_not(rec, rec.key, check) is None:
+            if d < best_d and check(rec.config) is None:
                 best, best_d = rec.config, d
         return best
 

@@ -228,7 +228,6 @@ class Worker:
             # this host's copy first (the service may be away right now), then the fleet's word
             from tunecache.cache.config_cache import CACHE
 
-            rec = result.record(self.device)
             sent = CACHE.keep_tuned(
                 result, self.device, store=self.store, fleet=self.queue, publish="always", publish_attempts=5
             ).published
@@ -239,7 +238,12 @@ class Worker:
                 return Outcome(job.id, key.kernel, "unpublished", seconds, "service unreachable")
             self.queue.complete(job, tune_seconds=seconds)
         log.info(
-            "tunecache: job %d: %s in %.1f s -> %s (%.4f ms)", job.id, key.kernel, seconds, rec.config, rec.median_ms
+            "tunecache: job %d: %s in %.1f s -> %s (%.4f ms)",
+            job.id,
+            key.kernel,
+            seconds,
+            result.config,
+            result.median_ms,
         )
         return Outcome(job.id, key.kernel, "tuned", seconds)
 

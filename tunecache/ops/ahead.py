@@ -67,21 +67,18 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
     planned = _planned(shapes, device)
     report = TuneAllReport(total=len(planned))
 
-    def settle(p: Any, wait: bool) -> bool:
+    def settle(p: Any, mod: Any, check: Any, wait: bool) -> bool:
         """Tune p's key if it is this process's turn; False: another process holds it (wait=False)."""
-        mod = backends.module_for_kernel(p.kernel)
-        problem = p.shape.problem
-        check = launchable(mod, problem, device)
         with CACHE.turn(p.key, wait=wait) as turn:
             if not turn.held and not turn.waited:
                 return False
             if CACHE.get(p.key, check) is not None:  # it had none when this call began
                 report.by_others += 1
                 return True
+            problem = p.shape.problem
             try:
-                result = tune(
-                    mod, problem, device, torch_device=where, progress=announce_tune(mod, problem, device, where)
-                )
+                announce = announce_tune(mod, problem, device, where)
+                result = tune(mod, problem, device, torch_device=where, progress=announce)
             except TuneError as e:
                 report.failed.append(f"{p.kernel} {problem}: {e}")
                 return True
@@ -91,13 +88,15 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
 
     todo = []
     for p in planned:
-        if CACHE.get(p.key, launchable(backends.module_for_kernel(p.kernel), p.shape.problem, device)) is not None:
+        mod = backends.module_for_kernel(p.kernel)
+        check = launchable(mod, p.shape.problem, device)
+        if CACHE.get(p.key, check) is not None:
             report.already += 1
         else:
-            todo.append(p)
-    later = [p for p in todo if not settle(p, wait=False)]
-    for p in later:  # another process had each of these: its winner, or this process's own tune
-        settle(p, wait=True)
+            todo.append((p, mod, check))
+    later = [t for t in todo if not settle(*t, wait=False)]
+    for t in later:  # another process had each of these: its winner, or this process's own tune
+        settle(*t, wait=True)
     report.seconds = time.perf_counter() - t0
     log.warning(
         "tunecache: tune_all on %s: %d shape(s), %d had a winner, %d tuned here, %d by other processes%s in %.1f s",

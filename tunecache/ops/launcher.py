@@ -46,8 +46,7 @@ class Entry:
     run: Callable[..., Any]
     config: dict
     kernel: str
-    provisional: bool = False  # a default config, run until a winner is known
-    watch: bool = False  # a default: the hot path asks again after `recheck_at`
+    provisional: bool = False  # a default config, run until a winner is known: asked again after `recheck_at`
     recheck_at: float = math.inf
     key: TuneKey | None = None
     mod: ModuleType | None = None
@@ -72,8 +71,8 @@ class Op:
         store writes this leaves behind (a fresh host's fleet copy) wait for the call's launch
         (`process_store.hold_writes`): the returned entry's `run` lets them go."""
         entry = self.memo.get(raw)
-        if entry is not None and entry.watch and time.monotonic() < entry.recheck_at:
-            return entry  # a default, watched, before its time: every call comes here
+        if entry is not None and entry.provisional and time.monotonic() < entry.recheck_at:
+            return entry  # a default before its recheck time: every call comes here
         process_store.hold_writes()
         try:
             entry = self._resolve(raw, args, device_tensor)
@@ -84,7 +83,7 @@ class Op:
 
     def _resolve(self, raw: tuple, args: tuple, device_tensor: Any) -> Entry:
         entry = self.memo.get(raw)
-        if entry is not None and entry.watch:
+        if entry is not None and entry.provisional:
             entry = self._recheck(raw, entry)
             if entry is not None:
                 return entry
@@ -109,7 +108,7 @@ class Op:
         forced = settings.backend_override()
         with self._lock:  # one tune per shape per process, even under threads
             entry = self.memo.get(raw)
-            if entry is None or entry.watch:
+            if entry is None or entry.provisional:
                 on_gpu = device_tensor.device.type == "cuda"
                 where = torch_device_for(device, (device_tensor.device.index or 0) if on_gpu else None)
                 every = backends.backends_for(self.name, device, problem, forced)
@@ -258,7 +257,7 @@ class AsMatmul:
     call then costs a lookup and the plan's launch, not three views and the matmul's key: for
     a batch-1 1x1 conv (a 3-6 us kernel) the host's time is the call's. It stands while the
     matmul memo holds that entry (a recheck or a fallback replaces it); there, and where the
-    plan cannot launch a call as is, and past a watched entry's recheck time, it returns None
+    plan cannot launch a call as is, and past a default entry's recheck time, it returns None
     and the caller takes the views' path."""
 
     __slots__ = ("memo", "mraw", "entry", "launch", "out_shape")
@@ -278,7 +277,7 @@ class AsMatmul:
         entry = self.entry
         if self.memo.get(self.mraw) is not entry:
             return None
-        if entry.watch and time.monotonic() >= entry.recheck_at:
+        if entry.provisional and time.monotonic() >= entry.recheck_at:
             return None  # the matmul's resolve rechecks it
         try:
             return self.launch.planned(a, b, self.out_shape)
@@ -306,7 +305,6 @@ def _entry(
         config,
         mod.KERNEL,
         provisional=provisional,
-        watch=provisional,
         recheck_at=time.monotonic() + settings.recheck_seconds() if provisional else math.inf,
         key=key,
         mod=mod,

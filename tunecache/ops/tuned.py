@@ -25,7 +25,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _run_matmul(raw: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     entry = _matmul.memo.get(raw)
-    if entry is None or entry.watch:
+    if entry is None or entry.provisional:
         entry = _matmul.resolve(raw, (a, b), a)
     return entry.run(a, b)
 
@@ -59,7 +59,7 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
         if w.shape[3] == ci and x.is_contiguous() and w.is_contiguous():  # else the conv's checks or copies
             return _as_matmul(_fprop, raw, x.view(n * h * wd, ci), w.view(w.shape[0], ci).t(), (n, h, wd, w.shape[0]))
     entry = _fprop.memo.get(raw)
-    if entry is None or entry.watch:
+    if entry is None or entry.provisional:
         entry = _fprop.resolve(raw, (x, w, stride, padding), x)
     return entry.run(x, w, stride, padding)
 
@@ -96,7 +96,7 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
         if grad_out.shape[:3] == x.shape[:3] and x.is_contiguous() and grad_out.is_contiguous():  # else the checks
             return _as_matmul(_wgrad, raw, grad_out.view(n * h * wd, co).t(), x.view(n * h * wd, ci), (co, 1, 1, ci))
     entry = _wgrad.memo.get(raw)
-    if entry is None or entry.watch:
+    if entry is None or entry.provisional:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
     return entry.run(x, grad_out, R, S, stride, padding)
 
@@ -121,7 +121,7 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
         if (p, q) == (H, W) and w.shape[0] == co:  # else the dgrad's checks say what is wrong
             return _as_matmul(_dgrad, raw, grad_out.view(n * p * q, co), w.view(co, w.shape[3]), (n, p, q, w.shape[3]))
     entry = _dgrad.memo.get(raw)
-    if entry is None or entry.watch:
+    if entry is None or entry.provisional:
         entry = _dgrad.resolve(raw, (grad_out, w, H, W, stride, padding), grad_out)
     return entry.run(grad_out, w, H, W, stride, padding)
 

@@ -243,33 +243,26 @@ class JobStore(StoreBase):
             TuningJobRow.lease_hash == hash_token(lease_secret),
         )
 
+    def _update_held(self, job_id: int, lease_secret: str, **values: Any) -> bool:
+        """Set `values` on the job if `lease_secret` holds its lease; whether it did (a lease
+        call without a secret holds nothing)."""
+        if not lease_secret:
+            return False
+        with self._write() as s:
+            return update_jobs(s, self._held(job_id, lease_secret), **values).rowcount == 1
+
     def heartbeat(self, job_id: int, lease_secret: str, lease_s: float = 60.0) -> bool:
         """Extend the lease (capped at MAX_LEASE_S); False unless `lease_secret` holds it (the
         lease ran out and the job was claimed again, it is finished, or the secret is wrong)."""
-        if not lease_secret:
-            return False
-        now = self._now_sql()
-        with self._write() as s:
-            res = update_jobs(
-                s,
-                (self._held(job_id, lease_secret)),
-                lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)),
-                updated_at=now,
-            )
-            return res.rowcount == 1
+        return self._update_held(
+            job_id,
+            lease_secret,
+            lease_expires_at=self._now_sql(min(float(lease_s), MAX_LEASE_S)),
+            updated_at=self._now_sql(),
+        )
 
     def complete_job(self, job_id: int, lease_secret: str) -> bool:
-        if not lease_secret:
-            return False
-        with self._write() as s:
-            res = update_jobs(
-                s,
-                (self._held(job_id, lease_secret)),
-                status="done",
-                **NO_LEASE,
-                updated_at=self._now_sql(),
-            )
-            return res.rowcount == 1
+        return self._update_held(job_id, lease_secret, status="done", **NO_LEASE, updated_at=self._now_sql())
 
     def fail_job(self, job_id: int, lease_secret: str, error: str, backoff_s: float = 5.0) -> str | None:
         """Record a failure: back to the queue after a backoff (doubling per attempt, at most
@@ -450,19 +443,15 @@ class JobStore(StoreBase):
     def release_job(self, job_id: int, lease_secret: str) -> bool:
         """Give a leased job back to the queue now, without spending an attempt (a worker
         stopped by Ctrl-C or SIGTERM: its job need not wait for the lease to run out)."""
-        if not lease_secret:
-            return False
         now = self._now_sql()
-        with self._write() as s:
-            res = update_jobs(
-                s,
-                (self._held(job_id, lease_secret)),
-                status="queued",
-                **NO_LEASE,
-                not_before=now,
-                attempts=func.max(TuningJobRow.attempts - 1, 0)
-                if self.dialect == "sqlite"
-                else func.greatest(TuningJobRow.attempts - 1, 0),
-                updated_at=now,
-            )
-            return res.rowcount == 1
+        return self._update_held(
+            job_id,
+            lease_secret,
+            status="queued",
+            **NO_LEASE,
+            not_before=now,
+            attempts=func.max(TuningJobRow.attempts - 1, 0)
+            if self.dialect == "sqlite"
+            else func.greatest(TuningJobRow.attempts - 1, 0),
+            updated_at=now,
+        )
