@@ -2,6 +2,7 @@
 
     import tunecache
     y = tunecache.ops.conv2d_fprop(x, w, stride=1, padding=1)
+    model = tunecache.nn.convert(model)
 
 `import tunecache` is light (training jobs import it): torch, Triton and SQLAlchemy load
 on first use.
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ops": ("tunecache.ops", None),
+    "nn": ("tunecache.nn", None),
     "TuneKey": ("tunecache.key", "TuneKey"),
     "DeviceClass": ("tunecache.key", "DeviceClass"),
     "Store": ("tunecache.store", "Store"),

@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tunecache.shapes import OPS, canonical_problem, shape_text
 
@@ -40,8 +41,14 @@ def _main(
     """A persistent, fleet-shared autotune cache for Triton/Gluon kernels."""
 
 
-console = Console()
-err = Console(stderr=True)
+# Markup off: what is printed is the user's own text (shapes, manifests, configs, errors), in which
+# square brackets are data ("[[shape]]", "[x]=1", [64, 128]); style comes from Text, never markup.
+console = Console(markup=False)
+err = Console(stderr=True, markup=False)
+
+
+def _error(msg: object) -> None:
+    err.print(Text.assemble(("error:", "red"), " ", str(msg)))
 
 
 def _store():
@@ -50,12 +57,12 @@ def _store():
     try:
         return Store()
     except StoreError as e:
-        err.print(f"[red]error:[/red] {e}")
+        _error(e)
         raise typer.Exit(2) from None
 
 
 def _fail(msg: str) -> None:
-    err.print(f"[red]error:[/red] {msg}")
+    _error(msg)
     raise typer.Exit(2)
 
 
@@ -126,7 +133,7 @@ def tune(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("timed{task.fields[compiled]} · {task.fields[best]}"),
@@ -163,8 +170,8 @@ def tune(
     kept = CACHE.keep_tuned(result, device)
     if not kept.won:
         console.print(
-            f"[dim]the store keeps a faster result: {json.dumps(kept.record.config)} "
-            f"({kept.record.median_ms:.4f} ms)[/dim]"
+            f"the store keeps a faster result: {json.dumps(kept.record.config)} ({kept.record.median_ms:.4f} ms)",
+            style="dim",
         )
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
     console.print(
@@ -459,7 +466,7 @@ def _doctor_fleet(table: Table) -> bool:
     token = server_token()
     answer = fleet_client(url).whoami()
     if answer is None:
-        table.add_row("fleet check", f"[red]cannot reach {url}[/red] (see the warning above)")
+        table.add_row("fleet check", Text.assemble((f"cannot reach {url}", "red"), " (see the warning above)"))
         return False
     status, body = answer
     if status == 200:
@@ -474,9 +481,12 @@ def _doctor_fleet(table: Table) -> bool:
         table.add_row("fleet token", f"{body['name']} (scopes: {scopes}): may {what}")
         return True
     if token is None:
-        table.add_row("fleet token", f"[red]none: the fleet answered {status}: {body}[/red] (set TUNECACHE_TOKEN)")
+        table.add_row(
+            "fleet token",
+            Text.assemble((f"none: the fleet answered {status}: {body}", "red"), " (set TUNECACHE_TOKEN)"),
+        )
     else:
-        table.add_row("fleet token", f"[red]refused ({status}): {body}[/red]")
+        table.add_row("fleet token", Text(f"refused ({status}): {body}", style="red"))
     return False
 
 
@@ -634,7 +644,7 @@ def pretune(
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     with Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("shapes · {task.fields[running]}"),
@@ -694,9 +704,12 @@ def _token_store(db_url: Optional[str]):
     store = _store()
     if not settings.db_url_given():
         err.print(
-            f"[yellow]note:[/yellow] TUNECACHE_DB_URL is not set: this works on this host's own store "
-            f"({store.safe_url}), which only a `tunecache serve` on this host without TUNECACHE_DB_URL "
-            f"reads. For a fleet service, pass --db-url (or set TUNECACHE_DB_URL) to the service's database."
+            Text.assemble(
+                ("note:", "yellow"),
+                " TUNECACHE_DB_URL is not set: this works on this host's own store "
+                f"({store.safe_url}), which only a `tunecache serve` on this host without TUNECACHE_DB_URL "
+                "reads. For a fleet service, pass --db-url (or set TUNECACHE_DB_URL) to the service's database.",
+            )
         )
     return store
 
@@ -913,14 +926,14 @@ def selftest(
                 name,
                 b,
                 v.version[:8],
-                "[green]ok[/green]" if v.ok else "[red]FAILED[/red]",
+                Text("ok", style="green") if v.ok else Text("FAILED", style="red"),
                 str(v.cases) if not v.stored else "-",
                 f"{v.seconds:.1f}" if not v.stored else "stored",
                 v.detail,
             )
     console.print(table)
     if elsewhere:
-        console.print(f"[dim]not for this device: {', '.join(elsewhere)}[/dim]")
+        console.print(f"not for this device: {', '.join(elsewhere)}", style="dim")
     if failed:
         raise typer.Exit(1)
 
@@ -1184,7 +1197,7 @@ def jobs_retry(
             console.print(f"{d[:12]} {job.key.kernel}: queued again")
         except FleetError as e:
             bad += 1
-            err.print(f"[red]error:[/red] {e}")
+            _error(e)
     console.print(f"retried {len(todo) - bad} job(s) in {queue.where}")
     if bad:
         raise typer.Exit(1)
@@ -1207,7 +1220,7 @@ def jobs_drop(
             console.print(f"{d[:12]}: dropped")
         except FleetError as e:
             bad += 1
-            err.print(f"[red]error:[/red] {e}")
+            _error(e)
     if bad:
         raise typer.Exit(1)
 
