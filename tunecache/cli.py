@@ -44,7 +44,8 @@ def _main(
 # Markup off: what is printed is the user's own text (shapes, manifests, configs, errors), in which
 # square brackets are data ("[[shape]]", "[x]=1", [64, 128]); style comes from Text, never markup.
 console = Console(markup=False)
-err = Console(stderr=True, markup=False)
+# and messages are not wrapped: a log keeps each on one line, as grep expects
+err = Console(stderr=True, markup=False, soft_wrap=True)
 
 
 def _error(msg: object) -> None:
@@ -84,6 +85,18 @@ def parse_problem(text: str) -> dict:
             raise ValueError(f"--problem item {part!r} is not KEY=VALUE")
         out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
     return out
+
+
+def parse_sizes(text: str, option: str) -> tuple[int, ...]:
+    """'3,224,224' (or '3x224x224') -> (3, 224, 224); a part that is not a size is named."""
+    example = "give one sample's shape as sizes separated by commas, e.g. 3,224,224 (an image) or 2048 (a sequence)"
+    sizes: list[int] = []
+    for chunk in text.split(","):
+        parts = [v.strip() for v in chunk.split("x")]
+        if not all(v.isdigit() and int(v) >= 1 for v in parts):
+            _fail(f"{option}: {chunk.strip()!r} in {text!r} is not a size (a whole number >= 1); {example}")
+        sizes += [int(v) for v in parts]
+    return tuple(sizes)
 
 
 @app.command()
@@ -312,10 +325,11 @@ def manifest_cmd(
     at this batch size, as `tunecache.nn.convert(model)` runs them. Then `tunecache pretune FILE`."""
     from tunecache.model_shapes import ModelError, entries, load_model, to_toml
 
-    try:
-        shape = tuple(int(v) for v in input_shape.replace("x", ",").split(",") if v.strip())
-    except ValueError:
-        _fail(f"--input must be sizes separated by commas (e.g. 3,224,224), got {input_shape!r}")
+    shape = parse_sizes(input_shape, "--input")
+    # MODULE is looked up as `python -m` would: the current directory first (an entry point's
+    # sys.path holds its own bin directory instead), so a model file beside you is found
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         model = load_model(from_model)
         found, left = entries(model, shape, batch, dtype, training=not inference, input_dtype=input_dtype)

@@ -49,3 +49,19 @@ def test_square_brackets_stay_in_error_messages(db_url, tmp_path):
     empty.write_text("# no shapes yet\n")
     none = tc("pretune", str(empty))
     assert none.returncode == 2 and "no [[shape]] entries" in none.stderr, none.stderr
+
+
+# ---- row 4: a model file in the current directory, and a mistyped --input ---------------------
+
+
+def test_manifest_imports_a_model_beside_you_and_names_a_bad_input_size(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(16, 32))\n"
+    )
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # the current directory is not on it
+    ok = tc("manifest", "--from-model", "mymodels:build", "--input", "16", "-o", "m.toml", cwd=tmp_path, **env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "[[shape]]" in (tmp_path / "m.toml").read_text() and "mymodels:build: 3 distinct problem(s)" in ok.stderr
+    bad = tc("manifest", "--from-model", "mymodels:build", "--input", "3,x,16", cwd=tmp_path, **env)
+    assert bad.returncode == 2 and "--input: 'x' in '3,x,16' is not a size" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not bad.stdout
