@@ -5,11 +5,9 @@ that copy) for every backend's version."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from support import ROOT, kernel_versions
+from support import versions_after_edit
 
 BACKENDS = [
     f"{op}.{b}" for op in ("matmul", "conv2d_fprop", "conv2d_wgrad") for b in ("blackwell", "hopper", "portable")
@@ -18,21 +16,7 @@ BACKENDS = [
 
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
-    base = tmp_path_factory.mktemp("kernels")
-    seen: dict = {}
-
-    def copy(edit: str | None):
-        if edit in seen:
-            return seen[edit]
-        root = base / (edit or "unedited").replace(".", "_")
-        shutil.copytree(ROOT / "kernels", root / "tunecache_kernels", ignore=shutil.ignore_patterns("__pycache__"))
-        if edit:
-            with open(root / "tunecache_kernels" / edit, "a") as f:
-                f.write("\n# an edit\n")
-        seen[edit] = kernel_versions(root, BACKENDS)
-        return seen[edit]
-
-    return copy
+    return versions_after_edit(tmp_path_factory.mktemp("kernels"), BACKENDS)
 
 
 @pytest.mark.parametrize(

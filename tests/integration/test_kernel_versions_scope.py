@@ -13,14 +13,13 @@ kernels moves exactly the expected versions.
 from __future__ import annotations
 
 import ast
-import shutil
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from support import ROOT, kernel_versions
+from support import ROOT, versions_after_edit
 from tunecache.backends import _kernel_sources, backend_module
 from tunecache.shapes import OPS
 from tunecache_kernels.spaces import BACKENDS
@@ -118,20 +117,7 @@ def test_every_shared_kernels_module_has_a_stated_scope():
 @pytest.fixture(scope="module")
 def versions_after(tmp_path_factory):
     """edit (a file name, or None) -> every backend's version over a copy with that file edited."""
-    base = tmp_path_factory.mktemp("kernels")
-    seen: dict = {}
-
-    def versions(edit: str | None) -> dict:
-        if edit not in seen:
-            root = base / (edit or "unedited").replace(".", "_")
-            shutil.copytree(KERNELS, root / "tunecache_kernels", ignore=shutil.ignore_patterns("__pycache__"))
-            if edit:
-                with open(root / "tunecache_kernels" / edit, "a") as f:
-                    f.write("\n# an edit\n")
-            seen[edit] = kernel_versions(root, ALL)
-        return seen[edit]
-
-    return versions
+    return versions_after_edit(tmp_path_factory.mktemp("kernels"), ALL)
 
 
 @pytest.mark.parametrize("edited", ["gluon_hopper.py", "gluon_dgrad.py"])

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
@@ -46,3 +48,21 @@ def kernel_versions(first_on_path: Path, kernels: list[str]) -> dict[str, str]:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def versions_after_edit(base: Path, kernels: list[str]) -> Callable[[str | None], dict[str, str]]:
+    """edit (a kernels file name, or None) -> `kernels`' versions (kernel_versions) over a copy of
+    the kernels under `base` with that file edited; each edit is copied and computed once."""
+    seen: dict[str | None, dict[str, str]] = {}
+
+    def versions(edit: str | None) -> dict[str, str]:
+        if edit not in seen:
+            root = base / (edit or "unedited").replace(".", "_")
+            shutil.copytree(ROOT / "kernels", root / "tunecache_kernels", ignore=shutil.ignore_patterns("__pycache__"))
+            if edit:
+                with open(root / "tunecache_kernels" / edit, "a") as f:
+                    f.write("\n# an edit\n")
+            seen[edit] = kernel_versions(root, kernels)
+        return seen[edit]
+
+    return versions
