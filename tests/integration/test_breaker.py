@@ -3,57 +3,20 @@ the circuit breaker is open the call pays no timeout."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
 import torch
 
 from support.fleet import Server
+from support.raw_http import RawServer, head
 
 TIMEOUT_S = 1.0
 FAILURES = 3
 
 
-class GarbageServer:
-    """A TCP server that answers every request with the same bytes."""
-
-    def __init__(self, reply: bytes) -> None:
-        self.reply = reply
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.requests = 0
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    conn.recv(65536)
-                    self.requests += 1
-                    conn.sendall(self.reply)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def _http(status: str, body: bytes) -> bytes:
-    return (
-        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        f"Connection: close\r\n\r\n"
-    ).encode() + body
+    return head(status, Content_Length=len(body), Connection="close") + body
 
 
 GARBAGE = {
@@ -146,7 +109,7 @@ def test_service_hanging(fleet_env, pg_url, tmp_path):
 
 @pytest.mark.parametrize("kind", list(GARBAGE))
 def test_service_answering_garbage(fleet_env, kind):
-    server = GarbageServer(GARBAGE[kind])
+    server = RawServer(lambda srv, conn: srv.send(conn, GARBAGE[kind]))  # the same bytes to every request
     try:
         _assert_breaker_spares_the_call(server.url, fleet_env)
         assert server.requests >= FAILURES, "the client did talk to it"

@@ -17,10 +17,10 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
+from support.raw_http import RawServer, head
 from tunecache import settings
 from tunecache.fleet.client import FleetClient, is_loopback, sends_token_in_clear
 from tunecache.key import TuneKey
@@ -65,64 +65,6 @@ def _warnings(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
-# ---- a raw HTTP server that answers however a test scripts it ---------------------------
-
-
-class RawServer:
-    """A TCP server on loopback: each connection reads one request, then `answer(server, conn)`
-    writes what it likes. `sent` counts the bytes that got out."""
-
-    def __init__(self, answer: Callable[["RawServer", socket.socket], None]) -> None:
-        self.answer = answer
-        self.sent = 0
-        self.stop = threading.Event()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    request += chunk
-                self.answer(self, conn)
-            except OSError:
-                pass  # the client hung up: what the tests want
-
-    def send(self, conn: socket.socket, data: bytes) -> None:
-        conn.sendall(data)
-        self.sent += len(data)
-
-    def close(self) -> None:
-        self.stop.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept()
-        except OSError:
-            pass
-        self.sock.close()
-
-
-def _head(status: str = "200 OK", **headers: object) -> bytes:
-    lines = [
-        f"HTTP/1.1 {status}",
-        "Content-Type: application/json",
-        *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items()),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
 @pytest.fixture
 def serve():
     servers: list[RawServer] = []
@@ -142,7 +84,7 @@ def serve():
 def dribble_body(server: RawServer, conn: socket.socket) -> None:
     """Valid headers at once, then the body a byte every 0.5 s: no single read ever times out."""
     body = json.dumps(RECORD.to_json()).encode()
-    server.send(conn, _head(Content_Length=len(body)))
+    server.send(conn, head(Content_Length=len(body)))
     for i in range(len(body)):
         if server.stop.wait(0.5):
             return
@@ -176,7 +118,7 @@ def test_a_dribbling_service_cannot_hold_a_lookup_past_the_deadline(serve, clean
 def test_a_slow_but_timely_answer_is_used(serve):
     def in_pieces(server: RawServer, conn: socket.socket) -> None:
         body = json.dumps(RECORD.to_json()).encode()
-        server.send(conn, _head(Content_Length=len(body)))
+        server.send(conn, head(Content_Length=len(body)))
         for i in range(0, len(body), len(body) // 4 + 1):
             time.sleep(0.1)
             server.send(conn, body[i : i + len(body) // 4 + 1])
@@ -204,12 +146,12 @@ def big_answer() -> bytes:
 def test_an_oversized_answer_is_refused_without_reading_it(serve, client_log, big_answer, framing):
     def answer(server: RawServer, conn: socket.socket) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-        head = {
-            "content-length": _head(Content_Length=len(big_answer)),
-            "chunked": _head(Transfer_Encoding="chunked"),
-            "until-close": _head(Connection="close"),
+        framed = {
+            "content-length": head(Content_Length=len(big_answer)),
+            "chunked": head(Transfer_Encoding="chunked"),
+            "until-close": head(Connection="close"),
         }[framing]
-        server.send(conn, head)
+        server.send(conn, framed)
         step = 1 << 16
         for i in range(0, len(big_answer), step):
             piece = big_answer[i : i + step]
@@ -244,7 +186,7 @@ def test_an_oversized_answer_is_refused_without_reading_it(serve, client_log, bi
 def test_the_size_cap_is_a_setting(serve, clean_env):
     def answer(server: RawServer, conn: socket.socket) -> None:
         body = json.dumps(RECORD.to_json()).encode()
-        server.send(conn, _head(Content_Length=len(body)) + body)
+        server.send(conn, head(Content_Length=len(body)) + body)
 
     server = serve(answer)
     clean_env.setenv("TUNECACHE_SERVER_MAX_BYTES", "100")
@@ -276,14 +218,10 @@ def _make_certs(d: Path) -> tuple[Path, Path, Path]:
         if not shutil.which("openssl"):
             pytest.skip("needs the cryptography package or the openssl command")
         run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=d)  # noqa: E731
+        new_key = ("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")  # a P-256 key, unencrypted
         run(
-            "req",
+            *new_key,
             "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
             "-keyout",
             "ca.key",
             "-out",
@@ -298,12 +236,7 @@ def _make_certs(d: Path) -> tuple[Path, Path, Path]:
             "keyUsage=critical,keyCertSign,cRLSign",
         )
         run(
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
+            *new_key,
             "-keyout",
             key_pem.name,
             "-out",
@@ -523,7 +456,7 @@ def test_a_token_sent_in_clear_off_this_machine_is_warned_about_once(client_log)
 
 
 def test_a_token_sent_to_loopback_is_not_warned_about(serve, client_log):
-    server = serve(lambda s, conn: s.send(conn, _head("404 Not Found", Content_Length=2) + b"{}"))
+    server = serve(lambda s, conn: s.send(conn, head("404 Not Found", Content_Length=2) + b"{}"))
     client = FleetClient(server.url, "tc_secret", failures=1)
     try:
         assert client.lookup(KEY) is None and not client.breaker.is_open  # a miss, not a failure
