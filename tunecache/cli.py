@@ -87,6 +87,19 @@ def parse_problem(text: str) -> dict:
     return out
 
 
+def _device_class(device: str | None, gpu: int = 0):
+    """The device class a command is for: --device ARCH:SMS, else TUNECACHE_DEVICE, else this
+    machine's GPU `gpu`, else the CPU interpreter's (as a library call keys it)."""
+    from tunecache.key import DeviceClass, local_device
+    from tunecache.settings import device_override
+
+    given = device or device_override()
+    try:
+        return DeviceClass.parse(given) if given else local_device(gpu)
+    except ValueError as e:
+        _fail(f"--device: {e}" if device else str(e))
+
+
 def parse_sizes(text: str, option: str) -> tuple[int, ...]:
     """'3,224,224' (or '3x224x224') -> (3, 224, 224); a part that is not a size is named."""
     example = "give one sample's shape as sizes separated by commas, e.g. 3,224,224 (an image) or 2048 (a sequence)"
@@ -182,8 +195,11 @@ def tune(
             _fail(str(e))
     kept = CACHE.keep_tuned(result, device)
     if not kept.won:
+        from tunecache.store import REPLACE_MARGIN
+
         console.print(
-            f"the store keeps a faster result: {json.dumps(kept.record.config)} ({kept.record.median_ms:.4f} ms)",
+            f"the store keeps its result: {json.dumps(kept.record.config)} ({kept.record.median_ms:.4f} ms); "
+            f"a new one replaces it only if {REPLACE_MARGIN:.0%} faster",
             style="dim",
         )
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
@@ -191,6 +207,27 @@ def tune(
         f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
         f"{result.candidates} candidates (digest {key.digest[:12]})"
     )
+    if kept.published is not None:
+        console.print(published_text(kept.published.status, device))
+
+
+def published_text(status: str, device) -> str:
+    """What became of a result sent to the fleet, and what happens next, in words."""
+    from tunecache.fleet import protocol as p
+    from tunecache.store import REPLACE_MARGIN
+
+    return {
+        p.WON: "fleet: published; it is the fleet's winner now",
+        p.KEPT_EXISTING: "fleet: published; the fleet keeps its winner "
+        f"(a result replaces it only if {REPLACE_MARGIN:.0%} faster)",
+        p.QUEUED: "fleet: submitted; the fleet's winner once a worker re-times it (a job is queued for a "
+        f"`tunecache worker` of {device}; until then other hosts get no winner for this key). A result counts "
+        "at once only from a worker token (TUNECACHE_TOKEN with scope worker)",
+        p.RECORDED: "fleet: submitted and recorded; the fleet's winner stays until a worker's measurement beats it "
+        "(a publish token's result never replaces a winner by itself)",
+        p.REFUSED: "fleet: the result was refused (see the warning above); it is kept on this host only",
+        p.UNREACHABLE: "fleet: not published, the fleet could not be reached; it is kept on this host only",
+    }.get(status, f"fleet: {status}")
 
 
 @app.command("ls")
@@ -381,7 +418,7 @@ def sync(
     from tunecache.fleet.client import FleetClient
     from tunecache.fleet.protocol import FleetError
     from tunecache.fleet.worker import tunable_kernels
-    from tunecache.key import DeviceClass, local_device, triton_version
+    from tunecache.key import triton_version
     from tunecache.settings import device_override, server_token, server_url
 
     url = server_url()
@@ -389,10 +426,7 @@ def sync(
         _fail("sync needs TUNECACHE_SERVER_URL (and TUNECACHE_TOKEN): the fleet to copy from")
     t0 = _time.perf_counter()
     given = device or device_override()
-    try:
-        dev = DeviceClass.parse(given) if given else local_device(gpu)
-    except ValueError as e:
-        _fail(f"--device: {e}")
+    dev = _device_class(device, gpu)
     versions = None if all_kernels else tunable_kernels(dev)
     _store()  # a store that cannot be opened at all is an error here, not a warning
     fleet = FleetClient(url, server_token(), timeout_s=300, max_bytes=1 << 30)
@@ -547,6 +581,7 @@ def serve(
     import uvicorn
 
     from tunecache import settings
+    from tunecache.server import edges
     from tunecache.store import Store, StoreError
 
     if db_url:
@@ -558,6 +593,7 @@ def serve(
     try:  # a bad limit fails here, naming its variable, not in every worker process
         settings.rate_limit(), settings.anon_rate_limit(), settings.body_timeout_s(), settings.job_ttl_s()
         settings.lookup_cache_s()
+        edges.check_settings()
         if settings.metrics_address() is not None and workers > 1:
             _fail(
                 "--metrics-port serves one process's metrics: use it with --workers 1 (run one process per "
@@ -579,6 +615,7 @@ def serve(
         workers=workers,
         log_level=log_level,
         access_log=access_log,
+        **edges.uvicorn_options(),  # header size and time, connections per address and in all
     )
 
 
@@ -820,25 +857,29 @@ def compile_(
         sys.stdout.write(line + "\n")
 
 
+DEVICE_HELP = (
+    "the device class ARCH:SMS, e.g. sm_90:132 (default: TUNECACHE_DEVICE, else this machine's GPU, "
+    "else the CPU interpreter's, cpu:0)"
+)
+
+
 @app.command()
 def key(
     op: str = typer.Argument(..., help="matmul, conv2d_fprop, conv2d_wgrad or conv2d_dgrad"),
     problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`, or JSON"),
-    device: Optional[str] = typer.Option(
-        None, help="the device class ARCH:SMS, e.g. sm_90:132 (default: this machine's GPU, or the CPU interpreter)"
-    ),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     backend: Optional[str] = typer.Option(None, help="a backend (default: the device's preferred one)"),
 ) -> None:
     """Print the store's key for a shape: kernel, kernel version, Triton version, device class,
-    the canonical problem and its digest, as JSON (what `tunecache show`, the fleet's
-    `GET /v1/configs/{digest}` and `POST /v1/lookup` take)."""
+    the canonical problem and its digest, as JSON. The whole JSON is a body `POST /v1/lookup`
+    (and `POST /v1/jobs`) takes; its digest is what `tunecache show` and the fleet's
+    `GET /v1/configs/{digest}` take."""
     from tunecache import backends
-    from tunecache.key import DeviceClass, local_device
     from tunecache.tuning.tuner import make_key
 
+    dev = _device_class(device)
     try:
         p = canonical_problem(op, parse_problem(problem))
-        dev = DeviceClass.parse(device) if device else local_device(0)
         mod = backends.backend_for(op, dev, p, backend)
         k = make_key(mod, p, dev)
     except (ValueError, KeyError) as e:
@@ -850,9 +891,7 @@ def key(
 def query(
     op: str = typer.Argument(..., help="matmul, conv2d_fprop, conv2d_wgrad or conv2d_dgrad"),
     problem: str = typer.Option(..., "--problem", "-p", help="KEY=VALUE,... as for `tunecache tune`"),
-    device: Optional[str] = typer.Option(
-        None, help="the device class ARCH:SMS, e.g. sm_90:132 (default: this machine's GPU)"
-    ),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     backend: Optional[str] = typer.Option(None, help="only this backend's winner"),
     kernel_version: Optional[str] = typer.Option(None, help="only this kernel version"),
 ) -> None:
@@ -860,7 +899,6 @@ def query(
     `GET /v1/best/OP` does; prints the winner as JSON, or what the fleet has nearby."""
     from tunecache import settings
     from tunecache.fleet.client import fleet_client
-    from tunecache.key import cuda_device
 
     url = settings.server_url()
     if not url:
@@ -870,12 +908,7 @@ def query(
         canonical_problem(op, given)  # the same checks, here, before asking
     except ValueError as e:
         _fail(str(e))
-    if device is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            _fail("no GPU here: name the device class with --device, e.g. --device sm_90:132")
-        device = str(cuda_device(0))
+    device = str(_device_class(device))
     pins = {k: v for k, v in (("backend", backend), ("kernel_version", kernel_version)) if v}
     answer = fleet_client(url).best(op, device, given, **pins)
     if answer is None:

@@ -65,3 +65,95 @@ def test_manifest_imports_a_model_beside_you_and_names_a_bad_input_size(tmp_path
     bad = tc("manifest", "--from-model", "mymodels:build", "--input", "3,x,16", cwd=tmp_path, **env)
     assert bad.returncode == 2 and "--input: 'x' in '3,x,16' is not a size" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr and not bad.stdout
+
+
+# ---- row 1: a host with a publish token is told its result is a submission ------------------
+
+
+def test_a_publish_tokens_result_is_said_to_wait_for_a_worker(clean_fleet, tmp_path, db_url):
+    import httpx
+
+    shape = "M=40,N=36,K=24,dtype=float32"
+    fleet = {"TUNECACHE_SERVER_URL": clean_fleet.url, "TUNECACHE_BACKEND": "portable"}
+    host = tc(
+        "tune",
+        "matmul",
+        "-p",
+        shape,
+        TUNECACHE_TOKEN=clean_fleet.tokens["publish"],
+        **fleet,
+        TUNECACHE_DB_URL=f"sqlite:///{tmp_path / 'host.sqlite'}",
+    )
+    assert host.returncode == 0, host.stderr[-2000:]
+    assert "submitted; the fleet's winner once a worker re-times it" in host.stdout, host.stdout
+    assert "worker token" in host.stdout
+    read = {"Authorization": f"Bearer {clean_fleet.tokens['read']}"}
+    params = {"device": "cpu:0", "M": 40, "N": 36, "K": 24, "dtype": "float32"}
+    with httpx.Client(base_url=clean_fleet.url, headers=read, timeout=10) as api:
+        miss = api.get("/v1/best/matmul", params=params)
+        assert miss.status_code == 404
+        assert "(matmul.portable) is queued, attempt 0/3" in miss.json()["detail"], miss.json()
+        assert "once a worker of cpu:0 tunes it" in miss.json()["detail"]
+        worker = tc(
+            "worker",
+            "--burst",
+            "--poll-s",
+            "0.1",
+            TUNECACHE_TOKEN=clean_fleet.tokens["worker"],
+            **fleet,
+            TUNECACHE_DB_URL=f"sqlite:///{tmp_path / 'worker.sqlite'}",
+        )
+        assert worker.returncode == 0 and "1 job(s) 1 tuned" in worker.stderr, worker.stderr[-2000:]
+        hit = api.get("/v1/best/matmul", params=params)
+        assert hit.status_code == 200 and hit.json()["kernel"] == "matmul.portable", hit.text
+    again = tc(
+        "tune",
+        "matmul",
+        "-p",
+        shape,
+        "--force",
+        TUNECACHE_TOKEN=clean_fleet.tokens["worker"],
+        **fleet,
+        TUNECACHE_DB_URL=f"sqlite:///{tmp_path / 'other-host.sqlite'}",
+    )
+    assert again.returncode == 0 and "fleet: published;" in again.stdout, again.stdout
+
+
+# ---- row 5: `tunecache key`'s JSON is a lookup body; `query` needs no --device where `key` does not
+
+
+def test_key_json_is_what_lookup_takes_and_query_needs_no_device(clean_fleet, db_url):
+    import json
+
+    import httpx
+
+    from tunecache.key import DeviceClass
+    from tunecache.shapes import canonical_problem
+    from tunecache.store.records import ConfigRecord
+    from tunecache.tuning.tuner import make_key
+    from tunecache_kernels import matmul_portable as portable
+
+    shape = "M=48,N=32,K=16,dtype=float32"
+    printed = tc("key", "matmul", "-p", shape)
+    assert printed.returncode == 0, printed.stderr
+    body = json.loads(printed.stdout)
+    problem = canonical_problem("matmul", {"M": 48, "N": 32, "K": 16, "dtype": "float32"})
+    key = make_key(portable, problem, DeviceClass("cpu", 0))
+    assert body["digest"] == key.digest
+    rec = ConfigRecord(
+        key=key, config=portable.default_config(problem, DeviceClass("cpu", 0)), median_ms=1.0, source="worker"
+    )
+    admin = {"Authorization": f"Bearer {clean_fleet.tokens['admin']}"}
+    read = {"Authorization": f"Bearer {clean_fleet.tokens['read']}"}
+    with httpx.Client(base_url=clean_fleet.url, timeout=10) as api:
+        imported = api.post(
+            "/v1/import", headers=admin, json={"format": "tunecache-configs/1", "configs": [rec.to_json()]}
+        )
+        assert imported.json()["stored"] == 1, imported.text
+        found = api.post("/v1/lookup", headers=read, json=body)
+        assert found.status_code == 200 and found.json()["digest"] == key.digest, found.text
+        wrong = api.post("/v1/lookup", headers=read, json={**body, "digest": "0" * 64})
+        assert wrong.status_code == 422 and "does not match the key's fields" in wrong.text
+    fleet = {"TUNECACHE_SERVER_URL": clean_fleet.url, "TUNECACHE_TOKEN": clean_fleet.tokens["read"]}
+    asked = tc("query", "matmul", "-p", shape, **fleet)  # no --device on a CPU machine, as `key`
+    assert asked.returncode == 0 and json.loads(asked.stdout)["digest"] == key.digest, asked.stderr

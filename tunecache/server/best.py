@@ -16,11 +16,13 @@ from typing import Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query
 
+from tunecache.errors import last_line
 from tunecache.key import DeviceClass
 from tunecache.server.configs import out
 from tunecache.server.deps import ReadToken, StoreDep
 from tunecache.server.schemas import ConfigOut, ErrorOut
 from tunecache.shapes import KEYS, canonical_problem, problem_distance, shape_pairs
+from tunecache.store.records import JobRecord
 from tunecache_kernels.spaces import BACKENDS
 
 router = APIRouter(prefix="/v1", tags=["configs"])
@@ -35,8 +37,9 @@ Shape = Optional[str]
     responses={
         404: {
             "model": ErrorOut,
-            "description": "no winner for this shape; the answer names "
-            "the key it looked for and the nearest tuned shapes",
+            "description": "no winner for this shape; the answer names the key it looked for, "
+            "its pending tuning job (a submitted result waiting to be re-timed) and its state, "
+            "and the nearest tuned shapes",
         }
     },
 )
@@ -116,9 +119,32 @@ def best(
         for r in near
         if math.isfinite(problem_distance(problem, dict(r.key.problem)))
     )
+    pending = [
+        j
+        for j in store.list_jobs(arch=dev.arch, sm_count=dev.sm_count, limit=10000)
+        if j.status != "done"
+        and j.key.kernel in kernels
+        and dict(j.key.problem) == problem
+        and (kernel_version is None or j.key.kernel_version == kernel_version)
+        and (triton_version is None or j.key.triton_version == triton_version)
+    ]
     raise HTTPException(
         404,
         f"no winner for {op} {shape_pairs(problem)} on {dev} among {', '.join(kernels)}"
-        f"{'' if kernel_version is None else f' version {kernel_version}'}; "
+        f"{'' if kernel_version is None else f' version {kernel_version}'}"
+        f"{''.join(f'; {pending_text(j)}' for j in pending)}; "
         f"nearest tuned shapes: {shown or 'none on this device class'}",
     )
+
+
+def pending_text(job: JobRecord) -> str:
+    """What a key without a winner waits for: its tuning job (a submitted result's re-timing, or
+    a queued key), in words, with what makes it move."""
+    key = job.key
+    head = f"job {job.digest[:12]} ({key.kernel}) is {job.status}, attempt {job.attempts}/{job.max_attempts}"
+    if job.status == "queued":
+        return f"{head}: the fleet's winner once a worker of {key.arch}:{key.sm_count} tunes it (`tunecache worker`)"
+    if job.status == "running":
+        return f"{head}: a worker ({job.lease_owner}) is tuning it; its result will be the fleet's winner"
+    why = last_line(job.unreadable or job.last_error or "") or "no error recorded"
+    return f"{head} ({why}): `tunecache jobs retry {job.digest[:12]}` queues it again"

@@ -55,7 +55,11 @@ TUNING_SOURCES = ("worker", "pretune", "cli", "inline")
 
 
 def key_of(body: KeyIn) -> TuneKey:
-    return TuneKey(body.kernel, body.kernel_version, body.triton_version, body.arch, body.sm_count, dict(body.problem))
+    """The body's key; 422 when the body's `digest` is not the one its fields hash to."""
+    key = TuneKey(body.kernel, body.kernel_version, body.triton_version, body.arch, body.sm_count, dict(body.problem))
+    if body.digest is not None and body.digest != key.digest:
+        raise HTTPException(422, f"digest {body.digest} does not match the key's fields (they hash to {key.digest})")
+    return key
 
 
 def check_kernel_config(kernel: str, config: dict) -> None:
@@ -78,8 +82,6 @@ def record_of(body: ConfigIn, source: str, provenance: dict | None = None) -> Co
     `provenance` (tuned_by, device_name, tuned_at) are the service's word; without
     `provenance`, the body's (an admin's import)."""
     key = key_of(body)
-    if body.digest is not None and body.digest != key.digest:
-        raise HTTPException(422, f"digest {body.digest} does not match the key's fields (they hash to {key.digest})")
     check_kernel_config(body.kernel, body.config)
     impossible = floor.refusal(body.kernel, body.arch, body.sm_count, body.problem, body.median_ms)
     if impossible:

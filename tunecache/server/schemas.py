@@ -125,7 +125,8 @@ class Model(BaseModel):
 
 
 class KeyIn(Model):
-    """The key of a tuning result: kernel, versions, device class and problem."""
+    """The key of a tuning result: kernel, versions, device class and problem (what `tunecache
+    key` prints). `digest`, when given, must match the key's fields."""
 
     kernel: Kernel
     kernel_version: Version
@@ -133,6 +134,7 @@ class KeyIn(Model):
     arch: Arch
     sm_count: SmCount
     problem: Problem
+    digest: Optional[Digest] = None
 
 
 class TrialIn(Model):
@@ -150,7 +152,6 @@ VENDOR_MS = "the vendor op's time in ms (cuBLAS / cuDNN), measured in the same t
 class ConfigIn(KeyIn):
     """A tuning result to publish. `digest`, when given, must match the key's fields."""
 
-    digest: Optional[Digest] = None
     config: JsonObject = Field(description="the kernel's meta-parameters; checked against its config space")
     median_ms: Millis
     tflops: Optional[FiniteNonNeg] = None
