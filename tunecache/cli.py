@@ -566,7 +566,7 @@ app.add_typer(token_app, name="token")
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for the fleet)"),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, help="TCP port to listen on (1-65535)"),
     workers: int = typer.Option(1, help="uvicorn worker processes"),
     db_url: Optional[str] = typer.Option(None, help="the fleet database (default TUNECACHE_DB_URL)"),
     anonymous_read: bool = typer.Option(False, help="allow lookups without a token"),
@@ -584,6 +584,8 @@ def serve(
     from tunecache.server import edges
     from tunecache.store import Store, StoreError
 
+    if not 1 <= port <= 65535:  # the socket would take it modulo 65536 and listen elsewhere
+        _fail(f"--port {port} is not a TCP port: give one from 1 to 65535")
     if db_url:
         os.environ["TUNECACHE_DB_URL"] = db_url
     if anonymous_read:

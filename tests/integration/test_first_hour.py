@@ -157,3 +157,24 @@ def test_key_json_is_what_lookup_takes_and_query_needs_no_device(clean_fleet, db
     fleet = {"TUNECACHE_SERVER_URL": clean_fleet.url, "TUNECACHE_TOKEN": clean_fleet.tokens["read"]}
     asked = tc("query", "matmul", "-p", shape, **fleet)  # no --device on a CPU machine, as `key`
     assert asked.returncode == 0 and json.loads(asked.stdout)["digest"] == key.digest, asked.stderr
+
+
+# ---- row 7: serve listens where it says, and refuses a port that is not one ------------------
+
+
+def test_serve_refuses_a_port_past_65535_and_listens_where_it_says(tmp_path):
+    import httpx
+
+    from support.fleet import Server
+
+    url = f"sqlite:///{tmp_path / 'fleet.sqlite'}"
+    for port in ("99999", "0", "-1"):
+        bad = tc("serve", "--port", port, "--db-url", url, timeout=60)
+        assert bad.returncode == 2 and f"--port {port} is not a TCP port: give one from 1 to 65535" in bad.stderr
+    server = Server(url, tmp_path / "serve.log").start()
+    try:
+        said = (tmp_path / "serve.log").read_text()
+        assert f"tunecache service on http://127.0.0.1:{server.port} over" in said, said
+        assert httpx.get(f"http://127.0.0.1:{server.port}/healthz", timeout=10).status_code == 200
+    finally:
+        server.stop()
