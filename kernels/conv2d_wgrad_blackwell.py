@@ -222,25 +222,7 @@ def _epilogue_partition(
         acc_use += 1
 
 
-# the kernel's shape arguments: unspecialized i32, so one compile per config serves every shape
-_SHAPE_ARGS = (
-    "Co",
-    "Ci",
-    "RS",
-    "S",
-    "PQ",
-    "Q",
-    "stride_h",
-    "stride_w",
-    "pad_h",
-    "pad_w",
-    "k_steps",
-    "per",
-    "num_splits",
-)
-
-
-@gluon.jit(do_not_specialize=list(_SHAPE_ARGS))
+@gluon.jit(do_not_specialize=list(gwg.WGRAD_INTS))
 def conv2d_wgrad_kernel(
     g_desc,
     x_desc,
@@ -735,7 +717,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         num_warps=config["num_warps"],
         **_constexprs(config, im2col),
     )
-    if not work.stream and work.splits > 1:
+    if work.into_partials:
         sk.split_k_reduce(ws, out)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
@@ -749,46 +731,17 @@ def _few_co_constexprs(c: dict, stride) -> dict:
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if gwg.runs_few_co(p, config, FEW_CO_NARROWEST):
         ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
-        return gwg.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
+        return gwg.gather_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device, few_co=True)
     if gpt.packs_taps(p):
-        x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
-        st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
-        _, _, splits = gwg.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
         ce = _packed_constexprs(config)
-        sig = {"g_desc": gh.desc_sig(dt, [bk, bm]), "x_ptr": gh.ptr_sig(dt)}
-        sig["out_ptr"] = gh.ptr_sig(dt) if splits == 1 else "*fp32"
-        sig.update({k: "i32" for k in gwg.PACKED_WGRAD_INTS})
-        sig.update({k: "constexpr" for k in ce})
-        fn = conv2d_wgrad_packed_kernel
-        specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-        reduce = sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device))
-        return specs + ([reduce] if splits > 1 else [])
-    work = gwg.WgradWork.of(p, config, gh.sm_count_of(device))
+        return gwg.gather_wgrad_specs(conv2d_wgrad_packed_kernel, p, config, ce, device, few_co=False)
+    dt = p["dtype"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col)
-    out_sig = gh.ptr_sig(dt) if work.stream or work.splits == 1 else "*fp32"
-    sig = {
+    descs = {
         "g_desc": gh.desc_sig(dt, [bk, bm]),
         "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
-        "out_ptr": out_sig,
-        "ws_ptr": "*fp32" if work.stream else out_sig,
-        "flags_ptr": "*i32" if work.stream else out_sig,
     }
-    sig.update({k: "i32" for k in _SHAPE_ARGS})
-    sig.update({k: "constexpr" for k in ce})
-    specs = [
-        KernelSpec(
-            fn=conv2d_wgrad_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="conv2d_wgrad_kernel",
-        )
-    ]
-    if not work.stream and work.splits > 1:
-        specs.append(sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device)))
-    return specs
+    return gwg.wgrad_specs(conv2d_wgrad_kernel, descs, p, config, _constexprs(config, im2col), device)

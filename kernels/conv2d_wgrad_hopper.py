@@ -245,23 +245,7 @@ def _mma_partition(
     tma.store_wait(pendings=0)
 
 
-@gluon.jit(
-    do_not_specialize=[
-        "Co",
-        "Ci",
-        "RS",
-        "S",
-        "PQ",
-        "Q",
-        "stride_h",
-        "stride_w",
-        "pad_h",
-        "pad_w",
-        "k_steps",
-        "per",
-        "num_splits",
-    ]
-)
+@gluon.jit(do_not_specialize=list(gwg.WGRAD_INTS))
 def conv2d_wgrad_kernel(
     g_desc,
     x_desc,
@@ -562,7 +546,7 @@ def resources_ok(c: dict, p: dict | None = None, sms: int | None = None) -> bool
     and the accumulator's registers."""
     packed = p is not None and _gathers(p, c)
     # a launch into fp32 split partials stores from registers: its binary has no grad_w tile
-    partials = p is not None and sms is not None and not packed and _into_partials(gwg.WgradWork.of(p, c, sms))
+    partials = p is not None and sms is not None and not packed and gwg.WgradWork.of(p, c, sms).into_partials
     return ghop.wgmma_resources_ok(c, smem_bytes(c, packed=packed, tma_out=not partials))
 
 
@@ -570,11 +554,6 @@ def _gathers(p: dict, c: dict) -> bool:
     """Whether one operand is gathered through pointers (the packed-taps and few-Co kernels:
     an A ring, a double-buffered B, a register epilogue) rather than both read by TMA."""
     return gpt.packs_taps(p) or gwg.runs_few_co(p, c, FEW_CO_NARROWEST)
-
-
-def _into_partials(w: gwg.WgradWork) -> bool:
-    """Whether a launch writes fp32 split partials (a second pass sums them) instead of grad_w."""
-    return not w.stream and w.splits > 1
 
 
 def smem_bytes(c: dict, itemsize: int = 2, packed: bool = False, tma_out: bool = True) -> int:
@@ -774,7 +753,7 @@ def _launch_jit(
     npq = N * P * Q
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     work = gwg.WgradWork(Co, Ci, R * S, npq, config, gh.num_sms(x.device))
-    mode = "stream" if work.stream else ("split" if _into_partials(work) else "direct")
+    mode = "stream" if work.stream else ("split" if work.into_partials else "direct")
     out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
     ws_shape = (work.ctas, bm, bn) if mode == "stream" else (work.splits, Co, R * S * Ci)
     ws = None if mode == "direct" else torch.empty(ws_shape, device=x.device, dtype=torch.float32)
@@ -890,66 +869,18 @@ def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if gwg.runs_few_co(p, config, FEW_CO_NARROWEST):
         ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
-        return gwg.few_co_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device)
+        return gwg.gather_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device, few_co=True)
     if gpt.packs_taps(p):
-        x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
-        st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
-        _, _, splits = gwg.packed_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, config, gh.sm_count_of(device))
         ce = _packed_constexprs(config)
-        sig = {"g_desc": gh.desc_sig(dt, [bk, bm]), "x_ptr": gh.ptr_sig(dt)}
-        sig["out_ptr"] = gh.ptr_sig(dt) if splits == 1 else "*fp32"
-        sig.update({k: "i32" for k in gwg.PACKED_WGRAD_INTS})
-        sig.update({k: "constexpr" for k in ce})
-        fn = conv2d_wgrad_packed_kernel
-        specs = [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-        reduce = sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device))
-        return specs + ([reduce] if splits > 1 else [])
-    work = gwg.WgradWork.of(p, config, gh.sm_count_of(device))
+        return gwg.gather_wgrad_specs(conv2d_wgrad_packed_kernel, p, config, ce, device, few_co=False)
+    dt = p["dtype"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     im2col = not is_pointwise(p)
-    ce = _constexprs(config, im2col)
-    sig = {
+    descs = {
         "g_desc": gh.desc_sig(dt, [bk, bm]),
         "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
         "c_desc": gh.desc_sig(dt, [bm, 1, bn]),
     }
-    out_sig = "*fp32" if _into_partials(work) else gh.ptr_sig(dt)
-    sig["out_ptr"] = out_sig
-    sig["ws_ptr"] = "*fp32" if work.stream else out_sig
-    sig["flags_ptr"] = "*i32" if work.stream else out_sig
-    sig.update(
-        {
-            k: "i32"
-            for k in (
-                "Co",
-                "Ci",
-                "RS",
-                "S",
-                "PQ",
-                "Q",
-                "stride_h",
-                "stride_w",
-                "pad_h",
-                "pad_w",
-                "k_steps",
-                "per",
-                "num_splits",
-            )
-        }
-    )
-    sig.update({k: "constexpr" for k in ce})
-    specs = [
-        KernelSpec(
-            fn=conv2d_wgrad_kernel,
-            signature=sig,
-            constexprs=ce,
-            num_warps=config["num_warps"],
-            name="conv2d_wgrad_kernel",
-        )
-    ]
-    if not work.stream and work.splits > 1:
-        specs.append(sk.split_k_reduce_spec(dt, gwg.wgrad_out_numel(p), gh.sm_count_of(device)))
-    return specs
+    return gwg.wgrad_specs(conv2d_wgrad_kernel, descs, p, config, _constexprs(config, im2col), device)

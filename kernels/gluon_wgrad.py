@@ -46,6 +46,47 @@ class WgradWork:
         ci = padded_channels(p["Ci"], p["dtype"])
         return cls(p["Co"], ci, p["R"] * p["S"], p["N"] * p["P"] * p["Q"], c, sms)
 
+    @property
+    def into_partials(self) -> bool:
+        """Whether a launch writes fp32 split partials (a second pass sums them) instead of grad_w."""
+        return not self.stream and self.splits > 1
+
+
+# the integer arguments of both Gluon wgrad kernels that read x and grad_out by TMA, after their
+# descriptors and out_ptr, ws_ptr, flags_ptr: unspecialized i32, so one compile per config serves
+# every shape
+WGRAD_INTS = (
+    "Co",
+    "Ci",
+    "RS",
+    "S",
+    "PQ",
+    "Q",
+    "stride_h",
+    "stride_w",
+    "pad_h",
+    "pad_w",
+    "k_steps",
+    "per",
+    "num_splits",
+)
+
+
+def wgrad_specs(fn, descs: dict, p: dict, c: dict, constexprs: dict, device) -> list[KernelSpec]:
+    """compile_specs of a backend's TMA wgrad kernel `fn` (its descriptors `descs`, name ->
+    signature, then out_ptr, ws_ptr, flags_ptr, WGRAD_INTS and `constexprs`) and of its
+    reduction where it writes partials."""
+    dt, sms = p["dtype"], sm_count_of(device)
+    work = WgradWork.of(p, c, sms)
+    out_sig = "*fp32" if work.into_partials else ptr_sig(dt)
+    sig = dict(descs, out_ptr=out_sig)
+    sig["ws_ptr"] = "*fp32" if work.stream else out_sig
+    sig["flags_ptr"] = "*i32" if work.stream else out_sig
+    sig.update({k: "i32" for k in WGRAD_INTS})
+    sig.update({k: "constexpr" for k in constexprs})
+    specs = [KernelSpec(fn=fn, signature=sig, constexprs=constexprs, num_warps=c["num_warps"], name=fn.__name__)]
+    return specs + ([split_k_reduce_spec(dt, wgrad_out_numel(p), sms)] if work.into_partials else [])
+
 
 @gluon.jit
 def _stream_k_run(tiles, k_steps, per):
@@ -235,19 +276,25 @@ def few_co_wgrad_ints(x_shape, g_shape, R: int, S: int, stride, padding, c: dict
     return ints, tiles * splits, splits
 
 
-def few_co_wgrad_specs(fn, p: dict, c: dict, constexprs: dict, device) -> list[KernelSpec]:
-    """compile_specs of a backend's few-Co kernel `fn` (and its reduction where it splits)."""
+def gather_wgrad_specs(fn, p: dict, c: dict, constexprs: dict, device, few_co: bool) -> list[KernelSpec]:
+    """compile_specs of a backend's packed-taps kernel `fn`, or with few_co its few-Co kernel
+    (one operand read by TMA, the other gathered through its pointer), and of its reduction
+    where it splits."""
     dt = p["dtype"]
     x_shape, g_shape = (p["N"], p["H"], p["W"], p["Ci"]), (p["N"], p["P"], p["Q"], p["Co"])
     st, pd = (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"])
     sms = sm_count_of(device)
-    _, _, splits = few_co_wgrad_ints(x_shape, g_shape, p["R"], p["S"], st, pd, c, sms)
-    sig = {"x_desc": desc_sig(dt, [c["BLOCK_K"], c["BLOCK_M"]]), "g_ptr": ptr_sig(dt)}
+    if few_co:
+        ints_of, names, tiled, gathered = few_co_wgrad_ints, FEW_CO_WGRAD_INTS, "x_desc", "g_ptr"
+    else:
+        ints_of, names, tiled, gathered = packed_wgrad_ints, PACKED_WGRAD_INTS, "g_desc", "x_ptr"
+    _, _, splits = ints_of(x_shape, g_shape, p["R"], p["S"], st, pd, c, sms)
+    sig = {tiled: desc_sig(dt, [c["BLOCK_K"], c["BLOCK_M"]]), gathered: ptr_sig(dt)}
     sig["out_ptr"] = ptr_sig(dt) if splits == 1 else "*fp32"
-    sig.update({k: "i32" for k in FEW_CO_WGRAD_INTS})
+    sig.update({k: "i32" for k in names})
     sig.update({k: "constexpr" for k in constexprs})
     specs = [KernelSpec(fn=fn, signature=sig, constexprs=constexprs, num_warps=c["num_warps"], name=fn.__name__)]
-    return specs + ([split_k_reduce_spec(dt, wgrad_out_numel(p, gathers=True), sms)] if splits > 1 else [])
+    return specs + ([split_k_reduce_spec(dt, wgrad_out_numel(p, gathers=few_co), sms)] if splits > 1 else [])
 
 
 @gluon.jit
