@@ -75,9 +75,16 @@ def pg_url() -> str:
 
     base = make_url(PG_URL)
     name = f"tc_test_{uuid.uuid4().hex[:10]}"
-    admin = dict(host=base.host, port=base.port or 5432, user=base.username, dbname=base.database)
+    admin = dict(host=base.host, port=base.port or 5432, user=base.username, password=base.password)
     try:
-        conn = psycopg.connect(**admin, autocommit=True, connect_timeout=5)
+        try:
+            conn = psycopg.connect(**admin, dbname=base.database, autocommit=True, connect_timeout=5)
+        except psycopg.OperationalError as e:
+            if "does not exist" not in str(e):
+                raise
+            # a fresh server has no database of that name: the session's own is made from the
+            # server's maintenance database instead (the URL's database is only where to connect)
+            conn = psycopg.connect(**admin, dbname="postgres", autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as e:
         why = (
             f"Postgres at {PG_URL} is not reachable ({str(e).strip()[:200]}); start one (README: "

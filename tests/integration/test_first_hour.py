@@ -178,3 +178,22 @@ def test_serve_refuses_a_port_past_65535_and_listens_where_it_says(tmp_path):
         assert httpx.get(f"http://127.0.0.1:{server.port}/healthz", timeout=10).status_code == 200
     finally:
         server.stop()
+
+
+# ---- row 9: a fresh Postgres, without the `test` database the default URL names --------------
+
+
+def test_the_postgres_tests_run_on_a_server_without_the_test_database():
+    from support import ROOT
+
+    missing = "postgresql+psycopg://postgres@127.0.0.1:5432/tc_no_such_database"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+        + ["tests/integration/test_store.py::test_schema_is_at_head_after_open[postgres]"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "TUNECACHE_TEST_PG_URL": missing, "TUNECACHE_TEST_REQUIRE_PG": "1"},
+    )
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
