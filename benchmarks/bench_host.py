@@ -12,6 +12,12 @@ vendor's op in the same run:
 
     python benchmarks/bench_host.py [--layers resnet50-b1/layer1.conv1,...] [--breakdown]
 
+--layer-calls also times the calls a model makes (issue 39): `tunecache.nn.Conv2d` / `Linear`
+forward (no grad, and recorded by autograd) and forward + backward, `tunecache.ops.conv2d` /
+`linear`, on tiny shapes where the host is all there is, each against torch's own layer or
+function on the same tensors (`summary["layer_calls"]`: our host time / torch's, goal <= 1.1);
+--profile-layers adds each of our calls' top functions (cProfile) to the JSON.
+
 --breakdown also times each stage of our call (the memo lookup and views of `tunecache.ops`,
 the entry's launch, the plan's, the C launcher's alone, an output allocation). Writes JSON with a
 `summary` (per op: geomean and min of the loop ratio, host microseconds of both) to
@@ -126,6 +132,91 @@ def breakdown(op: str, ours, vendor) -> dict:
     return stages
 
 
+def layer_cases() -> list[tuple[str, object, object]]:
+    """(name, ours, torch's) for the calls a model makes, on tiny bf16 channels_last shapes."""
+    import torch
+    import torch.nn.functional as F
+
+    import tunecache.nn
+    import tunecache.ops
+
+    torch.manual_seed(0)
+    dev, dt, cl = "cuda", torch.bfloat16, torch.channels_last
+    conv_t = torch.nn.Conv2d(16, 16, 3, padding=1).to(dev, dt, memory_format=cl)
+    conv_o = tunecache.nn.convert(torch.nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt, memory_format=cl)
+    conv_o.load_state_dict(conv_t.state_dict())
+    lin_t = torch.nn.Linear(64, 64).to(dev, dt)
+    lin_o = tunecache.nn.convert(torch.nn.Linear(64, 64)).to(dev, dt)
+    lin_o.load_state_dict(lin_t.state_dict())
+    x = torch.randn(2, 16, 8, 8, device=dev, dtype=dt).to(memory_format=cl)
+    xg = x.detach().clone().requires_grad_(True)
+    gy = torch.randn(2, 16, 8, 8, device=dev, dtype=dt).to(memory_format=cl)
+    a = torch.randn(16, 64, device=dev, dtype=dt)
+    ag = a.detach().clone().requires_grad_(True)
+    ga = torch.randn(16, 64, device=dev, dtype=dt)
+
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                return fn()
+
+        return call
+
+    def fwd_bwd(layer, inp, grad):
+        return lambda: layer(inp).backward(grad)
+
+    cw, cb = conv_t.weight.detach(), conv_t.bias.detach()
+    lw, lb = lin_t.weight.detach(), lin_t.bias.detach()
+    return [
+        ("nn.Conv2d forward, no grad", no_grad(lambda: conv_o(x)), no_grad(lambda: conv_t(x))),
+        ("nn.Conv2d forward", lambda: conv_o(xg), lambda: conv_t(xg)),
+        ("nn.Conv2d forward+backward", fwd_bwd(conv_o, xg, gy), fwd_bwd(conv_t, xg, gy)),
+        ("ops.conv2d", lambda: tunecache.ops.conv2d(x, cw, cb, 1, 1), lambda: F.conv2d(x, cw, cb, 1, 1)),
+        ("nn.Linear forward, no grad", no_grad(lambda: lin_o(a)), no_grad(lambda: lin_t(a))),
+        ("nn.Linear forward", lambda: lin_o(ag), lambda: lin_t(ag)),
+        ("nn.Linear forward+backward", fwd_bwd(lin_o, ag, ga), fwd_bwd(lin_t, ag, ga)),
+        ("ops.linear", lambda: tunecache.ops.linear(a, lw, lb), lambda: F.linear(a, lw, lb)),
+    ]
+
+
+def profile_of(fn, calls: int = 300, top: int = 25) -> list[str]:
+    """The top functions of `calls` calls of `fn` by own time (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue().splitlines()
+
+
+def layer_calls(profile: bool) -> list[dict]:
+    import torch
+
+    rows = []
+    for name, ours, theirs in layer_cases():
+        for fn in (ours, theirs, ours, theirs):  # tuned, warm
+            fn()
+        torch.cuda.synchronize()
+        row = {"call": name, "host_us_ours": host_us(ours, CALLS, 7), "host_us_torch": host_us(theirs, CALLS, 7)}
+        row["ratio"] = row["host_us_ours"] / row["host_us_torch"]
+        if profile:
+            row["profile"] = profile_of(ours)
+        rows.append(row)
+        print(
+            f"{name:32s} host {row['host_us_ours']:6.1f} us (torch {row['host_us_torch']:6.1f})  {row['ratio']:.2f}x",
+            flush=True,
+        )
+        for line in row.get("profile", [])[:45]:
+            print("    " + line)
+    return rows
+
+
 def _decode(lay) -> bool:
     """Llama-3-8B's GEMMs at decode sizes (M 1 and 16), bf16: host-bound like batch-1 convs."""
     return lay.model == "llama3-8b" and lay.dtype == "bfloat16" and lay.shape["M"] in (1, 16)
@@ -140,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ops", default="conv2d_fprop,matmul", help="the ops timed, of those each layer has")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage of our call")
+    ap.add_argument("--layer-calls", action="store_true", help="also time layer and functional calls vs torch's")
+    ap.add_argument("--only-layer-calls", action="store_true", help="time only those (no suite layers)")
+    ap.add_argument("--profile-layers", action="store_true", help="with the layer calls: our calls' cProfile")
     ap.add_argument("--out", default=None, help="results file name (default host-<device>)")
     args = ap.parse_args(argv)
     import torch
@@ -151,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         layers = layers_named(args.layers, ap)
     else:
         layers = [lay for lay in suite() if lay.model == "resnet50-b1" or _decode(lay)]
+    if args.only_layer_calls:
+        layers = []
     wanted = set(args.ops.split(","))
     rows = []
     for lay in layers:
@@ -175,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             for k, v in row.get("stages_us", {}).items():
                 print(f"    {k:32s} {v:.1f}" if isinstance(v, float) else f"    {k}: {v}")
+    calls = layer_calls(args.profile_layers) if args.layer_calls or args.only_layer_calls else []
     info = device_info()
     summary: dict = {"device": info.get("device")}
+    if calls:
+        summary["layer_calls"] = {r["call"]: round(r["ratio"], 3) for r in calls}
+        summary["layer_calls_max_ratio"] = max(r["ratio"] for r in calls)
     for op in sorted({r["op"] for r in rows}):
         rs = [r for r in rows if r["op"] == op]
         summary[op] = {
@@ -189,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["command"] = "python benchmarks/bench_host.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(summary)
     name = args.out or f"host-{(info.get('device') or 'gpu').replace(' ', '_')}"
-    path = write_results(name, {"summary": summary, "rows": rows})
+    path = write_results(name, {"summary": summary, "rows": rows, "layer_calls": calls})
     print(f"wrote {path}")
     return 0
 

@@ -29,7 +29,7 @@ def main() -> None:
 
     from tunecache import backends
     from tunecache.key import cuda_device, interpreter_device
-    from tunecache.tuning.accuracy import TOLERANCE, relative_error
+    from tunecache.tuning.accuracy import relative_error, tolerance
     from tunecache.tuning.isolated import Worker
     from tunecache.tuning.timing import time_ms
     from tunecache.tuning.tuner import QUICK_TIMING, Trials, make_key
@@ -55,7 +55,7 @@ def main() -> None:
     start_s = time.perf_counter() - t0
     w.close()
 
-    trials = Trials(mod, problem, key, torch_device, TOLERANCE[problem["dtype"]])
+    trials = Trials(mod, problem, key, torch_device, tolerance(problem))
     t0 = time.perf_counter()
     trials.run(config, timing)  # set-up (inputs + reference) and the first launch (JIT load)
     first_s = time.perf_counter() - t0
@@ -81,7 +81,7 @@ def main() -> None:
         out = mod.launch(config, *args_)
         if on_gpu:
             torch.cuda.synchronize()
-        assert relative_error(out, ref) <= TOLERANCE[problem["dtype"]]
+        assert relative_error(out, ref) <= tolerance(problem)
         time_ms(lambda: mod.launch(config, *args_), on_gpu, **timing)
         inproc.append(time.perf_counter() - t0)
 

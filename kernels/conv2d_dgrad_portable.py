@@ -48,6 +48,7 @@ def conv2d_dgrad_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     M2 = N * P2 * Q2
@@ -104,7 +105,7 @@ def conv2d_dgrad_kernel(
                 )
                 if UPCAST:
                     x, y = x.to(tl.float32), y.to(tl.float32)
-                acc = tl.dot(x, y, acc)
+                acc = tl.dot(x, y, acc, input_precision=INPUT_PRECISION)
     out = ((n.to(tl.int64) * H + a + stride_h * i) * W + b + stride_w * j) * Ci
     tl.store(
         gx_ptr + out[:, None] + offs_ci[None, :],
@@ -151,5 +152,7 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
     gx = (torch.zeros if zeros else torch.empty)((N, H, W, Ci), device=grad_out.device, dtype=grad_out.dtype)
     grid = (phases * triton.cdiv(N * P2 * Q2, config["BLOCK_M"]) * triton.cdiv(Ci, config["BLOCK_N"]),)
     conv = (N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw)
-    conv2d_dgrad_kernel[grid](grad_out, w, gx, *conv, P2, Q2, min(S, sw), **rules.launch_options(config, grad_out))
+    conv2d_dgrad_kernel[grid](
+        grad_out, w, gx, *conv, P2, Q2, min(S, sw), **rules.launch_options(config, grad_out, "conv")
+    )
     return gx

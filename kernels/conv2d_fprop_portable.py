@@ -39,6 +39,7 @@ def conv2d_fprop_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     M = N * P * Q
@@ -76,7 +77,7 @@ def conv2d_fprop_kernel(
                 b = tl.load(w_ptr + w_col[None, :] + c[:, None], mask=c_ok[:, None] & co_ok[None, :], other=0.0)
                 if UPCAST:
                     a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     y = y_ptr + offs_m[:, None].to(tl.int64) * Co + offs_co[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & co_ok[None, :])
 
@@ -115,5 +116,5 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
     y = torch.empty((N, P, Q, Co), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(N * P * Q, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"]),)
     conv = (N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw)
-    conv2d_fprop_kernel[grid](x, w, y, *conv, **rules.launch_options(config, x))
+    conv2d_fprop_kernel[grid](x, w, y, *conv, **rules.launch_options(config, x, "conv"))
     return y

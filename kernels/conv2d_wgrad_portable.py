@@ -40,6 +40,7 @@ def conv2d_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # over Co
     pid_n = tl.program_id(1)  # over R*S*Ci
@@ -73,7 +74,7 @@ def conv2d_wgrad_kernel(
         b = tl.load(x_ptr + xoff, mask=ok, other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     ws = ws_ptr + pid_k.to(tl.int64) * Co * RSC + offs_co[:, None].to(tl.int64) * RSC + offs_j[None, :]
     tl.store(ws, acc, mask=co_ok[:, None] & j_ok[None, :])
 
@@ -131,7 +132,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     ws = torch.empty((split, Co, rsc), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(Co, bm), triton.cdiv(rsc, bn), split)
     conv = (N, H, W, Ci, Co, P, Q, R, S, sh, sw, ph, pw)
-    conv2d_wgrad_kernel[grid](x, grad_out, ws, *conv, k_per_split, **rules.launch_options(config, x))
+    conv2d_wgrad_kernel[grid](x, grad_out, ws, *conv, k_per_split, **rules.launch_options(config, x, "conv"))
     # the second pass: a fixed-order sum of the partials, so split-K stays deterministic
     gw = ws[0] if split == 1 else ws.sum(dim=0)
     return gw.to(x.dtype).view(Co, R, S, Ci)

@@ -20,8 +20,29 @@ def out_size(size: int, k: int, stride: int, pad: int) -> int:
     return (size + 2 * pad - k) // stride + 1
 
 
-def matmul(M: int, N: int, K: int, dtype: str, a_layout: str, b_layout: str) -> dict:
-    return {"M": M, "N": N, "K": K, "dtype": dtype, "a_layout": a_layout, "b_layout": b_layout}
+# How a float32 problem's products are computed: "ieee" (fp32 as IEEE defines it) or "tf32"
+# (TensorFloat-32 inputs, fp32 accumulation), as torch's settings say for its own ops
+# (`tunecache_kernels.problems.fp32_precision`); part of a float32 problem's key, so that a
+# winner tuned at one precision never runs a call made at the other. torch's defaults: matmuls
+# "ieee" (get_float32_matmul_precision() "highest"), convolutions "tf32" (cudnn.allow_tf32).
+FP32_PRECISIONS = ("ieee", "tf32")
+DEFAULT_FP32_PRECISION = {"matmul": "ieee", "conv": "tf32"}
+
+
+def with_precision(p: dict, precision: str | None, kind: str) -> dict:
+    """p with its float32 precision (torch's default for `kind` where None); other dtypes have none."""
+    if p["dtype"] != "float32":
+        return p
+    precision = precision or DEFAULT_FP32_PRECISION[kind]
+    if precision not in FP32_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(FP32_PRECISIONS)}, got {precision!r}")
+    p["precision"] = precision
+    return p
+
+
+def matmul(M: int, N: int, K: int, dtype: str, a_layout: str, b_layout: str, precision: str | None = None) -> dict:
+    p = {"M": M, "N": N, "K": K, "dtype": dtype, "a_layout": a_layout, "b_layout": b_layout}
+    return with_precision(p, precision, "matmul")
 
 
 def conv(
@@ -35,6 +56,7 @@ def conv(
     stride: tuple[int, int],
     padding: tuple[int, int],
     dtype: str,
+    precision: str | None = None,
 ) -> dict:
     """conv2d fprop's problem: the geometry and the implicit GEMM the kernels tile."""
     (sh, sw), (ph, pw) = stride, padding
@@ -44,7 +66,7 @@ def conv(
             f"empty output: a {R}x{S} filter with stride {stride} and padding {padding} over a "
             f"{H}x{W} input gives {P}x{Q}"
         )
-    return {
+    p = {
         "N": N,
         "H": H,
         "W": W,
@@ -63,11 +85,20 @@ def conv(
         "gemm_N": Co,
         "gemm_K": R * S * Ci,
     }
+    return with_precision(p, precision, "conv")
 
 
 def is_pointwise(p: dict) -> bool:
     """A conv problem with a 1x1 filter, stride 1 and no padding: im2col(x) is x itself."""
     return pointwise(p["R"], p["S"], (p["stride_h"], p["stride_w"]), (p["pad_h"], p["pad_w"]))
+
+
+def patches(R: int, S: int, stride, padding) -> bool:
+    """A conv whose filter steps by its own size with no padding, larger than 1x1 (a vision
+    transformer's patch embedding): each output pixel reads a patch of its own, so the conv is
+    the matmul of the patches (as rows) and the filter, and runs as that matmul."""
+    st = (stride, stride) if type(stride) is int else stride
+    return st == (R, S) != (1, 1) and padding in (0, (0, 0))
 
 
 def pointwise(R: int, S: int, stride, padding) -> bool:

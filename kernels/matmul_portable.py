@@ -35,6 +35,7 @@ def matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # plain arithmetic, not tl.cdiv: an interpreted call of a @jit helper leaves
@@ -60,7 +61,7 @@ def matmul_kernel(
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
@@ -99,5 +100,5 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
     grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
     strides = (*a.stride(), *b.stride(), *c.stride())
-    matmul_kernel[grid](a, b, c, M, N, K, *strides, **rules.launch_options(config, a))
+    matmul_kernel[grid](a, b, c, M, N, K, *strides, **rules.launch_options(config, a, "matmul"))
     return c

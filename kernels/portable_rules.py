@@ -66,10 +66,14 @@ INTERPRETER_FIXED = {"num_warps": 4, "num_stages": 3, "GROUP_M": 8}
 HOST_PARAMS = ("SPLIT_K",)
 
 
-def launch_options(config: dict, t) -> dict:
+def launch_options(config: dict, t, kind: str) -> dict:
     """A portable kernel's keyword arguments under config: its meta-parameters and launch
-    options (all of config but HOST_PARAMS), and UPCAST for operands like t."""
-    return {**{k: v for k, v in config.items() if k not in HOST_PARAMS}, "UPCAST": interpreter_upcast(t)}
+    options (all of config but HOST_PARAMS), UPCAST for operands like t, and its dot's input
+    precision: torch's for float32 products of this `kind` ("matmul" or "conv"), the key's too."""
+    from .problems import dot_precision
+
+    options = {k: v for k, v in config.items() if k not in HOST_PARAMS}
+    return {**options, "UPCAST": interpreter_upcast(t), "INPUT_PRECISION": dot_precision(t, kind)}
 
 
 def interpreter_upcast(t) -> bool:

@@ -39,6 +39,31 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def fp32_precision(kind: str) -> str:
+    """How torch computes float32 products now (geometry.FP32_PRECISIONS): "tf32" where it
+    allows TensorFloat-32 (matmuls: `torch.backends.cuda.matmul.allow_tf32`, which
+    `torch.set_float32_matmul_precision("high")` sets; convolutions:
+    `torch.backends.cudnn.allow_tf32`), else "ieee". `kind`: "matmul" or "conv"."""
+    if kind == "matmul":
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+
+
+def use_precision(p: dict) -> None:
+    """Make torch compute float32 products at problem p's precision (the trial runner's
+    reference and vendor op, which run in a process of their own)."""
+    if "precision" in p:
+        tf32 = p["precision"] == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def dot_precision(t: torch.Tensor, kind: str) -> str:
+    """tl.dot's input_precision for operands like t: torch's float32 precision for float32
+    (fp32_precision), tf32 (the default, unused) for the half types."""
+    return fp32_precision(kind) if t.dtype == torch.float32 else "tf32"
+
+
 def pair(value: Any, name: str, *, minimum: int) -> tuple[int, int]:
     """int or (h, w) -> (h, w), each >= minimum; the error names the argument."""
     if isinstance(value, bool):
@@ -171,6 +196,7 @@ def matmul_problem(a: torch.Tensor, b: torch.Tensor) -> dict:
         dtype_name(a.dtype),
         matrix_layout(a, "a"),
         matrix_layout(b, "b"),
+        fp32_precision("matmul") if a.dtype == torch.float32 else None,
     )
 
 
@@ -199,7 +225,8 @@ out_size = geometry.out_size
 
 
 def _conv_geometry(N, H, W, Ci, Co, R, S, stride, padding, dtype) -> dict:
-    return geometry.conv(N, H, W, Ci, Co, R, S, stride, padding, dtype_name(dtype))
+    precision = fp32_precision("conv") if dtype == torch.float32 else None
+    return geometry.conv(N, H, W, Ci, Co, R, S, stride, padding, dtype_name(dtype), precision)
 
 
 def _forward_of(grad_out_pq: tuple[int, int], *conv: Any, given: str, advice: str = "") -> dict:

@@ -386,3 +386,10 @@ def runtime_dir() -> Path:
     import tempfile
 
     return Path(tempfile.gettempdir()) / f"tunecache-{os.getuid()}"
+
+
+def vendor_competes() -> bool:
+    """TUNECACHE_VENDOR (default on): the vendor's op (cuBLAS / cuDNN, as torch calls them) is a
+    candidate of every tune on a GPU and wins where it is faster, so a tuned call is never slower
+    than torch's own; off: the kernels alone (what the kernel benchmarks measure)."""
+    return _flag("TUNECACHE_VENDOR", True)

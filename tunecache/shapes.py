@@ -21,6 +21,7 @@ KEYS = {
         "dtype": "float16, bfloat16 or float32",
         "a_layout": "row (default) or col",
         "b_layout": "row (default) or col",
+        "precision": "float32 only: ieee (default, as torch's matmuls) or tf32",
     },
     "conv2d_fprop": {
         "N": "batch",
@@ -37,6 +38,7 @@ KEYS = {
         "pad_h": "",
         "pad_w": "",
         "dtype": "float16, bfloat16 or float32",
+        "precision": "float32 only: tf32 (default, as torch's convolutions) or ieee",
     },
 }
 KEYS["conv2d_wgrad"] = KEYS["conv2d_dgrad"] = KEYS["conv2d_fprop"]
@@ -84,14 +86,20 @@ def canonical_problem(op: str, given: dict[str, Any]) -> dict:
             if layout not in _LAYOUTS:
                 raise ValueError(f"{name} must be row or col, got {layout!r}")
             layouts.append(layout)
-        return geometry.matmul(M, N, K, dtype, *layouts)
+        return geometry.matmul(M, N, K, dtype, *layouts, _precision(given, dtype))
     N, H, W, Ci, Co, R, S = ints("N", "H", "W", "Ci", "Co", "R", "S")
     (st,) = ints("stride", default=1)
     (pd,) = ints("padding", minimum=0, default=0)
     (sh, sw) = ints("stride_h", "stride_w", default=st)
     (ph, pw) = ints("pad_h", "pad_w", minimum=0, default=pd)
-    p = geometry.conv(N, H, W, Ci, Co, R, S, (sh, sw), (ph, pw), dtype)
+    p = geometry.conv(N, H, W, Ci, Co, R, S, (sh, sw), (ph, pw), dtype, _precision(given, dtype))
     return {"conv2d_fprop": p, "conv2d_wgrad": geometry.wgrad(p), "conv2d_dgrad": geometry.dgrad(p)}[op]
+
+
+def _precision(given: dict, dtype: str) -> str | None:
+    if "precision" in given and dtype != "float32":
+        raise ValueError(f"precision is a float32 shape's (ieee or tf32); this shape is {dtype}")
+    return given.get("precision")
 
 
 _DT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -103,7 +111,7 @@ def shape_text(p: dict) -> str:
     user's kernel) as k=v pairs, without the derived implicit-GEMM fields."""
     if not p:
         return "?"
-    dt = _DT.get(str(p.get("dtype")), str(p.get("dtype", "")))
+    dt = _DT.get(str(p.get("dtype")), str(p.get("dtype", ""))) + (f"/{p['precision']}" if "precision" in p else "")
     if "M" in p and "R" not in p:
         lay = (
             ""

@@ -42,9 +42,19 @@ def _check_object(config: Any) -> None:
         raise ValueError(f"config must be an object, got {type(config).__name__}")
 
 
+# The vendor's op (cuBLAS / cuDNN, as torch calls them: the backend's `reference`) as a config:
+# every op's space holds it beside its grid, so a tune on a GPU times it as a candidate and it
+# wins where it is faster; the store, the fleet and the dashboard keep it as any winner.
+VENDOR = {"vendor": True}
+
+
+def is_vendor(config: Mapping[str, Any]) -> bool:
+    return config.get("vendor") is True and len(config) == 1
+
+
 @dataclass(frozen=True)
 class ConfigSpace(_Schema):
-    """A grid of meta-parameters: every config is one value per parameter."""
+    """A grid of meta-parameters: every config is one value per parameter, and `VENDOR`."""
 
     params: Mapping[str, tuple]
 
@@ -62,6 +72,8 @@ class ConfigSpace(_Schema):
     def check(self, config: Mapping[str, Any]) -> None:
         """Raise ValueError naming the first key that is missing, unknown or out of range."""
         _check_object(config)
+        if is_vendor(config):
+            return
         for name in config:
             if name not in self.params:
                 raise ValueError(

@@ -26,6 +26,7 @@ from tunecache.store.records import ConfigRecord
 from tunecache.tuning import triton_driver
 from tunecache.tuning.tuner import TuneError, make_key, tune
 from tunecache_kernels import gluon_launch as direct
+from tunecache_kernels.spaces import is_vendor
 
 if TYPE_CHECKING:
     pass
@@ -204,6 +205,8 @@ def _reference_entry(mod: ModuleType, problem: dict, device: DeviceClass) -> Ent
 
 
 def _bind(op: Op, raw: tuple, mod: ModuleType, config: dict) -> Callable[..., Any]:
+    if is_vendor(config):  # the vendor's op won this key's tune: torch's call of it, as is
+        return mod.reference
     return _Launch(op, raw, mod, config)
 
 
@@ -337,7 +340,7 @@ def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[
 
     def check(config: dict) -> str | None:
         why = space(config)
-        if why is not None:
+        if why is not None or is_vendor(config):  # the vendor's op runs every problem of its op
             return why
         if not mod.prune([config], problem, device):
             return f"the backend's pruning refuses it for this problem on {device} (resources or shape)"

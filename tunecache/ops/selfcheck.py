@@ -99,7 +99,7 @@ def grid(op: str, device: DeviceClass) -> list[dict]:
 def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = None) -> Verdict:
     """Run the backend's default config over the grid in the isolated trial runner."""
     from tunecache.backends import kernel_version
-    from tunecache.tuning.accuracy import TOLERANCE
+    from tunecache.tuning.accuracy import tolerance
     from tunecache.tuning.tuner import Trials, make_key
 
     torch_device = torch_device or torch_device_for(device)
@@ -112,7 +112,7 @@ def run_check(mod: ModuleType, device: DeviceClass, torch_device: str | None = N
         config = mod.default_config(problem, device)
         key = make_key(mod, problem, device)
         try:
-            runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")])
+            runner = Trials(mod, problem, key, torch_device, tolerance(problem))
             res = runner.run(config, {}, time_it=False)
         except Exception as e:  # noqa: BLE001 - the inputs could not even be made
             res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}

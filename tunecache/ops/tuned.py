@@ -8,7 +8,7 @@ import torch
 
 from tunecache.ops.launcher import Op
 from tunecache_kernels import problems
-from tunecache_kernels.geometry import runs_as_matmul, wgrad_runs_as_matmul
+from tunecache_kernels.geometry import patches, runs_as_matmul, wgrad_runs_as_matmul
 
 _matmul = Op("matmul", problems.matmul_problem)
 _fprop = Op("conv2d_fprop", problems.conv2d_fprop_problem)
@@ -31,7 +31,16 @@ def _run_matmul(raw: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
+    raw = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
+    return raw + _fp32("matmul") if a.dtype is _F32 else raw
+
+
+_F32 = torch.float32
+
+
+def _fp32(kind: str) -> tuple:
+    """A float32 call's precision, for its memo key: torch's settings may change between calls."""
+    return (problems.fp32_precision(kind),)
 
 
 def _as_matmul(op, raw: tuple, a: torch.Tensor, b: torch.Tensor, out_shape: tuple) -> torch.Tensor:
@@ -49,6 +58,11 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
     if type(stride) is list or type(padding) is list:  # lists cannot key the memo
         stride, padding = _hashable(stride), _hashable(padding)
     raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
+    if x.dtype is _F32:
+        raw += _fp32("conv")
+    entry = _fprop.memo.get(raw)
+    if entry is not None and not entry.provisional:
+        return entry.run(x, w, stride, padding)
     fast = _fprop.as_matmul.get(raw)
     if fast is not None:
         y = fast(x, w)
@@ -58,10 +72,45 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
         n, h, wd, ci = x.shape
         if w.shape[3] == ci and x.is_contiguous() and w.is_contiguous():  # else the conv's checks or copies
             return _as_matmul(_fprop, raw, x.view(n * h * wd, ci), w.view(w.shape[0], ci).t(), (n, h, wd, w.shape[0]))
-    entry = _fprop.memo.get(raw)
+    if (
+        w.dim() == 4
+        and _patch_conv(x, w.shape[1], w.shape[2], w.shape[3], stride, padding)
+        and (x.dtype, x.device) == (w.dtype, w.device)
+        and w.is_contiguous()
+    ):
+        rows, npq = _patch_rows(x, w.shape[1], w.shape[2])
+        co = w.shape[0]
+        return matmul(rows, w.reshape(co, -1).t()).view(*npq, co)
     if entry is None or entry.provisional:
         entry = _fprop.resolve(raw, (x, w, stride, padding), x)
     return entry.run(x, w, stride, padding)
+
+
+def _patch_conv(x: torch.Tensor, R: int, S: int, ci: int, stride, padding) -> bool:
+    """A patch embedding's conv (geometry.patches) of R x S filters over ci channels on an NHWC
+    x that holds at least one patch (else the conv's own checks say what is wrong)."""
+    return x.dim() == 4 and patches(R, S, stride, padding) and x.shape[3] == ci and x.shape[1] >= R and x.shape[2] >= S
+
+
+def _patch_rows(x: torch.Tensor, R: int, S: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """x[N, H, W, C]'s patches of R x S as the rows [N*P*Q, R*S*C] of a matmul (a copy), and
+    (N, P, Q); the rows and columns past the last whole patch are not read."""
+    n, h, wd, c = x.shape
+    p, q = h // R, wd // S
+    rows = x[:, : p * R, : q * S].reshape(n, p, R, q, S, c).permute(0, 1, 3, 2, 4, 5).reshape(n * p * q, R * S * c)
+    return rows, (n, p, q)
+
+
+def _patch_image(rows: torch.Tensor, n: int, p: int, q: int, R: int, S: int, H: int, W: int) -> torch.Tensor:
+    """_patch_rows backwards: rows [N*P*Q, R*S*C] back into an image [N, H, W, C], zero where no
+    patch reaches."""
+    c = rows.shape[1] // (R * S)
+    img = rows.view(n, p, q, R, S, c).permute(0, 1, 3, 2, 4, 5).reshape(n, p * R, q * S, c)
+    if (p * R, q * S) == (H, W):
+        return img
+    out = img.new_zeros((n, H, W, c))
+    out[:, : p * R, : q * S] = img
+    return out
 
 
 def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> torch.Tensor:
@@ -83,6 +132,11 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
         stride,
         padding,
     )
+    if x.dtype is _F32:
+        raw += _fp32("conv")
+    entry = _wgrad.memo.get(raw)
+    if entry is not None and not entry.provisional:
+        return entry.run(x, grad_out, R, S, stride, padding)
     fast = _wgrad.as_matmul.get(raw)
     if fast is not None:
         gw = fast(grad_out, x)
@@ -95,7 +149,11 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
         co = grad_out.shape[3]
         if grad_out.shape[:3] == x.shape[:3] and x.is_contiguous() and grad_out.is_contiguous():  # else the checks
             return _as_matmul(_wgrad, raw, grad_out.view(n * h * wd, co).t(), x.view(n * h * wd, ci), (co, 1, 1, ci))
-    entry = _wgrad.memo.get(raw)
+    if type(R) is int and type(S) is int and grad_out.dim() == 4 and _patch_conv(x, R, S, x.shape[-1], stride, padding):
+        rows, (n, p, q) = _patch_rows(x, R, S)
+        if grad_out.shape[:3] == (n, p, q) and grad_out.dtype == x.dtype:  # else the wgrad's checks
+            co = grad_out.shape[3]
+            return matmul(grad_out.reshape(n * p * q, co).t(), rows).view(co, R, S, x.shape[3])
     if entry is None or entry.provisional:
         entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
     return entry.run(x, grad_out, R, S, stride, padding)
@@ -110,7 +168,10 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
         stride, padding = _hashable(stride), _hashable(padding)
     grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
     raw = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, w.shape, w.stride(), w.dtype, w.device)
-    raw += (H, W, stride, padding)
+    raw += (H, W, stride, padding) + (_fp32("conv") if w.dtype is _F32 else ())
+    entry = _dgrad.memo.get(raw)
+    if entry is not None and not entry.provisional:
+        return entry.run(grad_out, w, H, W, stride, padding)
     fast = _dgrad.as_matmul.get(raw)
     if fast is not None:
         gx = fast(grad_out, w)
@@ -120,10 +181,26 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
         n, p, q, co = grad_out.shape
         if (p, q) == (H, W) and w.shape[0] == co:  # else the dgrad's checks say what is wrong
             return _as_matmul(_dgrad, raw, grad_out.view(n * p * q, co), w.view(co, w.shape[3]), (n, p, q, w.shape[3]))
-    entry = _dgrad.memo.get(raw)
+    if _patch_dgrad(grad_out, w, H, W, stride, padding):
+        n, p, q, co = grad_out.shape
+        rows = matmul(grad_out.view(n * p * q, co), w.view(co, -1))
+        return _patch_image(rows, n, p, q, w.shape[1], w.shape[2], H, W)
     if entry is None or entry.provisional:
         entry = _dgrad.resolve(raw, (grad_out, w, H, W, stride, padding), grad_out)
     return entry.run(grad_out, w, H, W, stride, padding)
+
+
+def _patch_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H, W, stride, padding) -> bool:
+    """A patch embedding's dgrad whose arguments agree (else the dgrad's checks say what is wrong)."""
+    if grad_out.dim() != 4 or w.dim() != 4 or not (isinstance(H, int) and isinstance(W, int)):
+        return False
+    R, S = w.shape[1], w.shape[2]
+    return (
+        patches(R, S, stride, padding)
+        and grad_out.shape[1:] == (H // R, W // S, w.shape[0])
+        and grad_out.dtype == w.dtype
+        and grad_out.device == w.device
+    )
 
 
 def _hashable(v):

@@ -28,6 +28,7 @@ from typing import Any
 
 from tunecache.shapes import shape_text
 from tunecache.store import ConfigRecord, JobRecord, Store, utcnow
+from tunecache_kernels.spaces import is_vendor
 
 PLOT_CACHE_S = 10.0
 MAX_CONFIGS = 2000  # configs read for the plots and the summary
@@ -694,6 +695,12 @@ def _summary(groups: list[Group]) -> str:
     )
 
 
+def _config_cell(config: dict, text: str) -> str:
+    if is_vendor(config):  # torch's own op (cuBLAS / cuDNN) won the tune
+        return f'<code title="{e(text)}">vendor (cuBLAS / cuDNN)</code>'
+    return f'<code title="{e(text)}">{e(text)}</code>'
+
+
 def _configs(configs: list[ConfigRecord], total: int) -> str:
     rows = []
     for r in configs[:MAX_CONFIG_ROWS]:
@@ -715,7 +722,7 @@ def _configs(configs: list[ConfigRecord], total: int) -> str:
                 str(r.candidates),
                 e(r.source),
                 _when(r.tuned_at)[:16],
-                f'<code title="{e(cfg)}">{e(cfg)}</code>',
+                _config_cell(r.config, cfg),
             ]
         )
     note = f'<p class="note">the first {len(rows)} of {total}</p>' if total > len(rows) else ""

@@ -19,9 +19,10 @@ from tunecache import settings
 from tunecache.backends import kernel_version
 from tunecache.key import DeviceClass, TuneKey, triton_version
 from tunecache.store.records import ConfigRecord, TrialRecord, whoami
-from tunecache.tuning.accuracy import TOLERANCE
+from tunecache.tuning.accuracy import tolerance
 from tunecache.tuning.binaries import Binary
 from tunecache.tuning.timing import QUICK_REP_MS, QUICK_WARMUP_MS, SETTLE_REP_MS, SETTLE_WARMUP_MS, leaders, settle
+from tunecache_kernels.spaces import VENDOR, is_vendor
 
 log = logging.getLogger("tunecache.tuning.tuner")
 
@@ -118,6 +119,10 @@ def tune(
         # the untuned default always competes, so a tuned entry is never slower than no tuning
         if default not in candidates and mod.prune([default], problem, device):
             candidates.append(default)
+    # on a GPU the vendor's op competes too (timed beside the settled leaders): a tuned call is
+    # never slower than torch's; not on the CPU interpreter (it measures correctness, not speed),
+    # nor where a caller gives the candidates (the kernels' own standing)
+    vendor_competes = on_gpu and configs is None and settings.vendor_competes()
     if not candidates:
         raise TuneError(f"{mod.KERNEL}: every config of its space was pruned for {problem} on {device}")
     trials: list[TrialRecord] = []
@@ -125,7 +130,7 @@ def tune(
         progress("start", 0, len(candidates), None)
     timeline = Timeline(t0)
     mark = timeline.mark
-    runner = Trials(mod, problem, key, torch_device, TOLERANCE[problem.get("dtype", "float32")], mark)
+    runner = Trials(mod, problem, key, torch_device, tolerance(problem), mark)
     runner.prewarm()  # the runner makes its inputs while the candidates compile
     if on_gpu and hasattr(mod, "compile_specs"):
         from tunecache.tuning.compile_pool import prebuild_launch_utils
@@ -186,7 +191,10 @@ def tune(
     default_ms = next((t.median_ms for t in ok if t.config == default), None)
     vendor_ms = runner.vendor_ms(SETTLE_TIMING if on_gpu else {"cpu_reps": 3})
     mark("vendor")
-    winner_binaries = runner.binaries(best.config) if on_gpu else []
+    if vendor_competes and vendor_ms is not None and vendor_ms < best.median_ms:
+        best = TrialRecord(VENDOR, "ok", median_ms=vendor_ms)  # torch's own op is faster here: it wins
+        trials.append(best)
+    winner_binaries = runner.binaries(best.config) if on_gpu and not is_vendor(best.config) else []
     mark("binaries")
     timeline.update({f"runner_{stage}_s": s for stage, s in runner.setup_seconds.items()})
     timeline["runner_forked"] = int(runner.worker.forked)  # from the host's runner server

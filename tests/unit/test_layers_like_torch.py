@@ -1,0 +1,123 @@
+"""Layers never slower than torch's, and computing what torch's compute (issue 39):
+
+- float32 follows torch's precision settings: `torch.backends.cuda.matmul.allow_tf32` (what
+  `torch.set_float32_matmul_precision` sets) for matmuls, `torch.backends.cudnn.allow_tf32` for
+  convolutions; the precision is part of the key, and the kernel's dot is told it.
+- the vendor's op (cuBLAS / cuDNN, as torch calls them) is a config of every space: a stored
+  vendor winner runs torch's op.
+- a patch embedding (filter = stride, no padding) runs as the matmul it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tunecache import ops, shapes
+from tunecache.store import default_store
+from tunecache_kernels import portable_rules, problems
+from tunecache_kernels.spaces import VENDOR, space_for
+
+
+@pytest.fixture
+def tf32_settings():
+    """torch's TF32 switches, restored after the test."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _memo_problems(op: str) -> list[dict]:
+    return [e.problem for e in ops.OP_LAUNCHERS[op].memo.values()]
+
+
+def test_fp32_matmul_is_ieee_by_default_and_tf32_only_when_torch_allows_it(db_url, tf32_settings):
+    a, b = torch.randn(96, 160, dtype=torch.float64), torch.randn(160, 48, dtype=torch.float64)
+    exact = a @ b
+    torch.set_float32_matmul_precision("highest")
+    c = ops.matmul(a.float(), b.float())
+    assert ((c.double() - exact).norm() / exact.norm()).item() <= 1e-5, "IEEE fp32: within 1e-5 of float64"
+    torch.set_float32_matmul_precision("high")
+    ops.matmul(a.float(), b.float())
+    precisions = sorted(p["precision"] for p in _memo_problems("matmul"))
+    assert precisions == ["ieee", "tf32"], "one key per precision: a tf32 winner never runs an ieee call"
+    digests = {r.key.problem.get("precision") for r in default_store().list_configs()}
+    assert digests == {"ieee", "tf32"}
+
+
+def test_the_dot_is_told_the_precision(tf32_settings):
+    config = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}
+    a32, a16 = torch.randn(4, 4), torch.randn(4, 4).half()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    assert portable_rules.launch_options(config, a32, "matmul")["INPUT_PRECISION"] == "ieee"
+    assert portable_rules.launch_options(config, a32, "conv")["INPUT_PRECISION"] == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = False
+    assert portable_rules.launch_options(config, a32, "matmul")["INPUT_PRECISION"] == "tf32"
+    assert portable_rules.launch_options(config, a32, "conv")["INPUT_PRECISION"] == "ieee"
+    assert portable_rules.launch_options(config, a16, "matmul")["INPUT_PRECISION"] == "tf32"  # unused for halves
+
+
+def test_conv_precision_follows_cudnn_allow_tf32(tf32_settings):
+    x, w = torch.randn(1, 6, 6, 4), torch.randn(8, 3, 3, 4)
+    torch.backends.cudnn.allow_tf32 = True
+    assert problems.conv2d_fprop_problem(x, w, 1, 1)["precision"] == "tf32"
+    torch.backends.cudnn.allow_tf32 = False
+    assert problems.conv2d_fprop_problem(x, w, 1, 1)["precision"] == "ieee"
+    assert "precision" not in problems.conv2d_fprop_problem(x.half(), w.half(), 1, 1), "halves keep their keys"
+
+
+def test_a_typed_shape_names_its_precision():
+    p = shapes.canonical_problem("matmul", {"M": 8, "N": 8, "K": 8, "dtype": "float32"})
+    assert p["precision"] == "ieee", "as torch's matmuls by default"
+    p = shapes.canonical_problem("matmul", {"M": 8, "N": 8, "K": 8, "dtype": "float32", "precision": "tf32"})
+    assert p["precision"] == "tf32" and shapes.shape_text(p) == "8x8x8 f32/tf32"
+    with pytest.raises(ValueError, match="precision is a float32 shape's"):
+        shapes.canonical_problem("matmul", {"M": 8, "N": 8, "K": 8, "dtype": "bfloat16", "precision": "tf32"})
+    with pytest.raises(ValueError, match="precision must be one of ieee, tf32"):
+        shapes.canonical_problem("matmul", {"M": 8, "N": 8, "K": 8, "dtype": "float32", "precision": "fp64"})
+
+
+def test_the_vendor_is_a_config_of_every_op_space():
+    for kernel in ("matmul.hopper", "conv2d_fprop.portable", "conv2d_wgrad.blackwell", "conv2d_dgrad.hopper"):
+        space_for(kernel).check(VENDOR)
+        assert VENDOR not in list(space_for(kernel)), "it is timed as the vendor, not as a grid point"
+    for bad in ({"vendor": False}, {"vendor": True, "BLOCK_M": 64}, {"vendor": 1}):
+        with pytest.raises(ValueError):
+            space_for("matmul.hopper").check(bad)
+
+
+def test_a_stored_vendor_winner_runs_torchs_op(db_url):
+    from tunecache import backends
+    from tunecache.key import interpreter_device
+    from tunecache.store.records import ConfigRecord
+    from tunecache.tuning.tuner import make_key
+
+    a, b = torch.randn(40, 24), torch.randn(24, 36)
+    dev = interpreter_device()
+    p = problems.matmul_problem(a, b)
+    (mod,) = backends.backends_for("matmul", dev, p)[:1]
+    rec = ConfigRecord(key=make_key(mod, p, dev), config=dict(VENDOR), median_ms=0.01, tflops=None, candidates=5)
+    default_store().put_config(rec, [])
+    torch.testing.assert_close(ops.matmul(a, b), a @ b)
+    (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
+    assert entry.config == VENDOR and entry.run == mod.reference
+    assert default_store().counts()["trials"] == 0, "nothing was tuned"
+
+
+@pytest.mark.parametrize("hw", [(8, 12), (9, 14)])  # whole patches, and a border no patch reaches
+def test_a_patch_embedding_runs_as_the_matmul_it_is(db_url, hw):
+    torch.manual_seed(0)
+    H, W = hw
+    x, w = torch.randn(2, H, W, 3), torch.randn(5, 4, 4, 3)
+    y = ops.conv2d_fprop(x, w, 4, 0)
+    torch.testing.assert_close(y, problems.conv2d_fprop_reference(x, w, 4, 0), rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    gw = ops.conv2d_wgrad(x, g, 4, 4, 4, 0)
+    torch.testing.assert_close(gw, problems.conv2d_wgrad_reference(x, g, 4, 4, 4, 0), rtol=1e-5, atol=1e-5)
+    gx = ops.conv2d_dgrad(g, w, H, W, 4, 0)
+    torch.testing.assert_close(gx, problems.conv2d_dgrad_reference(g, w, H, W, 4, 0), rtol=1e-5, atol=1e-5)
+    tuned = {op: len(o.memo) for op, o in ops.OP_LAUNCHERS.items()}
+    assert tuned["conv2d_fprop"] == tuned["conv2d_wgrad"] == tuned["conv2d_dgrad"] == 0, tuned
+    assert tuned["matmul"] == 3, "fprop, wgrad and dgrad each one matmul"
