@@ -100,6 +100,11 @@ def _device_class(device: str | None, gpu: int = 0):
         _fail(f"--device: {e}" if device else str(e))
 
 
+def _fit(text: str, width: int) -> str:
+    """`text` cut to `width` characters, the cut shown."""
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def parse_sizes(text: str, option: str) -> tuple[int, ...]:
     """'3,224,224' (or '3x224x224') -> (3, 224, 224); a part that is not a size is named."""
     example = "give one sample's shape as sizes separated by commas, e.g. 3,224,224 (an image) or 2048 (a sequence)"
@@ -641,11 +646,12 @@ def worker(
     for noisy in ("alembic", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from tunecache.fleet.client import Refused
+    from tunecache.fleet.protocol import FleetError
     from tunecache.fleet.worker import run_worker
 
     try:
         outcomes = run_worker(gpu, lease_s=lease_s, poll_s=poll_s, burst=burst, source=source, max_jobs=max_jobs)
-    except (ValueError, Refused) as e:
+    except (ValueError, Refused, FleetError) as e:
         _fail(str(e))
     counts: dict[str, int] = {}
     for o in outcomes:
@@ -1147,10 +1153,12 @@ def jobs_ls(
     device: Optional[str] = typer.Option(None, help="only this device class, e.g. sm_90:132 or cpu:0"),
     limit: int = typer.Option(1000, min=1, max=10000, help="at most this many jobs (oldest first)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per job"),
+    wide: bool = typer.Option(False, "--wide", help="every column in full (owner, times, the whole error)"),
     db_url: Optional[str] = typer.Option(None, help=_DB_URL_HELP),
 ) -> None:
     """List jobs: status, attempts, lease holder and until when, when a queued one may run, the
-    last error. Quarantined jobs are rows that cannot be read (see their error)."""
+    last error (fits 80 columns; --wide or --json for everything). Quarantined jobs are rows that
+    cannot be read (see their error)."""
     from tunecache.errors import last_line
     from tunecache.fleet.protocol import FleetError
     from tunecache.key import DeviceClass
@@ -1190,24 +1198,49 @@ def jobs_ls(
                 + "\n"
             )
         return
+    if not wide:
+        console.print(_fit(f"{'digest':<12}  {'status':<11} {'tries':<5} {'device':<10} kernel", 80), style="bold")
     table = Table(
-        "digest", "status", "kernel", "device", "problem", "attempts", "owner", "until / not before (UTC)", "last error"
+        "digest",
+        "status",
+        "kernel",
+        "device",
+        "problem",
+        "attempts",
+        "owner",
+        "until / not before (UTC)",
+        "last error",
     )
     for j in jobs:
         when = j.lease_expires_at if j.status == "running" else j.not_before if j.status == "queued" else None
-        error = j.unreadable or (j.last_error or "")
-        table.add_row(
-            j.digest[:12],
-            j.status,
-            j.key.kernel,
-            f"{j.key.arch}:{j.key.sm_count}",
-            shape_text(dict(j.key.problem)),
-            f"{j.attempts}/{j.max_attempts}",
-            j.lease_owner or "",
-            str(when or "")[:19],
-            last_line(error),
+        error = last_line(j.unreadable or (j.last_error or ""))
+        device, shape = f"{j.key.arch}:{j.key.sm_count}", shape_text(dict(j.key.problem))
+        tries = f"{j.attempts}/{j.max_attempts}"
+        if wide:
+            table.add_row(
+                j.digest[:12],
+                j.status,
+                j.key.kernel,
+                device,
+                shape,
+                tries,
+                j.lease_owner or "",
+                str(when or "")[:19],
+                error,
+            )
+            continue
+        # 80 columns, two lines a job: what it is, then its shape and what it waits for
+        note = (
+            f"until {when:%H:%M:%S} UTC, held by {j.lease_owner}"
+            if j.status == "running" and when
+            else f"not before {when:%H:%M:%S} UTC"
+            if j.status == "queued" and when and (j.created_at is None or when > j.created_at)
+            else error
         )
-    console.print(table)
+        console.print(_fit(f"{j.digest[:12]}  {j.status:<11} {tries:<5} {device:<10} {j.key.kernel}", 80))
+        console.print(_fit(f"{'':14}{shape}" + (f" · {note}" if note else ""), 80), style="dim")
+    if wide:
+        Console(width=max(console.width, 240)).print(table)
     counts: dict[str, int] = {}
     for j in jobs:
         counts[j.status] = counts.get(j.status, 0) + 1

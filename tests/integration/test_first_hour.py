@@ -197,3 +197,56 @@ def test_the_postgres_tests_run_on_a_server_without_the_test_database():
         env={**os.environ, "TUNECACHE_TEST_PG_URL": missing, "TUNECACHE_TEST_REQUIRE_PG": "1"},
     )
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---- row 10: a test run ends quietly, `jobs ls` fits 80 columns, a burst worker gives up -------
+
+
+def test_a_test_run_ends_without_nanobind_noise():
+    from support import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["tests/integration/test_compile_matches_launch.py", "-k", "matmul.hopper"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "nanobind" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_jobs_ls_fits_80_columns(db_url):
+    from tunecache.key import TuneKey
+    from tunecache.store import Store
+
+    store = Store(db_url)
+    conv = {"N": 128, "H": 56, "W": 56, "Ci": 64, "Co": 256, "R": 3, "S": 3, "stride": 1, "padding": 1}
+    store.enqueue(TuneKey("conv2d_wgrad.blackwell", "v1", "3.9.0", "sm_100", 148, {**conv, "dtype": "bfloat16"}))
+    mm = {"M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16", "a_layout": "row", "b_layout": "row"}
+    job = store.enqueue(TuneKey("matmul.hopper", "v1", "3.9.0", "sm_90", 132, mm))
+    store.claim_job("gpu-node-17.cluster.example:4711:gpu0", "sm_90", 132, 60)
+    listing = tc("jobs", "ls", COLUMNS="80")
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), listing.stdout
+    assert any(ln.startswith(job.digest[:12]) and "running" in ln and "sm_90:132" in ln for ln in lines), listing.stdout
+    assert "conv2d_wgrad.blackwell" in listing.stdout and "N128 56x56 64>256 3x3/s1p1 bf16" in listing.stdout
+    assert "held by gpu-node-17" in listing.stdout and "2 job(s) in" in listing.stdout
+    wide = tc("jobs", "ls", "--wide", COLUMNS="80")
+    assert "gpu-node-17.cluster.example:4711:gpu0" in wide.stdout and "attempts" in wide.stdout
+
+
+def test_a_burst_worker_stops_when_the_fleet_cannot_be_reached(db_url):
+    proc = tc(
+        "worker",
+        "--burst",
+        "--poll-s",
+        "0.1",
+        timeout=120,
+        TUNECACHE_SERVER_URL="http://127.0.0.1:9",
+        TUNECACHE_TOKEN="tc_x",  # the discard port: nothing listens
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: http://127.0.0.1:9 could not be reached" in proc.stderr and "--burst worker" in proc.stderr

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from tunecache.errors import last_line, short
 from tunecache.fleet import default_fleet
-from tunecache.fleet.protocol import REFUSED, ClaimedJob, Fleet
+from tunecache.fleet.protocol import REFUSED, ClaimedJob, Fleet, FleetError
 from tunecache.key import DeviceClass, interpreter_device, interpreting
 from tunecache.shapes import OPS
 from tunecache.store.process import default_store
@@ -116,6 +116,10 @@ class Outcome:
     detail: str = ""
 
 
+# a --burst worker stops, with an error, after this many polls in a row that reach no queue
+BURST_UNREACHABLE_POLLS = 3
+
+
 class Worker:
     def __init__(
         self,
@@ -165,14 +169,23 @@ class Worker:
 
             runner = runner_for(self.torch_device)
             runner.in_background(lambda: runner.warm_up(self.torch_device))
+        unreachable = 0  # polls in a row that could not tell whether the queue is empty
         while not self._stop.is_set() and (max_jobs is None or len(self.outcomes) < max_jobs):
             job = None
             try:
                 with signals_deferred():  # a signal during a claim must not lose the claimed job
                     job = self.queue.claim(self.owner, self.device, self.lease_s, self.versions, self.triton_version)
                 if job is None:
-                    if self.burst and self.queue.active(self.device) == 0:
+                    active = self.queue.active(self.device) if self.burst else None
+                    if self.burst and active == 0:
                         break
+                    unreachable = unreachable + 1 if self.burst and active is None else 0
+                    if unreachable >= BURST_UNREACHABLE_POLLS:  # a burst must end: it cannot see the queue
+                        raise FleetError(
+                            f"{self.queue.where} could not be reached ({unreachable} tries, see the warnings "
+                            "above): a --burst worker cannot tell whether its queue is empty, so it stops. "
+                            "Check TUNECACHE_SERVER_URL (`tunecache doctor`)"
+                        )
                     self._stop.wait(self.poll_s * random.uniform(0.75, 1.25))
                     continue
                 self.outcomes.append(self.process(job))
