@@ -75,12 +75,19 @@ def backends_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: 
     return mods
 
 
-def backend_for(op: str, device: DeviceClass, problem: dict[str, Any], forced: str | None = None) -> ModuleType:
-    """The preferred backend that supports this problem on this device class."""
+def backend_for(
+    op: str,
+    device: DeviceClass,
+    problem: dict[str, Any],
+    forced: str | None = None,
+    forced_by: str = "TUNECACHE_BACKEND",
+) -> ModuleType:
+    """The preferred backend that supports this problem on this device class (`forced`: that
+    one, as `forced_by` asked for it: the variable, or a command's option)."""
     if forced:
         mod = backend_module(op, forced)
         if not mod.supports(problem, device):
-            raise ValueError(f"backend {forced!r} (TUNECACHE_BACKEND) does not support {op} {problem} on {device}")
+            raise ValueError(f"backend {forced!r} ({forced_by}) does not support {op} {problem} on {device}")
         return mod
     for name in BACKENDS_BY_OP[op]:
         mod = _load(op, name) if may_run_on(name, device.capability) else None

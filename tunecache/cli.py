@@ -100,6 +100,18 @@ def _device_class(device: str | None, gpu: int = 0):
         _fail(f"--device: {e}" if device else str(e))
 
 
+def _backend(op: str, device, problem: dict, backend: str | None):
+    """The kernel backend a command runs: --backend, else TUNECACHE_BACKEND, else the device's
+    preferred one; an error names whichever of the two asked for it."""
+    from tunecache import backends, settings
+
+    forced, by = (backend, "--backend") if backend else (settings.backend_override(), "TUNECACHE_BACKEND")
+    try:
+        return backends.backend_for(op, device, problem, forced, forced_by=by)
+    except (KeyError, ValueError) as e:
+        _fail(str(e))
+
+
 def _fit(text: str, width: int) -> str:
     """`text` cut to `width` characters, the cut shown."""
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -136,7 +148,6 @@ def tune(
     is published to it, as a library call does."""
     from rich.progress import Progress
 
-    from tunecache import backends, settings
     from tunecache.key import local_device, torch_device_for
     from tunecache.tuning.tuner import TuneError, make_key
     from tunecache.tuning.tuner import tune as run_tune
@@ -146,10 +157,7 @@ def tune(
     except (ValueError, TypeError) as e:
         _fail(str(e))
     device = local_device(gpu)
-    try:
-        mod = backends.backend_for(op, device, p, backend or settings.backend_override())
-    except (KeyError, ValueError) as e:
-        _fail(str(e))
+    mod = _backend(op, device, p, backend)
     from tunecache.cache.config_cache import CACHE
     from tunecache.ops.launcher import launchable
 
@@ -882,16 +890,14 @@ def key(
     the canonical problem and its digest, as JSON. The whole JSON is a body `POST /v1/lookup`
     (and `POST /v1/jobs`) takes; its digest is what `tunecache show` and the fleet's
     `GET /v1/configs/{digest}` take."""
-    from tunecache import backends
     from tunecache.tuning.tuner import make_key
 
     dev = _device_class(device)
     try:
         p = canonical_problem(op, parse_problem(problem))
-        mod = backends.backend_for(op, dev, p, backend)
-        k = make_key(mod, p, dev)
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         _fail(str(e))
+    k = make_key(_backend(op, dev, p, backend), p, dev)
     console.print_json(json.dumps({**k.fields(), "digest": k.digest}))
 
 

@@ -43,6 +43,12 @@ def _dir(*parts: str) -> Path:
     return d
 
 
+def lock_file(name: str, *parts: str) -> Path:
+    """The path of a lock file `name` in TUNECACHE_LOCK_DIR (under the folders `parts`), made
+    there: the one place where the processes of a host meet, so none is left beside user files."""
+    return _dir(*parts) / name
+
+
 def _lock(path: Path):
     from filelock import FileLock
 

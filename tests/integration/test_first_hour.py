@@ -250,3 +250,36 @@ def test_a_burst_worker_stops_when_the_fleet_cannot_be_reached(db_url):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: http://127.0.0.1:9 could not be reached" in proc.stderr and "--burst worker" in proc.stderr
+
+
+# ---- row 8: a store URL typed wrong is named, with the fix; nothing is left beside a store ----
+
+
+def test_a_store_url_typed_wrong_says_how_to_fix_it(tmp_path):
+    typo = tmp_path / "stroes"
+    missing = tc("ls", TUNECACHE_DB_URL=f"sqlite:///{typo / 'store.sqlite'}")
+    assert missing.returncode == 2 and f"the store directory {typo} does not exist" in missing.stderr
+    assert f"mkdir -p {typo}" in missing.stderr and not typo.exists(), missing.stderr
+    pg = tc("ls", TUNECACHE_DB_URL="postgres://postgres@127.0.0.1:5432/test")
+    assert pg.returncode == 2 and "postgresql+psycopg://postgres@127.0.0.1:5432/test" in pg.stderr, pg.stderr
+    (tmp_path / "stores").mkdir()
+    fresh = tc("ls", TUNECACHE_DB_URL=f"sqlite:///{tmp_path / 'stores' / 'store.sqlite'}")
+    assert fresh.returncode == 0 and "0 config(s)" in fresh.stdout, fresh.stderr
+    assert sorted(p.name for p in (tmp_path / "stores").iterdir()) == ["store.sqlite"]
+
+
+def test_a_backend_given_on_the_command_line_is_blamed_by_its_option(db_url):
+    shape = "M=64,N=64,K=64,dtype=float32"  # the Hopper backend takes no float32 on the CPU interpreter
+    for args in (("key", "matmul", "-p", shape), ("tune", "matmul", "-p", shape)):
+        proc = tc(*args, "--backend", "hopper")
+        assert proc.returncode == 2 and "backend 'hopper' (--backend) does not support" in proc.stderr, proc.stderr
+    by_env = tc("key", "matmul", "-p", shape, TUNECACHE_BACKEND="hopper")
+    assert by_env.returncode == 2 and "(TUNECACHE_BACKEND)" in by_env.stderr, by_env.stderr
+
+
+def test_the_readme_says_own_kernels_need_the_interpreter_on_a_cpu():
+    from support import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    own = readme[readme.index("## Your own Triton kernels") :].split("\n## ")[0]
+    assert "TRITON_INTERPRET=1" in own

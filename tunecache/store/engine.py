@@ -58,6 +58,14 @@ def sqlite_url(path: str | os.PathLike, **params: str) -> str:
     return f"sqlite:///file:{quote(quote(os.path.abspath(path)))}?{query}"
 
 
+def _url_hint(u) -> str:
+    """What to write instead of a Postgres URL SQLAlchemy cannot open as it stands."""
+    if u.drivername in ("postgres", "postgresql", "postgresql+psycopg2"):
+        fixed = u.set(drivername="postgresql+psycopg").render_as_string(hide_password=True)
+        return f"; for Postgres write postgresql+psycopg://... (the psycopg 3 driver tunecache installs): {fixed}"
+    return ""
+
+
 def make_engine(url: str, *, writable: bool = True) -> Engine:
     try:
         u = make_url(url)
@@ -69,6 +77,13 @@ def make_engine(url: str, *, writable: bool = True) -> Engine:
         file = sqlite_path(url)
         if file is not None and writable:
             path = file.expanduser()
+            own = not settings.db_url_given() and url == settings.db_url()  # this host's, in the user cache dir
+            if not own and not path.parent.is_dir():
+                # a URL someone typed: a directory that is not there is likelier a typo than a wish
+                raise StoreError(
+                    f"the store directory {path.parent} does not exist ({url}): create it "
+                    f"(mkdir -p {path.parent}) or correct the URL (TUNECACHE_DB_URL, --db-url)"
+                )
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -116,7 +131,7 @@ def make_engine(url: str, *, writable: bool = True) -> Engine:
     try:
         return create_engine(url, **kwargs)
     except (ImportError, ArgumentError) as e:
-        raise StoreError(f"cannot open store URL {url!r} (TUNECACHE_DB_URL): {e}") from None
+        raise StoreError(f"cannot open store URL {url!r} (TUNECACHE_DB_URL): {e}{_url_hint(u)}") from None
 
 
 def dialect_insert(session: Session):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import os
 from pathlib import Path
 
 from sqlalchemy import inspect, text
@@ -42,11 +44,16 @@ def current_revision(engine: Engine) -> str | None:
 @contextlib.contextmanager
 def store_file_lock(db: str | Path | None):
     """Serialise first-open work on one SQLite file across processes: migrations, and the
-    recovery of a corrupt file (tunecache.store.local), never at the same time."""
+    recovery of a corrupt file (tunecache.store.local), never at the same time. The lock file
+    lives in TUNECACHE_LOCK_DIR, named for the store's absolute path: nothing is left beside it."""
     if not db or str(db) == ":memory:":
         yield
         return
-    with open(f"{db}.migrate-lock", "a") as f:
+    from tunecache.locks import lock_file
+
+    where = os.path.abspath(os.fspath(Path(db).expanduser()))
+    name = f"{hashlib.sha256(where.encode()).hexdigest()[:16]}-{Path(where).name[:60]}.migrate-lock"
+    with open(lock_file(name, "stores"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -58,7 +65,12 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     from alembic import command
 
     cfg = alembic_config()
-    lock = store_file_lock(engine.url.database) if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+    if engine.dialect.name == "sqlite":
+        from tunecache.store.engine import sqlite_path
+
+        lock = store_file_lock(sqlite_path(engine.url.render_as_string(hide_password=False)))
+    else:
+        lock = contextlib.nullcontext()
     with lock, engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             # one migrator at a time across the fleet
