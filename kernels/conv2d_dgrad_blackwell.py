@@ -28,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout,
     allocate_tensor_memory,
     mbarrier,
-    tcgen05_commit,
     tma,
 )
 
@@ -43,7 +42,7 @@ from .gluon_blackwell import (
     epilogue_width,
     grouped_tile,
     likeliest_first,
-    mma_chain,
+    mma_into_next_acc,
     partial_epilogue,
     ring_slot,
     tma_store_epilogue,
@@ -179,18 +178,15 @@ def _mma_partition(
     """The MMA warp: each work item's k-steps (its phase's taps times Co's blocks, or its split's
     share of them) into the next free accumulator; B is w's own [BLOCK_K, BLOCK_N] tile,
     N-major, fed as it lies."""
-    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     tiles_per_phase = num_pid_m * num_pid_n
     use = 0
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         _, _, k_count = _work(work_id, tiles_per_phase, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K)
-        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
-        mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
-        use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_count, use, False, False)
-        tcgen05_commit(acc_ready.index(acc_slot))
-        acc_use += 1
+        use, acc_use = mma_into_next_acc(
+            a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, 0, k_count, use, acc_use, False, False
+        )
 
 
 @gluon.jit

@@ -57,7 +57,7 @@ from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
     likeliest_first,
-    mma_chain,
+    mma_into_next_acc,
     ring_slot,
     store_acc_masked,
 )
@@ -148,16 +148,13 @@ def _mma_partition(
 ):
     """The MMA warp: each piece's k-steps into the next free accumulator, grad_out's tile fed
     through a permuted view (M-major A)."""
-    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     use = 0
     acc_use = 0
     for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
         _, _, _, _, _, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
-        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
-        mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
-        use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_to - k_from, use, True, False)
-        tcgen05_commit(acc_ready.index(acc_slot))
-        acc_use += 1
+        use, acc_use = mma_into_next_acc(
+            a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, k_from, k_to, use, acc_use, True, False
+        )
 
 
 @gluon.jit

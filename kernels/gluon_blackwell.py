@@ -106,17 +106,42 @@ def mma_partition(
     """The MMA warp: for each work item, chain tcgen05 MMAs over its K range into the next
     free accumulator (mma_chain); a commit after the last one hands the accumulator to the
     epilogue."""
-    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     use = 0
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         _, _, k_count = split_k_range(work_id, tiles_per_split, total_k, k_per_split)
-        acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
-        mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
-        use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_count, use, A_TRANS, B_TRANS)
-        # arrives when every MMA issued so far, this tile's last one included, is complete
-        tcgen05_commit(acc_ready.index(acc_slot))
-        acc_use += 1
+        use, acc_use = mma_into_next_acc(
+            a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, 0, k_count, use, acc_use, A_TRANS, B_TRANS
+        )
+
+
+@gluon.jit
+def mma_into_next_acc(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    k_from,
+    k_to,
+    use,
+    acc_use,
+    A_TRANS: gl.constexpr,
+    B_TRANS: gl.constexpr,
+):
+    """One work item of an MMA warp: once the epilogue has freed the next accumulator of the
+    acc_tmem ring (acc_use-th), the MMAs of its k-steps [k_from, k_to) chained into it (mma_chain,
+    from ring use `use`), then a commit that hands it to the epilogue; returns the next
+    (use, acc_use)."""
+    NUM_ACC: gl.constexpr = acc_tmem.shape[0]
+    acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
+    mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)
+    use = mma_chain(a_bufs, b_bufs, ready, empty, acc_tmem.index(acc_slot), k_to - k_from, use, A_TRANS, B_TRANS)
+    # arrives when every MMA issued so far, this tile's last one included, is complete
+    tcgen05_commit(acc_ready.index(acc_slot))
+    return use, acc_use + 1
 
 
 @gluon.jit
