@@ -43,8 +43,8 @@ def _main(
 
 # Markup off: what is printed is the user's own text (shapes, manifests, configs, errors), in which
 # square brackets are data ("[[shape]]", "[x]=1", [64, 128]); style comes from Text, never markup.
-console = Console(markup=False)
-# and messages are not wrapped: a log keeps each on one line, as grep expects
+# Messages are not wrapped: a log keeps each on one line, as grep expects (tables fit the width).
+console = Console(markup=False, soft_wrap=True)
 err = Console(stderr=True, markup=False, soft_wrap=True)
 
 
@@ -110,6 +110,43 @@ def _backend(op: str, device, problem: dict, backend: str | None):
         return backends.backend_for(op, device, problem, forced, forced_by=by)
     except (KeyError, ValueError) as e:
         _fail(str(e))
+
+
+class Ticker:
+    """Progress where no terminal shows a bar (a log file, CI, a pipe): the latest state as a
+    plain line on stderr every TUNECACHE_PROGRESS_S seconds, from a thread, so a long quiet stage (compiles,
+    a slow candidate) still says it is alive. On a terminal it prints nothing: the bar shows it."""
+
+    def __init__(self) -> None:
+        import threading
+        import time
+
+        from tunecache.settings import progress_s
+
+        self.on = not err.is_terminal
+        self.every_s, self.text, self.t0 = progress_s(), "", time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tunecache-ticker")
+
+    def __enter__(self) -> "Ticker":
+        if self.on:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def update(self, text: str) -> None:
+        self.text = text
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.wait(self.every_s):
+            if self.text:
+                err.print(f"{self.text} ({time.monotonic() - self.t0:.0f} s)")
 
 
 def _fit(text: str, width: int) -> str:
@@ -180,8 +217,10 @@ def tune(
         TextColumn("left"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task(f"tuning {mod.KERNEL} on {device}", total=None, compiled="", best="best: —")
+    with Progress(*columns, console=err, transient=True) as bar, Ticker() as ticker:
+        what = f"tuning {mod.KERNEL} on {device}"
+        task = bar.add_task(what, total=None, compiled="", best="best: —")
+        ticker.update(f"{what}: starting")
         # the tuner calls back as candidates compile (Gluon kernels, in parallel before their
         # timing) and as they are timed; the bar counts the timed ones
         state = {"compiled": None, "best": None}
@@ -193,12 +232,11 @@ def tune(
                 bar.update(task, completed=i)
             if best_ms is not None:
                 state["best"] = best_ms
-            bar.update(
-                task,
-                total=n,
-                compiled="" if state["compiled"] is None else f" · {state['compiled']}/{n} compiled",
-                best="best: —" if state["best"] is None else f"best {state['best']:.4f} ms",
-            )
+            compiled = "" if state["compiled"] is None else f" · {state['compiled']}/{n} compiled"
+            best = "best: —" if state["best"] is None else f"best {state['best']:.4f} ms"
+            bar.update(task, total=n, compiled=compiled, best=best)
+            timed = bar.tasks[task].completed
+            ticker.update(f"{what}: {timed:.0f}/{n} timed{compiled} · {best}")
 
         try:
             result = run_tune(
@@ -710,27 +748,34 @@ def pretune(
         return
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    with Progress(
-        TextColumn("{task.description}", style="bold", markup=False),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("shapes · {task.fields[running]}"),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        console=err,
-    ) as bar:
+    with (
+        Progress(
+            TextColumn("{task.description}", style="bold", markup=False),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("shapes · {task.fields[running]}"),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+            console=err,
+        ) as bar,
+        Ticker() as ticker,
+    ):
         task = bar.add_task(f"pretune {m.name}", total=None, running="")
+        ticker.update(f"pretune {m.name}: planning")
 
         def on_plan(total, todo):
             bar.update(task, total=total, completed=total - todo)
+            ticker.update(f"pretune {m.name}: {total - todo}/{total} shapes done")
             if not todo:
                 bar.update(task, running="nothing to do")
 
         def on_progress(finished, n, statuses):
             counts = {s: sum(v == s for v in statuses.values()) for s in ("running", "queued", "failed")}
             running = ", ".join(f"{c} {s}" for s, c in counts.items() if c or s == "running")
-            bar.update(task, completed=bar.tasks[task].total - n + finished, running=running)
+            total = bar.tasks[task].total
+            bar.update(task, completed=total - n + finished, running=running)
+            ticker.update(f"pretune {m.name}: {total - n + finished}/{total} shapes done · {running}")
 
         try:
             report = run_pretune(
@@ -864,11 +909,21 @@ def compile_(
     from tunecache.tuning.compile import report_lines
     from tunecache.tuning.compile_pool import compile_space
 
-    try:
-        p = canonical_problem(op, parse_problem(problem)) if problem else None
-        reports = compile_space(op, backend, arch, p, all_configs=all_configs, workers=workers)
-    except (ValueError, TypeError, KeyError) as e:
-        _fail(str(e))
+    with Ticker() as ticker:
+        ticker.update(f"compiling {op}.{backend} for {arch}: starting")
+        try:
+            p = canonical_problem(op, parse_problem(problem)) if problem else None
+            reports = compile_space(
+                op,
+                backend,
+                arch,
+                p,
+                all_configs=all_configs,
+                workers=workers,
+                progress=lambda done, n: ticker.update(f"compiling {op}.{backend} for {arch}: {done}/{n} configs"),
+            )
+        except (ValueError, TypeError, KeyError) as e:
+            _fail(str(e))
     for line in report_lines(reports, kernel=f"{op}.{backend}"):
         sys.stdout.write(line + "\n")
 

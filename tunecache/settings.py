@@ -90,6 +90,12 @@ def candidate_timeout_s() -> float:
     return _seconds("TUNECACHE_CANDIDATE_TIMEOUT_S", 60.0)
 
 
+def progress_s() -> float:
+    """TUNECACHE_PROGRESS_S: how often a long command (tune, compile, pretune) whose stderr is not
+    a terminal (a log, CI) writes its progress as a plain line there; a terminal gets a bar."""
+    return _seconds("TUNECACHE_PROGRESS_S", 5.0)
+
+
 def tune_wait_s() -> float:
     """TUNECACHE_TUNE_WAIT_S: how long a process that misses a key another process of this host
     is tuning waits for that winner before it tunes the key itself."""

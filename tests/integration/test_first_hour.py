@@ -283,3 +283,22 @@ def test_the_readme_says_own_kernels_need_the_interpreter_on_a_cpu():
     readme = (ROOT / "README.md").read_text()
     own = readme[readme.index("## Your own Triton kernels") :].split("\n## ")[0]
     assert "TRITON_INTERPRET=1" in own
+
+
+# ---- row 6: a long command says how far it is in a log too ------------------------------------
+
+
+def test_tune_writes_progress_lines_to_a_log(db_url):
+    import re
+
+    proc = tc(
+        "tune",
+        "conv2d_fprop",
+        "-p",
+        "N=2,H=8,W=8,Ci=4,Co=8,R=3,S=3,padding=1,dtype=float32",
+        TUNECACHE_PROGRESS_S="0.3",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = re.findall(r"^tuning conv2d_fprop\.portable on cpu:0: .* \(\d+ s\)$", proc.stderr, re.M)
+    assert lines, proc.stderr  # stderr is a pipe here, as in a CI log: no bar, plain lines
+    assert "\x1b[" not in proc.stderr and "candidates (digest" in proc.stdout

@@ -201,9 +201,11 @@ def compile_space(
     workers: int | None = None,
     sm_count: int | None = None,
     cache_dir: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[ConfigReport]:
     """`tunecache compile`: the backend's candidates for the problem (its config_space after
-    prune) or, with all_configs, every config of its space, each marked with `pruned`."""
+    prune) or, with all_configs, every config of its space, each marked with `pruned`.
+    progress(done, total) is called as each config's compile ends."""
     from tunecache_kernels.spaces import space_for
 
     mod = backend_module(op, backend)
@@ -218,7 +220,12 @@ def compile_space(
     else:
         configs = mod.prune(mod.config_space(p, device), p, device)
     kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, p, device)}
-    reports = compile_configs(mod, p, configs, device, workers=workers, cache_dir=cache_dir)
+    done: dict[int, ConfigReport] = {}
+    for i, report in compile_configs_as_ready(mod, p, configs, device, workers=workers, cache_dir=cache_dir):
+        done[i] = report
+        if progress is not None:
+            progress(len(done), len(configs))
+    reports = [done[i] for i in range(len(configs))]
     for r in reports:
         r.pruned = json.dumps(r.config, sort_keys=True) not in kept
     return reports
