@@ -289,6 +289,60 @@ def job_ttl_s() -> float:
     return _env_number("TUNECACHE_JOB_TTL_S", JOB_TTL_S, float, 0, strict=True)
 
 
+# the service's edges and a token's footprint (docs/fleet.md, "Limits and retention")
+MAX_HEADER_BYTES = 64 << 10  # a request's line and headers; more is a 431 at once
+HEADER_TIMEOUT_S = 10.0  # a request's headers must be in within this (else 408, closed)
+CONNECTIONS_PER_ADDRESS = 256  # open connections one client address may hold per process
+MAX_CONNECTIONS = 4096  # open connections per process (more are answered 503)
+BYTES_PER_DAY = 128 << 20  # request bodies a token may send from one address in any 24 h
+TRIALS_PER_KEY = 2000  # trials kept per key, the newest
+RETENTION_S = 30 * 86400.0  # trials, submissions and finished jobs older than this are pruned
+
+
+def max_header_bytes() -> int:
+    """TUNECACHE_MAX_HEADER_BYTES: the largest request line and headers the service reads; a
+    request with more is answered 431 and closed before the rest is read."""
+    return int(_env_number("TUNECACHE_MAX_HEADER_BYTES", MAX_HEADER_BYTES, int, 1024, strict=False))
+
+
+def header_timeout_s() -> float:
+    """TUNECACHE_HEADER_TIMEOUT_S: how long a connection may take to send a request's headers
+    (from its opening, or from the end of its previous answer) before it is answered 408 and
+    closed."""
+    return _env_number("TUNECACHE_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S, float, 0, strict=True)
+
+
+def connections_per_address() -> int:
+    """TUNECACHE_CONNECTIONS_PER_ADDRESS: open connections one client address may hold in one
+    service process; one more is answered 429 and closed (behind a reverse proxy every client
+    is the proxy's address: raise it there)."""
+    return int(_env_number("TUNECACHE_CONNECTIONS_PER_ADDRESS", CONNECTIONS_PER_ADDRESS, int, 1, strict=False))
+
+
+def max_connections() -> int:
+    """TUNECACHE_MAX_CONNECTIONS: open connections (and requests) one service process holds at
+    once; past it uvicorn answers 503 (what bounds the process's memory)."""
+    return int(_env_number("TUNECACHE_MAX_CONNECTIONS", MAX_CONNECTIONS, int, 16, strict=False))
+
+
+def bytes_per_day() -> int:
+    """TUNECACHE_BYTES_PER_DAY: request-body bytes one token may send from one client address in
+    any 24 hours (429 with Retry-After past it; 0: no limit)."""
+    return int(_env_number("TUNECACHE_BYTES_PER_DAY", BYTES_PER_DAY, int, 0, strict=False))
+
+
+def trials_per_key() -> int:
+    """TUNECACHE_TRIALS_PER_KEY: trials the fleet's store keeps per key (the newest; older ones
+    are deleted as new ones come)."""
+    return int(_env_number("TUNECACHE_TRIALS_PER_KEY", TRIALS_PER_KEY, int, 1, strict=False))
+
+
+def retention_s() -> float:
+    """TUNECACHE_RETENTION_S: the service prunes trials, submissions and finished jobs older
+    than this, once an hour (as `tunecache db prune --older-than`; 0: never)."""
+    return _env_number("TUNECACHE_RETENTION_S", RETENTION_S, float, 0, strict=False)
+
+
 def metrics_address() -> tuple[str, int] | None:
     """TUNECACHE_METRICS_HOST and TUNECACHE_METRICS_PORT (`tunecache serve --metrics-port`):
     serve /metrics there instead of on the API's port; None when no port is set."""

@@ -221,9 +221,18 @@ def _send_slowly(url: str, head: bytes, pieces: list[bytes], gap_s: float, limit
     return answer, time.monotonic() - start
 
 
+def _auth(server) -> bytes:
+    """A publish token's header: without a token a body is refused (401) before it is read."""
+    return f"Authorization: Bearer {server.tokens['publish']}\r\n".encode()
+
+
 def test_a_slow_body_is_cut_off_with_408(tight):
-    head = b"POST /v1/configs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
-    # stalls after a few bytes, without a token: the deadline needs none
+    head = (
+        b"POST /v1/configs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n"
+        + _auth(tight)
+        + b"\r\n"
+    )
+    # stalls after a few bytes
     answer, took = _send_slowly(tight.url, head + b'{"kernel"', [], 0.1, 10)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"TUNECACHE_BODY_TIMEOUT_S" in answer and took < 5, took
@@ -233,14 +242,19 @@ def test_a_slow_body_is_cut_off_with_408(tight):
     # chunked, stalled mid-body
     chunked = (
         b"POST /v1/configs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\n'
+        + _auth(tight)
+        + b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\n'
     )
     answer, took = _send_slowly(tight.url, chunked, [], 0.1, 10)
     assert answer.startswith(b"HTTP/1.1 408") and took < 5, (answer[:200], took)
 
 
 def test_stalled_bodies_do_not_hold_the_service(tight):
-    head = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 999\r\n\r\n{"
+    head = (
+        b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 999\r\n"
+        + _auth(tight)
+        + b"\r\n{"
+    )
     answers: list[bytes] = []
 
     def stall():

@@ -176,7 +176,7 @@ class Worker:
                 with signals_deferred():  # a signal during a claim must not lose the claimed job
                     job = self.queue.claim(self.owner, self.device, self.lease_s, self.versions, self.triton_version)
                 if job is None:
-                    active = self.queue.active(self.device) if self.burst else None
+                    active = self._active_mine() if self.burst else None
                     if self.burst and active == 0:
                         break
                     unreachable = unreachable + 1 if self.burst and active is None else 0
@@ -197,6 +197,23 @@ class Worker:
                     self.queue.release(job)
                 raise
         return self.outcomes
+
+    def _active_mine(self) -> int | None:
+        """Queued or running jobs of this device class that this worker runs (its kernel at its
+        version, on its Triton), or None when the queue cannot be listed: `--burst` exits at 0,
+        so that jobs for kernels this host does not have (a user's kernel, other code) are not
+        waited for."""
+        try:
+            jobs = [*self.queue.jobs("queued", 1000, self.device), *self.queue.jobs("running", 1000, self.device)]
+        except Exception as e:  # unreachable, or refused: as active() answering None
+            log.debug("tunecache: worker cannot list the queue (%s)", e)
+            return None
+        return sum(
+            j.unreadable is None
+            and self.versions.get(j.key.kernel) == j.key.kernel_version
+            and j.key.triton_version == self.triton_version
+            for j in jobs
+        )
 
     def process(self, job: ClaimedJob) -> Outcome:
         from tunecache import backends

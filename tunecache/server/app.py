@@ -8,6 +8,7 @@ token; reads need one unless anonymous reads are switched on (TUNECACHE_ANONYMOU
 
 from __future__ import annotations
 
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tunecache import settings
 from tunecache.server import audit, best, configs, identity, jobs, system
 from tunecache.server.deps import TokenCache, known_query_only
+from tunecache.server.gate import TokenGate
 from tunecache.server.guards import BodyDeadline, BodyLimit, RateLimits
 from tunecache.server.lookups import LookupCache
 from tunecache.server.metrics import Metrics
@@ -63,7 +65,14 @@ def create_app(
         anyio.to_thread.current_default_thread_limiter().total_tokens = threads
         address = app.state.metrics_address
         metrics_server = None if address is None else app.state.metrics.serve(app.state.store, *address)
+        stop = threading.Event()
+        retention = settings.retention_s()
+        if retention > 0:
+            threading.Thread(
+                target=_prune_every, args=(app.state.store, retention, stop), name="tunecache-retention", daemon=True
+            ).start()
         yield
+        stop.set()
         if metrics_server is not None:
             metrics_server.shutdown()
         app.state.store.close()
@@ -127,7 +136,27 @@ def create_app(
     # outside BodyLimit, so that its reading of a chunked body is bounded in time too
     body_s = settings.body_timeout_s()
     app.add_middleware(BodyDeadline, timeout_s=body_s, import_timeout_s=max(body_s, 60.0))
+    # outermost: a request with a body is refused on its token before anything reads the body
+    app.add_middleware(TokenGate, state=app.state, max_body_bytes=limit)
     return app
+
+
+# the service prunes at most this often (TUNECACHE_RETENTION_S / 4 when that is shorter)
+PRUNE_EVERY_S = 3600.0
+
+
+def _prune_every(store: Store, retention_s: float, stop: threading.Event) -> None:
+    """Retention: trials, submissions and finished jobs older than `retention_s` are deleted
+    (Store.prune, as `tunecache db prune`), so that the database's size stays bounded."""
+    import logging
+    import random
+
+    every = min(PRUNE_EVERY_S, max(1.0, retention_s / 4))
+    while not stop.wait(every * random.uniform(0.9, 1.1)):  # replicas do not all prune at once
+        try:
+            store.prune(retention_s)
+        except Exception as e:  # the database away: the next round tries again
+            logging.getLogger("tunecache").warning("tunecache: retention prune failed: %s", e)
 
 
 def _plain(err: dict) -> dict:

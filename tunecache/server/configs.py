@@ -163,6 +163,7 @@ async def _answer(request: Request, digest: str, metrics: Metrics, missing: Call
     cached = lookups.answer(digest)
     if cached is None:
         cached = await run_in_threadpool(_read, store, lookups, digest)
+        metrics.lookup_reads.inc()
     body, generation = cached
     metrics.lookup(body is not None)
     headers = {GENERATION_HEADER: str(generation)}
@@ -218,12 +219,12 @@ async def generation(_: ReadToken, request: Request) -> GenerationOut:
     "the key is queued for re-timing (once per winner, like a submission that beats it): a "
     "worker tunes it although a winner exists, and its measurement decides. A report never "
     "removes a winner by itself; an admin may delete it.",
-    dependencies=[Depends(drops_lookups)],
 )
-def report(digest: DigestPath, body: ReportIn, token: PublishToken, store: StoreDep) -> ReportOut:
+def report(digest: DigestPath, body: ReportIn, token: PublishToken, request: Request, store: StoreDep) -> ReportOut:
     found, job = store.report(digest, dict(body.config), body.error, token.name)
     if not found:
         raise HTTPException(404, f"no tuned config with digest {digest}")
+    request.app.state.lookups.forget(digest)
     return ReportOut(recorded=True, job=None if job is None else job.status)
 
 
@@ -251,14 +252,14 @@ def list_configs(
     "make or replace a winner: when the key has none, or the result claims to beat it, "
     "the key is queued for a worker of its device class to tune (`status` says "
     "which). Provenance (`source`, `tuned_by`, `device_name`) is set from the token.",
-    dependencies=[Depends(drops_lookups)],
 )
-def publish(body: ConfigIn, token: PublishToken, store: StoreDep, metrics: MetricsDep) -> PublishOut:
+def publish(body: ConfigIn, token: PublishToken, request: Request, store: StoreDep, metrics: MetricsDep) -> PublishOut:
     source, given = provenance(token, body)
     rec = record_of(body, source, given)
     trials = [TrialRecord(config=t.config, status=t.status, median_ms=t.median_ms, error=t.error) for t in body.trials]
     if token.allows("worker"):
         kept, won, sid = store.publish(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)
+        request.app.state.lookups.forget(rec.digest)  # its key's answer only (a submission changes none)
         metrics.publishes.labels("accepted" if won else "kept_existing").inc()
         return PublishOut(accepted=won, status="won" if won else "kept_existing", submission_id=sid, kept=out(kept))
     winner, sid, job = store.submit(rec, trials, submitted_by=token.name, tune_seconds=body.tune_seconds)

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from tunecache.server.guards import client_address
 from tunecache.server.metrics import Metrics
 from tunecache.store import Store
-from tunecache.store.records import TokenRecord, hash_token, utcnow
+from tunecache.store.records import TokenRecord, hash_token
 
 bearer = HTTPBearer(auto_error=False, description="a token from `tunecache token create --scope ...`")
 
@@ -82,8 +82,8 @@ class TokenCache:
                 if len(self._known) >= TOKEN_CACHE_MAX:
                     self._known.clear()
                 until = now + TOKEN_CACHE_S
-                if rec.expires_at is not None:  # an expiring token is not trusted past its expiry
-                    until = min(until, now + (rec.expires_at - utcnow()).total_seconds())
+                if rec.live_for_s is not None:  # not trusted past its expiry (the database's clock)
+                    until = min(until, now + rec.live_for_s)
                 self._known[h] = (rec, until)
         return rec
 
@@ -93,20 +93,27 @@ def authenticate(request: Request, secret: str) -> TokenRecord:
     token (from this address) is over its rate. A secret the cache does not know is looked up
     only while the address has budget left, and a lookup that finds nothing spends it (a 429
     once spent); a known miss costs nothing, and is a 401 at once."""
-    app = request.app
-    limits = app.state.rate_limits
     address = client_address(request)
-    token = None
-    if len(secret) <= 256:
-        known, token = app.state.tokens.cached(secret)
-        if not known:
-            limits.check_address(address)
-            token = app.state.tokens.verify(app.state.store, secret)
-            if token is None:
-                limits.hit_address(address)
+    token = live_token(request.app.state, secret, address)
     if token is None:
         raise HTTPException(401, "invalid, expired or revoked token", headers={"WWW-Authenticate": "Bearer"})
-    limits.hit_token(token, address)
+    request.app.state.rate_limits.hit_token(token, address)
+    return token
+
+
+def live_token(state: Any, secret: str, address: str) -> TokenRecord | None:
+    """The live token with this secret, or None; asks the database only for a secret the token
+    cache does not know, and only while the address has budget left (429 once spent; a lookup
+    that finds nothing spends it). Blocking: call it on the thread pool unless `cached`."""
+    if len(secret) > 256:
+        return None
+    known, token = state.tokens.cached(secret)
+    if known:
+        return token
+    state.rate_limits.check_address(address)
+    token = state.tokens.verify(state.store, secret)
+    if token is None:
+        state.rate_limits.hit_address(address)
     return token
 
 

@@ -49,11 +49,22 @@ SYNC_RATE = Rate(6, 60)
 class RateLimits:
     """The service's request rates, per (token, client address) and per address without a token."""
 
-    def __init__(self, per_token: Rate | None, per_address: Rate | None, storage_uri: str = "memory://") -> None:
-        from limits import RateLimitItemPerSecond, storage, strategies
+    def __init__(
+        self,
+        per_token: Rate | None,
+        per_address: Rate | None,
+        storage_uri: str = "memory://",
+        bytes_per_day: int = 0,
+    ) -> None:
+        from limits import RateLimitItemPerDay, RateLimitItemPerSecond, storage, strategies
 
-        self.per_token, self.per_address = per_token, per_address
-        self._limiter = strategies.MovingWindowRateLimiter(storage.storage_from_string(storage_uri))
+        self.per_token, self.per_address, self.bytes_per_day = per_token, per_address, bytes_per_day
+        backend = storage.storage_from_string(storage_uri)
+        self._limiter = strategies.MovingWindowRateLimiter(backend)
+        # bodies are counted by a sliding window of two counters (a moving window keeps one
+        # entry per unit of cost: one per byte)
+        self._bytes_limiter = strategies.SlidingWindowCounterRateLimiter(backend)
+        self._bytes_item = RateLimitItemPerDay(bytes_per_day, 1, "tc-bytes") if bytes_per_day > 0 else None
         self._token_item = per_token and RateLimitItemPerSecond(per_token.amount, per_token.window_s, "tc-token")
         self._address_item = per_address and RateLimitItemPerSecond(per_address.amount, per_address.window_s, "tc-addr")
         # a sync answers up to 64 MiB: a job start's worth per host, not a stream
@@ -63,7 +74,12 @@ class RateLimits:
     def from_settings(cls) -> "RateLimits":
         from tunecache import settings
 
-        return cls(Rate.of(*settings.rate_limit()), Rate.of(*settings.anon_rate_limit()), settings.rate_limit_storage())
+        return cls(
+            Rate.of(*settings.rate_limit()),
+            Rate.of(*settings.anon_rate_limit()),
+            settings.rate_limit_storage(),
+            settings.bytes_per_day(),
+        )
 
     def hit_token(self, token: TokenRecord, address: str) -> None:
         """Count one request of this token from this address; 429 when over its rate."""
@@ -73,6 +89,22 @@ class RateLimits:
                 (str(token.id), address),
                 f"token {token.name!r} may send {self.per_token} from one address "
                 f"(TUNECACHE_RATE_LIMIT, TUNECACHE_RATE_BURST)",
+            )
+
+    def hit_bytes(self, token: TokenRecord, address: str, size: int) -> None:
+        """Count a body of `size` bytes that this token sends from this address; 429 when it
+        would take the pair past TUNECACHE_BYTES_PER_DAY (then nothing is counted)."""
+        if self._bytes_item is None or size <= 0:
+            return
+        if not self._bytes_limiter.hit(self._bytes_item, str(token.id), address, cost=size):
+            stats = self._bytes_limiter.get_window_stats(self._bytes_item, str(token.id), address)
+            retry = max(1, math.ceil(stats.reset_time - time.time()))
+            raise HTTPException(
+                429,
+                f"too many bytes: token {token.name!r} may send {self.bytes_per_day} bytes of request bodies "
+                f"from one address in any 24 h (TUNECACHE_BYTES_PER_DAY), {stats.remaining} left; "
+                f"retry after {retry} s",
+                headers={"Retry-After": str(retry)},
             )
 
     def hit_sync(self, token: TokenRecord, address: str) -> None:
@@ -224,7 +256,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-async def _reply(send, status: int, detail: str) -> None:
+async def _reply(send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send(
         {
@@ -234,6 +266,7 @@ async def _reply(send, status: int, detail: str) -> None:
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
+                *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items()),
             ],
         }
     )

@@ -9,7 +9,8 @@ another process, or on the database itself, is seen within TUNECACHE_LOOKUP_CACH
 - a miss is kept for TUNECACHE_LOOKUP_CACHE_S (a new winner does not move the generation);
 - a hit is kept up to HIT_LIFE times that while the generation stands, for good measure.
 
-A write through this process drops everything at once (`drops_lookups`). Lifetimes are
+A write through this process drops what it changed at once: its key's answer (a publish, a
+report) or everything (`drops_lookups`: a delete, an import, a purge). Lifetimes are
 spread (each 80-100 % of its length) so that answers read together are not all read again
 together. A host keeps its own copy of a fleet winner far longer (TUNECACHE_FLEET_TTL_S), so
 the service's seconds change nothing a host sees; 0 turns the cache off.
@@ -21,7 +22,8 @@ import random
 import time
 from typing import Callable
 
-from fastapi import Request
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 
 MAX_ENTRIES = 200_000
 GENERATION_POLL_S = 1.0
@@ -84,11 +86,24 @@ class LookupCache:
         self.epoch += 1
         self._answers.clear()
 
+    def forget(self, digest: str) -> None:
+        """Drop one key's answer (a write to that key); reads under way are not kept either."""
+        self.epoch += 1
+        self._answers.pop(digest, None)
+
 
 async def drops_lookups(request: Request):
-    """A dependency of every route that may change a lookup's answer: this process's kept
-    answers are dropped once the route has run (another process sees it as its docstring says)."""
+    """A dependency of every route that may change many lookups' answers (a delete, an import,
+    a purge): this process's kept answers are dropped once the route has run, unless it was
+    refused (a 4xx changes nothing stored: a flood of refused requests must not cost the
+    lookups their cache). Another process sees the change as this module's docstring says."""
     try:
         yield
-    finally:
+    except (HTTPException, RequestValidationError) as e:
+        if getattr(e, "status_code", 422) >= 500:
+            request.app.state.lookups.clear()
+        raise
+    except BaseException:
         request.app.state.lookups.clear()
+        raise
+    request.app.state.lookups.clear()

@@ -23,6 +23,11 @@ class Metrics:
             buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600),
             registry=r,
         )
+        self.lookup_reads = Counter(
+            "tunecache_lookup_store_reads",
+            "Lookups this process answered from the store (not from its lookup cache)",
+            registry=r,
+        )
         self.token_checks = Counter(
             "tunecache_token_checks", "Tokens looked up in the database (the token cache did not know them)", registry=r
         )

@@ -17,6 +17,10 @@ from tunecache.store.records import MAX_BACKOFF_S, MAX_ENQUEUE_BATCH, MAX_LEASE_
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
 JSON_MAX_ITEMS = 256
+# a config's or a trial's strings and keys (a meta-parameter's name or value): a word, not a file
+JSON_MAX_STRING = 256
+# a problem's strings (a dtype, a layout): a problem is a few numbers and words, not 900 KB
+PROBLEM_MAX_STRING = 64
 # one publish writes its trials in one transaction: a cap keeps that short for everyone else
 MAX_TRIALS_PER_PUBLISH = 2000
 
@@ -37,6 +41,8 @@ def _clean_json(value: Any, depth: int = 0) -> Any:
     if depth > JSON_MAX_DEPTH:
         raise ValueError(f"JSON nested deeper than {JSON_MAX_DEPTH} levels")
     if isinstance(value, str):
+        if len(value) > JSON_MAX_STRING:
+            raise ValueError(f"strings may have at most {JSON_MAX_STRING} characters")
         _clean_str(value)
     elif isinstance(value, bool) or value is None:
         pass
@@ -50,6 +56,8 @@ def _clean_json(value: Any, depth: int = 0) -> Any:
         if len(value) > JSON_MAX_ITEMS:
             raise ValueError(f"objects may have at most {JSON_MAX_ITEMS} entries")
         for k, v in value.items():
+            if len(k) > JSON_MAX_STRING:
+                raise ValueError(f"keys may have at most {JSON_MAX_STRING} characters")
             _clean_str(k)
             _clean_json(v, depth + 1)
     elif isinstance(value, list):
@@ -94,7 +102,13 @@ Name = _text(128)
 FiniteNonNeg = Annotated[float, Field(strict=True, ge=0, le=1e12, allow_inf_nan=False)]
 # a measured time in milliseconds: positive and finite
 Millis = Annotated[float, Field(strict=True, gt=0, le=1e12, allow_inf_nan=False)]
-Scalar = Union[StrictBool, StrictInt, Annotated[float, Field(strict=True, allow_inf_nan=False)], StrictStr, None]
+Scalar = Union[
+    StrictBool,
+    StrictInt,
+    Annotated[float, Field(strict=True, allow_inf_nan=False)],
+    Annotated[StrictStr, StringConstraints(max_length=PROBLEM_MAX_STRING)],
+    None,
+]
 Problem = Annotated[
     dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Scalar],
     Field(max_length=64, description="the canonical problem: dtypes, layouts, sizes"),

@@ -63,7 +63,11 @@ class ConfigStore(StoreBase):
             self._add_trials(s, rec.key, trials, run_id)
             return self._keep_faster(s, rec, result_values(rec))
 
-    def _keep_faster(self, s: Session, rec: ConfigRecord, values: dict) -> tuple[ConfigRecord, bool]:
+    def _keep_faster(
+        self, s: Session, rec: ConfigRecord, values: dict, *, displace: bool = False
+    ) -> tuple[ConfigRecord, bool]:
+        """Keep `rec` unless the stored result is as fast (within REPLACE_MARGIN); `displace`:
+        keep `rec` whatever the times (the stored winner cannot be launched: TrustStore.publish)."""
         if insert_ignore(s, TunedConfigRow.__table__, values):
             return rec, True
         row = s.execute(
@@ -76,12 +80,18 @@ class ConfigStore(StoreBase):
         # a fleet copy's claimed time is the fleet's word, not a measurement of this host:
         # it never keeps a result of this host out
         fleet_copy = old is not None and old.source == "fleet" and rec.source != "fleet"
-        if old is not None and not fleet_copy and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN):
+        if (
+            old is not None
+            and not fleet_copy
+            and not displace
+            and rec.median_ms >= old.median_ms * (1 - REPLACE_MARGIN)
+        ):
             return old, False
         for k, v in values.items():
             setattr(row, k, v)
         row.fleet_checked_at = row.fleet_generation = None
         row.submission_id = row.retime_queued_at = None  # a new winner: Store.publish links its submission
+        row.reports = 0
         self._bump_generation(s)
         return rec, True
 

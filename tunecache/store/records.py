@@ -215,6 +215,8 @@ class TokenRecord:
     created_at: datetime
     revoked_at: datetime | None = None
     expires_at: datetime | None = None
+    # seconds left before expiry by the database's clock, when verify_token read it
+    live_for_s: float | None = None
 
     def allows(self, scope: str) -> bool:
         return any(scope in TOKEN_SCOPES.get(sc, ()) for sc in self.scopes)

@@ -71,6 +71,9 @@ class TunedConfigRow(ResultColumns, Base):
     # this winner, and when a submission claiming to beat it queued its re-timing (once per winner)
     submission_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     retime_queued_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # reports of hosts that could not launch this winner (Store.report): a worker's re-time
+    # that finds only other configs then replaces it, slower or not (Store.publish)
+    reports: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class SubmissionRow(ResultColumns, Base):

@@ -4,6 +4,7 @@ that cannot launch, API tokens, the audit log and retention."""
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Iterable, Mapping
 
@@ -43,6 +44,11 @@ from tunecache.store.rows import (
     token_record,
 )
 
+# what the fleet keeps of one published run's trials (the rest are dropped: the request's cap
+# is ConfigIn's 2,000, the largest shipped config space 720)
+TRIALS_PER_SUBMISSION = 500
+TRIAL_ERROR_CHARS = 500
+
 
 class TrustStore(StoreBase):
     """The fleet's trust: results published by workers, submissions others make, reports of configs"""
@@ -59,11 +65,17 @@ class TrustStore(StoreBase):
         """put_config that also records the submission, won or lost, in the same transaction.
 
         Returns (the kept record, whether `rec` won, the submission's id). The service calls
-        this for trusted results only (worker and admin tokens); others go to `submit`."""
+        this for trusted results only (worker and admin tokens); others go to `submit`.
+
+        A winner that hosts reported they cannot launch (`report`) is replaced by a result whose
+        trials never ran it (a re-time whose pruning refused it too), slower or not: a time
+        measured beats a time claimed that no host can reproduce."""
         values = result_values(rec)
+        trials = list(trials)
         with self._write() as s:
-            self._add_trials(s, rec.key, trials, run_id)
-            kept, won = self._keep_faster(s, rec, values)
+            displace = self._unlaunchable_winner(s, rec, trials)
+            self._add_fleet_trials(s, rec.key, trials, run_id)
+            kept, won = self._keep_faster(s, rec, values, displace=displace)
             row = SubmissionRow(
                 **values, submitted_by=submitted_by[:128], accepted=won, tune_seconds=tune_seconds, created_at=utcnow()
             )
@@ -93,7 +105,7 @@ class TrustStore(StoreBase):
         None, the submission's id, the key's queued or running job or None)."""
         values = result_values(rec)
         with self._write() as s:
-            self._add_trials(s, rec.key, trials, run_id)
+            self._add_fleet_trials(s, rec.key, trials, run_id)
             sub = SubmissionRow(
                 **values,
                 submitted_by=submitted_by[:128],
@@ -129,8 +141,10 @@ class TrustStore(StoreBase):
 
     def report(self, digest: str, config: dict, error: str, reported_by: str) -> tuple[bool, JobRecord | None]:
         """A host could not launch the winner's config: keep the report as a failed trial of the
-        key and, if it is about the current winner, queue the key's re-timing (once per winner,
-        as for a submission that beats it). Returns (whether there is a winner, the job)."""
+        key and, if it is about the current winner, count it against the winner and queue the
+        key's re-timing (at the first report against this winner, or once per winner as for a
+        submission that beats it). A re-time that finds only other configs then replaces the
+        winner (`publish`). Returns (whether there is a winner, the job)."""
         with self._write() as s:
             row = s.execute(
                 select(TunedConfigRow).where(TunedConfigRow.digest == digest).with_for_update()
@@ -138,14 +152,57 @@ class TrustStore(StoreBase):
             if row is None:
                 return False, None
             key = key_of(row)
-            self._add_trials(
+            self._add_fleet_trials(
                 s, key, [TrialRecord(config=config, status="failed", error=f"reported by {reported_by}: {error}")], None
             )
-            if row.config != config or row.retime_queued_at is not None:
+            if row.config != config:
                 return True, None
+            row.reports = (row.reports or 0) + 1
+            if row.reports > 1 and row.retime_queued_at is not None:
+                return True, None  # re-timed already for this winner
             row.retime_queued_at = utcnow()
             job = self._queue_timing(s, key, retime=True)
             return True, job if job.status in ("queued", "running") else None
+
+    def _unlaunchable_winner(self, s: Session, rec: ConfigRecord, trials: list[TrialRecord]) -> bool:
+        """Whether `rec` (a trusted result with its trials) replaces the key's winner whatever
+        their times: hosts reported the winner unlaunchable, and this run's trials, which hold
+        every candidate its host could launch, never ran the winner's config."""
+        if not trials:  # an import or a bare result says nothing of what its host could launch
+            return False
+        row = s.execute(
+            select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).with_for_update()
+        ).scalar_one_or_none()
+        if row is None or not row.reports or row.config == rec.config:
+            return False
+        return not any(t.status == "ok" and t.config == row.config for t in trials)
+
+    def _add_fleet_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
+        """A published run's trials, bounded: the fastest TRIALS_PER_SUBMISSION (measured ones
+        first, then failures, errors cut to TRIAL_ERROR_CHARS), and the key's newest
+        TUNECACHE_TRIALS_PER_KEY kept (older ones deleted here)."""
+        from tunecache import settings
+
+        trials = list(trials)
+        timed = sorted((t for t in trials if t.median_ms is not None), key=lambda t: t.median_ms)
+        kept = [*timed, *(t for t in trials if t.median_ms is None)][:TRIALS_PER_SUBMISSION]
+        kept = [
+            t if not t.error or len(t.error) <= TRIAL_ERROR_CHARS else replace(t, error=t.error[:TRIAL_ERROR_CHARS])
+            for t in kept
+        ]
+        self._add_trials(s, key, kept, run_id)
+        s.flush()
+        newest = (
+            select(TrialRow.id)
+            .where(TrialRow.digest == key.digest)
+            .order_by(TrialRow.id.desc())
+            .limit(settings.trials_per_key())
+        )
+        s.execute(
+            TrialRow.__table__.delete().where(
+                TrialRow.digest == key.digest, TrialRow.id.not_in(newest.scalar_subquery())
+            )
+        )
 
     def _queue_timing(self, s: Session, key: TuneKey, *, retime: bool) -> JobRecord:
         """In the caller's transaction, the key's tuning job (one active job per digest): a new
@@ -268,7 +325,6 @@ class TrustStore(StoreBase):
         if expires_in is not None and not timedelta(0) < expires_in <= timedelta(days=36500):
             raise ValueError(f"a token's lifetime must be positive and under a century, got {expires_in}")
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        now = utcnow()
         taken = ValueError(
             f"a live token named {name!r} exists; choose another name, or revoke that one first "
             f"(`tunecache token revoke {name}`)"
@@ -286,8 +342,9 @@ class TrustStore(StoreBase):
                     name=name,
                     token_hash=hash_token(secret),
                     scopes=",".join(scopes),
-                    created_at=now,
-                    expires_at=None if expires_in is None else now + expires_in,
+                    # the database's clock, as for leases: the service's own clock never decides
+                    created_at=self._now_sql(),
+                    expires_at=None if expires_in is None else self._now_sql(expires_in.total_seconds()),
                 )
                 s.add(row)
                 s.flush()
@@ -296,16 +353,26 @@ class TrustStore(StoreBase):
             raise taken from None
 
     def verify_token(self, secret: str) -> TokenRecord | None:
-        """The live token with this secret, or None (unknown, revoked or expired)."""
+        """The live token with this secret, or None (unknown, revoked or expired). Expiry is by
+        the database's clock, as leases are (create_token sets it by that clock too), so a
+        service whose clock is off neither refuses a live token nor takes an expired one;
+        `live_for_s` says how long it has left by that clock."""
+        now = self._now_sql()
         with self._read() as s:
-            row = s.execute(
-                select(ApiTokenRow).where(
+            found = s.execute(
+                select(ApiTokenRow, now).where(
                     ApiTokenRow.token_hash == hash_token(secret),
                     ApiTokenRow.revoked_at.is_(None),
-                    or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > utcnow()),
+                    or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > now),
                 )
-            ).scalar_one_or_none()
-            return None if row is None else token_record(row)
+            ).first()
+            if found is None:
+                return None
+            row, db_now = found
+            rec = token_record(row)
+            if rec.expires_at is not None and db_now is not None:
+                rec.live_for_s = (rec.expires_at - db_now).total_seconds()
+            return rec
 
     def list_tokens(self) -> list[TokenRecord]:
         with self._read() as s:
