@@ -84,7 +84,10 @@ def interpreter_upcast(t) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.bfloat16
 
 
-GPU_TOP_K = 40
+# the portable kernels' candidates on a GPU: they run what the Gluon kernels do not take (and
+# GPUs they are not written for), where the vendor's op competes too (tuner), so a few of the
+# best-ranked bound a first call's tune to seconds (40 made a float32 matmul's 49 s)
+GPU_TOP_K = 16
 
 
 def ranked(configs: list[dict], gemm: tuple[int, int, int], sm_count: int, k: int = GPU_TOP_K) -> list[dict]:

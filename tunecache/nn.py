@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from tunecache import ops
+from tunecache.ops import custom_ops
 from tunecache_kernels import problems
 
 log = logging.getLogger("tunecache")
@@ -36,11 +36,25 @@ class Conv2d(torch.nn.Conv2d):
     """torch.nn.Conv2d whose forward runs tunecache's conv2d kernels (see the module's docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        why = conv_refusal(self) or _input_refusal(x, 4)
+        # the layer's settings, checked once (again only if stride or padding is set anew): a
+        # call's host time is the kernel's launch, not the settings' checks
+        plan = self.__dict__.get("_tunecache_plan")
+        if plan is None or plan[0] is not self.stride or plan[1] is not self.padding:
+            plan = self._tunecache_plan = _conv_plan(self)
+        why = plan[2] or _input_refusal(x, 4)
         if why:
             _warn_once(f"{type(self).__name__}{tuple(self.weight.shape)}: {why}")
             return super().forward(x)
-        return ops.conv2d(x, self.weight, self.bias, self.stride, padding_pair(self))
+        return custom_ops().conv2d(x, self.weight, self.bias, plan[3], plan[4])
+
+
+def _conv_plan(m: torch.nn.Conv2d) -> tuple:
+    """(the stride and padding it was made from, why the kernels refuse it or None, stride and
+    padding as pairs)."""
+    why = conv_refusal(m)
+    st = None if why else problems.pair(m.stride, "stride", minimum=1)
+    pd = None if why else problems.pair(padding_pair(m), "padding", minimum=0)
+    return (m.stride, m.padding, why, st, pd)
 
 
 class Linear(torch.nn.Linear):
@@ -51,7 +65,7 @@ class Linear(torch.nn.Linear):
         if why:
             _warn_once(f"{type(self).__name__}({self.in_features}, {self.out_features}): {why}")
             return super().forward(x)
-        return ops.linear(x, self.weight, self.bias)
+        return custom_ops().linear(x, self.weight, self.bias)
 
 
 def conv_refusal(m: torch.nn.Conv2d) -> str | None:
@@ -79,8 +93,11 @@ def padding_pair(m: torch.nn.Conv2d) -> tuple[int, int] | None:
     return tuple(m.padding)
 
 
+_GEMM_DTYPES = problems.GEMM_DTYPES  # made once: a module attribute of problems is made per read
+
+
 def _input_refusal(x: torch.Tensor, ndim: int | None) -> str | None:
-    if x.dtype not in problems.GEMM_DTYPES:
+    if x.dtype not in _GEMM_DTYPES:
         return f"dtype {x.dtype} (the kernels take float16, bfloat16 and float32)"
     if ndim is not None and x.dim() != ndim:
         return f"a {x.dim()}-D input (a batch of NCHW images is 4-D)"

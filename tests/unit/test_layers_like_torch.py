@@ -18,6 +18,11 @@ from tunecache.store import default_store
 from tunecache_kernels import portable_rules, problems
 from tunecache_kernels.spaces import VENDOR, space_for
 
+# these run the kernels on the CPU interpreter (tests/gpu/test_layers_like_torch_gpu.py: on a GPU)
+interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU interpreter's (a GPU runs the gpu twin)"
+)
+
 
 @pytest.fixture
 def tf32_settings():
@@ -31,6 +36,7 @@ def _memo_problems(op: str) -> list[dict]:
     return [e.problem for e in ops.OP_LAUNCHERS[op].memo.values()]
 
 
+@interpreter_only
 def test_fp32_matmul_is_ieee_by_default_and_tf32_only_when_torch_allows_it(db_url, tf32_settings):
     a, b = torch.randn(96, 160, dtype=torch.float64), torch.randn(160, 48, dtype=torch.float64)
     exact = a @ b
@@ -88,6 +94,7 @@ def test_the_vendor_is_a_config_of_every_op_space():
             space_for("matmul.hopper").check(bad)
 
 
+@interpreter_only
 def test_a_stored_vendor_winner_runs_torchs_op(db_url):
     from tunecache import backends
     from tunecache.key import interpreter_device

@@ -48,9 +48,7 @@ def conv2d(
             f"conv2d takes a 4-D input (N, C, H, W) and weight (Co, Ci, R, S), got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}"
         )
-    from tunecache.ops import custom as custom_ops  # on first use: registering the custom ops costs 0.2 s
-
-    return custom_ops.conv2d(x, weight, bias, st, pd)
+    return custom_ops().conv2d(x, weight, bias, st, pd)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,6 +59,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"linear takes x (..., in_features) and weight (out_features, in_features), got {tuple(x.shape)} "
             f"and {tuple(weight.shape)}"
         )
-    from tunecache.ops import custom as custom_ops  # on first use: registering the custom ops costs 0.2 s
+    return custom_ops().linear(x, weight, bias)
 
-    return custom_ops.linear(x, weight, bias)
+
+_CUSTOM: list = []
+
+
+def custom_ops():
+    """tunecache.ops.custom, imported on first use (registering the custom ops costs 0.2 s), then
+    read from a list: an import statement per call costs a layer's call a microsecond."""
+    if not _CUSTOM:
+        from tunecache.ops import custom
+
+        _CUSTOM.append(custom)
+    return _CUSTOM[0]

@@ -26,6 +26,8 @@ from tunecache_kernels import problems
 
 def _operand(t: Tensor) -> Tensor:
     """`t` itself when the GEMM kernels read it in place (`problems.matrix_layout`), else a copy."""
+    if t.is_contiguous() or t.t().is_contiguous():  # row- or column-major: what matrix_layout takes
+        return t
     try:
         problems.matrix_layout(t, "operand")
     except ValueError:
@@ -178,11 +180,11 @@ class _Conv2d(torch.autograd.Function):
 
 def _linear_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """(y, x as 2-D)."""
-    a = x.reshape(-1, x.shape[-1])
+    a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y = _tuned_matmul(a, w.t())
     if bias is not None:
         y += bias
-    return y.reshape(*x.shape[:-1], w.shape[0]), a
+    return (y if a is x else y.reshape(*x.shape[:-1], w.shape[0])), a
 
 
 class _Linear(torch.autograd.Function):
@@ -204,6 +206,22 @@ class _Linear(torch.autograd.Function):
         gw = _tuned_matmul(g.t(), a) if needs[1] else None  # [out, in], as the weight lies
         gb = g.sum(0) if ctx.has_bias and needs[2] else None
         return ga, gw, gb
+
+
+def _applier(fn: type[torch.autograd.Function]):
+    """`fn.apply` without its Python wrapper (which binds default arguments and unwraps functorch's
+    dead wrappers: a third of a small layer's host time) where functorch's transforms are off, as
+    the wrapper itself then calls it; the wrapper where they are on (vmap, grad)."""
+    direct = super(torch.autograd.Function, fn).apply
+    wrapped = fn.apply
+
+    def apply(*args):
+        return wrapped(*args) if torch._C._are_functorch_transforms_active() else direct(*args)
+
+    return apply
+
+
+_conv2d_apply, _linear_apply = _applier(_Conv2d), _applier(_Linear)
 
 
 def _tracked(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
@@ -243,7 +261,7 @@ def conv2d(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], p
         y = y.permute(0, 3, 1, 2)
         return y if bias is None else y + bias.view(1, -1, 1, 1)
     if _tracked(x, w, bias):
-        return _Conv2d.apply(x, w, bias, stride, padding)
+        return _conv2d_apply(x, w, bias, stride, padding)
     return _conv2d_forward(x, w, bias, stride, padding)[0]
 
 
@@ -255,5 +273,5 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
         y = matmul(x.reshape(-1, x.shape[-1]), w.t()).reshape(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     if _tracked(x, w, bias):
-        return _Linear.apply(x, w, bias)
+        return _linear_apply(x, w, bias)
     return _linear_forward(x, w, bias)[0]
