@@ -43,8 +43,9 @@ def _main(
 
 # Markup off: what is printed is the user's own text (shapes, manifests, configs, errors), in which
 # square brackets are data ("[[shape]]", "[x]=1", [64, 128]); style comes from Text, never markup.
-# Messages are not wrapped: a log keeps each on one line, as grep expects (tables fit the width).
-console = Console(markup=False, soft_wrap=True)
+# stdout holds tables that fit the width (a soft-wrapping console would not fit them); messages
+# on stderr are not wrapped: a log keeps each on one line, as grep expects
+console = Console(markup=False)
 err = Console(stderr=True, markup=False, soft_wrap=True)
 
 
@@ -256,10 +257,11 @@ def tune(
     tf = f", {result.tflops:.1f} TFLOP/s" if result.tflops else ""
     console.print(
         f"{mod.KERNEL} on {device}: {json.dumps(result.config)} — {result.median_ms:.4f} ms{tf}, "
-        f"{result.candidates} candidates (digest {key.digest[:12]})"
+        f"{result.candidates} candidates (digest {key.digest[:12]})",
+        soft_wrap=True,
     )
     if kept.published is not None:
-        console.print(published_text(kept.published.status, device))
+        console.print(published_text(kept.published.status, device), soft_wrap=True)
 
 
 def published_text(status: str, device) -> str:
