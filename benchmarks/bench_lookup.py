@@ -1,16 +1,28 @@
 """Load on the service's lookup endpoint over loopback: requests/s and latency percentiles.
 
 Starts `tunecache serve` (uvicorn) over a fresh Postgres database, publishes `--configs`
-results, then drives GET /v1/configs/{digest} with an asyncio httpx load generator (or wrk) at
-fixed concurrencies for `--seconds` each: mostly hits, a share of misses (`--miss-rate`). The
-load is spread over `--tokens` read tokens, as a fleet's hosts would send it, so the service
-runs at its default settings, rate limits included (they count per token and address, and
-every request here comes from 127.0.0.1).
+results, then drives GET /v1/configs/{digest} with a load generator over plain asyncio streams
+(or httpx, or wrk) at fixed concurrencies for `--seconds` each: mostly hits, a share of misses
+(`--miss-rate`). The load is spread over `--tokens` read tokens, as a fleet's hosts would send
+it, so the service runs at its default settings, rate limits included (they count per token
+and address).
 
     python benchmarks/bench_lookup.py --load-generator wrk [--concurrency 1 8 32 64]
         [--seconds 15] [--server-workers 1] [--out PATH]
 
-The JSON's `summary`: `req_per_s` and `p99_ms` at the highest concurrency whose p99 stays under
+With `--publishers N` (e.g. 3; 0 by default) each concurrency runs twice: quiet, then with N
+client processes publishing 2,000-trial results (about 900 KB each, the cap) back to back beside the
+readers, as training hosts with publish tokens do (spread over `--publish-tokens` tokens, so
+that the byte quota per token does not stop them). Readers are spread over `--addresses`
+loopback addresses (127.0.0.1, .2, ...): 1,000 connections from one address would pass the
+service's cap per address, and a fleet's lookups come from many hosts.
+
+    python benchmarks/bench_lookup.py --concurrency 100 1000 --publishers 3
+
+The JSON's `summary`: `lookups_per_s_quiet`, `lookups_per_s_under_publish`, `errors` (lookups
+not answered 200/404, under publish), `p50_ms` and `p99_ms` (quiet and under publish), each
+per concurrency, `kept` (under publish / quiet, the worst concurrency) and `publishes`; with
+`--publishers 0`, `req_per_s` and `p99_ms` at the highest concurrency whose p99 stays under
 10 ms, with that `concurrency`.
 
 The load generator runs on the same host as the service and Postgres: on a small machine
@@ -57,20 +69,32 @@ async def _load(
     concurrency: int,
     seconds: float,
     warmup_s: float,
+    addresses: int = 1,
 ) -> dict:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    n = max(1, min(addresses, concurrency))
+    per = -(-concurrency // n)
+    limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
     latencies: list[float] = []
     status: dict[int, int] = {}
     kinds: dict[str, int] = {}
     errors = 0
     rng = random.Random(0)
     auth = [{"Authorization": f"Bearer {t}"} for t in tokens]
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=10) as client:
+    clients = [
+        httpx.AsyncClient(
+            base_url=url,
+            limits=limits,
+            timeout=10,
+            transport=httpx.AsyncHTTPTransport(limits=limits, local_address=f"127.0.0.{i + 1}"),
+        )
+        for i in range(n)
+    ]
+    try:
         t_start = time.perf_counter()
         t_measure = t_start + warmup_s
         t_end = t_measure + seconds
 
-        async def one_user() -> None:
+        async def one_user(client: httpx.AsyncClient) -> None:
             nonlocal errors
             while True:
                 now = time.perf_counter()
@@ -92,8 +116,99 @@ async def _load(
                         errors += 1
                     status[code] = status.get(code, 0) + 1
 
-        await asyncio.gather(*(one_user() for _ in range(concurrency)))
+        await asyncio.gather(*(one_user(clients[i % n]) for i in range(concurrency)))
         elapsed = time.perf_counter() - t_measure
+    finally:
+        for c in clients:
+            await c.aclose()
+    latencies.sort()
+    ms = [x * 1e3 for x in latencies]
+    return {
+        "requests": len(latencies) + errors,
+        "ok": len(latencies),
+        "errors": errors,
+        "status_counts": {str(k): v for k, v in sorted(status.items())},
+        "client_errors": kinds,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        "latency_ms": {
+            "p50": round(_percentile(ms, 50), 3),
+            "p90": round(_percentile(ms, 90), 3),
+            "p99": round(_percentile(ms, 99), 3),
+            "max": round(ms[-1], 3) if ms else None,
+            "mean": round(statistics.fmean(ms), 3) if ms else None,
+        },
+    }
+
+
+async def _raw_load(
+    url: str,
+    tokens: list[str],
+    digests: list[str],
+    misses: list[str],
+    miss_rate: float,
+    concurrency: int,
+    seconds: float,
+    warmup_s: float,
+    addresses: int = 1,
+) -> dict:
+    """The same closed loop as `_load`, over plain asyncio streams: one keep-alive connection
+    per user (from one of `addresses` loopback addresses), a request written and its answer
+    read by hand. httpx's pool costs far more CPU than the service at 1,000 in flight; this
+    costs little more than the sockets."""
+    host, port = url.removeprefix("http://").split(":")
+    latencies: list[float] = []
+    status: dict[int, int] = {}
+    kinds: dict[str, int] = {}
+    errors = 0
+    rng = random.Random(0)
+    t_start = time.perf_counter()
+    t_measure = t_start + warmup_s
+    t_end = t_measure + seconds
+
+    async def one_user(i: int) -> None:
+        nonlocal errors
+        reader = writer = None
+        while True:
+            now = time.perf_counter()
+            if now >= t_end:
+                break
+            d = rng.choice(misses) if rng.random() < miss_rate else rng.choice(digests)
+            request = (
+                f"GET /v1/configs/{d} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {rng.choice(tokens)}\r\n\r\n"
+            ).encode()
+            t0 = time.perf_counter()
+            try:
+                if writer is None:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, int(port), local_addr=(f"127.0.0.{i % addresses + 1}", 0)), 10
+                    )
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                code = int(head[9:12])
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+                await asyncio.wait_for(reader.readexactly(length), 10)
+                if b"connection: close" in head.lower():
+                    writer.close()
+                    writer = None
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, AttributeError) as e:
+                code = -1
+                kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+                if writer is not None:
+                    writer.close()
+                writer = None
+            t1 = time.perf_counter()
+            if t0 >= t_measure:
+                if code in (200, 404):
+                    latencies.append(t1 - t0)
+                else:
+                    errors += 1
+                status[code] = status.get(code, 0) + 1
+        if writer is not None:
+            writer.close()
+
+    await asyncio.gather(*(one_user(i) for i in range(concurrency)))
+    elapsed = time.perf_counter() - t_measure
     latencies.sort()
     ms = [x * 1e3 for x in latencies]
     return {
@@ -187,6 +302,84 @@ end
 """
 
 
+def _publish_body(rng: random.Random, trials: int) -> dict:
+    """A result of a key of its own with `trials` trials, about 450 bytes each (2,000: ~900 KB,
+    half of them failures with their errors)."""
+    config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    problem = {"M": rng.randrange(1, 8192), "N": 4096, "K": 4096, "dtype": "bfloat16"}  # 5 ms: above the floor
+    problem.update(a_layout="row", b_layout="row")
+    return {
+        "kernel": "matmul.portable",
+        "kernel_version": "bench",
+        "triton_version": "3.9.0",
+        "arch": "sm_90",
+        "sm_count": 132,
+        "problem": problem,
+        "config": config,
+        "median_ms": 5.0,
+        "trials": [
+            {"config": config, "status": "failed", "error": "out of resources: shared memory " + "x" * 620}
+            if i % 2 == 0
+            else {"config": config, "status": "ok", "median_ms": 5.0 + i * 1e-3}
+            for i in range(trials)
+        ],
+    }
+
+
+def _publisher(url: str, tokens: list[str], trials: int, until: float, seed: int, out) -> None:
+    """One client publishing results back to back until `until` (time.time()); sends
+    (publishes answered 200, others, seconds per publish) to `out`."""
+    rng = random.Random(seed)
+    done = failed = 0
+    took: list[float] = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while time.time() < until:
+            body = json.dumps(_publish_body(rng, trials)).encode()
+            t0 = time.perf_counter()
+            try:
+                r = client.post(
+                    "/v1/configs",
+                    content=body,
+                    headers={"Authorization": f"Bearer {rng.choice(tokens)}", "Content-Type": "application/json"},
+                )
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            took.append(time.perf_counter() - t0)
+            done += ok
+            failed += not ok
+    out.put((done, failed, took))
+
+
+class Publishers:
+    """`n` processes publishing beside the readers for `seconds` (from now)."""
+
+    def __init__(self, url: str, tokens: list[str], n: int, trials: int, seconds: float) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.queue = ctx.Queue()
+        until = time.time() + seconds
+        self.procs = [
+            ctx.Process(target=_publisher, args=(url, tokens, trials, until, i, self.queue), daemon=True)
+            for i in range(n)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def results(self) -> dict:
+        got = [self.queue.get(timeout=120) for _ in self.procs]
+        for p in self.procs:
+            p.join(10)
+        took = sorted(t for _, _, ts in got for t in ts)
+        return {
+            "publishes": sum(d for d, _, _ in got),
+            "publish_errors": sum(f for _, f, _ in got),
+            "publish_s_p50": round(_percentile(took, 50), 3) if took else None,
+            "publish_s_max": round(took[-1], 3) if took else None,
+        }
+
+
 def _version_or_none(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -214,10 +407,14 @@ def main() -> None:
     ap.add_argument("--server-workers", type=int, default=1, help="uvicorn worker processes")
     ap.add_argument(
         "--load-generator",
-        choices=["httpx", "wrk"],
-        default="httpx",
+        choices=["raw", "httpx", "wrk"],
+        default="raw",
         help="wrk (if installed: apt-get install wrk) loads the shared cores far less",
     )
+    ap.add_argument("--publishers", type=int, default=0, help="processes publishing beside the readers (0: none)")
+    ap.add_argument("--publish-trials", type=int, default=2000, help="trials per published result")
+    ap.add_argument("--publish-tokens", type=int, default=30, help="publish tokens the publishers rotate over")
+    ap.add_argument("--addresses", type=int, default=8, help="loopback addresses the readers connect from")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_lookup.json")
     args = ap.parse_args()
 
@@ -243,6 +440,7 @@ def main() -> None:
     try:
         store = Store(url)
         tokens = [store.create_token(f"bench-{i}", ["read"])[0] for i in range(args.tokens)]
+        publish_tokens = [store.create_token(f"bench-publish-{i}", ["publish"])[0] for i in range(args.publish_tokens)]
         config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
         digests = []
         for i in range(args.configs):
@@ -261,21 +459,41 @@ def main() -> None:
 
         server, service = serve(url, "--workers", str(args.server_workers))
 
-        runs = []
-        for c in args.concurrency:
+        def measure(c: int) -> dict:
             if args.load_generator == "wrk":
                 import tempfile
 
-                res = _wrk(service, tokens, digests, misses, args.miss_rate, c, args.seconds, Path(tempfile.mkdtemp()))
-            else:
-                res = asyncio.run(_load(service, tokens, digests, misses, args.miss_rate, c, args.seconds, args.warmup))
-            res["concurrency"] = c
-            runs.append(res)
-            lat = res["latency_ms"]
-            print(
-                f"concurrency {c:4d}: {res['requests_per_s']:8.1f} req/s   p50 {lat['p50']:.2f} ms   "
-                f"p90 {lat['p90']:.2f} ms   p99 {lat['p99']:.2f} ms   errors {res['errors']}"
-            )
+                return _wrk(service, tokens, digests, misses, args.miss_rate, c, args.seconds, Path(tempfile.mkdtemp()))
+            load = _raw_load if args.load_generator == "raw" else _load
+            run = load(service, tokens, digests, misses, args.miss_rate, c, args.seconds, args.warmup, args.addresses)
+            try:
+                import uvloop
+
+                return uvloop.run(run)
+            except ImportError:
+                return asyncio.run(run)
+
+        runs = []
+        for c in args.concurrency:
+            for publishers in (0, args.publishers) if args.publishers else (0,):
+                pub = None
+                if publishers:
+                    pub = Publishers(
+                        service, publish_tokens, publishers, args.publish_trials, args.warmup + args.seconds
+                    )
+                    time.sleep(1.0)  # the publishers' processes start (spawn) before the readers
+                res = measure(c)
+                if pub is not None:
+                    res.update(pub.results())
+                res["concurrency"], res["publishers"] = c, publishers
+                runs.append(res)
+                lat = res["latency_ms"]
+                print(
+                    f"concurrency {c:4d}, {publishers} publishing: {res['requests_per_s']:8.1f} req/s   "
+                    f"p50 {lat['p50']:.2f} ms   p90 {lat['p90']:.2f} ms   p99 {lat['p99']:.2f} ms   "
+                    f"errors {res['errors']}"
+                    + (f"   publishes {res['publishes']} (p50 {res['publish_s_p50']} s)" if pub else "")
+                )
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -288,24 +506,30 @@ def main() -> None:
 
     from importlib.metadata import version
 
-    under = [r for r in runs if r["latency_ms"].get("p99", float("inf")) < 10 and not r["errors"]]
-    best_run = max(under, key=lambda r: r["requests_per_s"], default=None)
-    summary = {
-        "req_per_s": None if best_run is None else best_run["requests_per_s"],
-        "p99_ms": None if best_run is None else best_run["latency_ms"]["p99"],
-        "concurrency": None if best_run is None else best_run["concurrency"],
-        "server_workers": args.server_workers,
-    }
+    if args.publishers:
+        summary = _publish_summary(runs, args)
+    else:
+        under = [r for r in runs if r["latency_ms"].get("p99", float("inf")) < 10 and not r["errors"]]
+        best_run = max(under, key=lambda r: r["requests_per_s"], default=None)
+        summary = {
+            "req_per_s": None if best_run is None else best_run["requests_per_s"],
+            "p99_ms": None if best_run is None else best_run["latency_ms"]["p99"],
+            "concurrency": None if best_run is None else best_run["concurrency"],
+            "server_workers": args.server_workers,
+        }
     print(f"summary: {summary}")
     out = {
         "summary": summary,
         "benchmark": "lookup endpoint GET /v1/configs/{digest}, loopback",
-        "load_generator": (
-            "wrk, closed loop, keep-alive"
-            if args.load_generator == "wrk"
-            else "httpx.AsyncClient, closed loop, keep-alive, one process"
-        ),
+        "load_generator": {
+            "wrk": "wrk, closed loop, keep-alive",
+            "httpx": "httpx.AsyncClient, closed loop, keep-alive, one process",
+            "raw": "asyncio streams (uvloop), closed loop, one keep-alive connection per user, one process",
+        }[args.load_generator],
         "configs": args.configs,
+        "publishers": args.publishers,
+        "publish_trials": args.publish_trials,
+        "addresses": args.addresses,
         "miss_rate": args.miss_rate,
         "tokens": args.tokens,
         "server_workers": args.server_workers,
@@ -326,6 +550,33 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _publish_summary(runs: list[dict], args) -> dict:
+    """Quiet against under-publish lookups, per concurrency (keys are the concurrencies)."""
+    quiet = {r["concurrency"]: r for r in runs if not r["publishers"]}
+    busy = {r["concurrency"]: r for r in runs if r["publishers"]}
+    cs = [c for c in quiet if c in busy]
+    kept = {
+        c: round(busy[c]["requests_per_s"] / quiet[c]["requests_per_s"], 3) for c in cs if quiet[c]["requests_per_s"]
+    }
+    return {
+        "lookups_per_s_quiet": {str(c): quiet[c]["requests_per_s"] for c in cs},
+        "lookups_per_s_under_publish": {str(c): busy[c]["requests_per_s"] for c in cs},
+        "errors": {str(c): busy[c]["errors"] + quiet[c]["errors"] for c in cs},
+        "p50_ms": {
+            "quiet": {str(c): quiet[c]["latency_ms"]["p50"] for c in cs},
+            "under_publish": {str(c): busy[c]["latency_ms"]["p50"] for c in cs},
+        },
+        "p99_ms": {
+            "quiet": {str(c): quiet[c]["latency_ms"]["p99"] for c in cs},
+            "under_publish": {str(c): busy[c]["latency_ms"]["p99"] for c in cs},
+        },
+        "kept": min(kept.values(), default=None),
+        "publishes": {str(c): busy[c].get("publishes") for c in cs},
+        "publishers": args.publishers,
+        "server_workers": args.server_workers,
+    }
 
 
 if __name__ == "__main__":
