@@ -99,12 +99,12 @@ def test_headers_over_64_kib_are_answered_431_at_once(svc):
     took = time.monotonic() - start
     sock.close()
     assert status_of(answer) == 431, f"a header of {sent} bytes (cap 64 KiB) was answered {answer[:200]!r}"
-    assert sent <= 2 << 20, f"the service read {sent} bytes of headers before refusing (cap 64 KiB)"
     assert took < 2, f"431 took {took:.2f} s"
     # a request just under the cap is served
     r = httpx.get(f"{svc.url}/healthz", headers={"X-Pad": "a" * 60_000}, timeout=5)
     assert r.status_code == 200, r.text
-    assert rss_mib(svc) - before < 32, f"RSS grew {rss_mib(svc) - before:.0f} MiB for a refused header"
+    # what the client sent includes the sockets' buffers (megabytes on loopback): RSS says what was read
+    assert rss_mib(svc) - before < 32, f"RSS grew {rss_mib(svc) - before:.0f} MiB for {sent} bytes of a refused header"
 
 
 @pytest.mark.parametrize(
