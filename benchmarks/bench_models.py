@@ -266,6 +266,12 @@ def summarize(rows: list[dict], device: str | None) -> dict:
         ratios = [r["ratio"] for r in rows if r["op"] == op]
         if ratios:
             out[op] = {"geomean": geomean(ratios), "min": min(ratios), "layers": len(ratios)}
+            # the layers whose tune the vendor's op won (TUNECACHE_VENDOR: on by default)
+            out[op]["vendor_won"] = sum(
+                any(e["config"] == {"vendor": True} for e in r["entries"]) for r in rows if r["op"] == op
+            )
+            out[op]["first_call_s_max"] = max(r["first_call_s"] for r in rows if r["op"] == op)
+    out["vendor_competes"] = os.environ.get("TUNECACHE_VENDOR", "1") not in ("0", "false", "no", "off")
     out["goal"] = {"geomean": 1.0, "min": 0.85, "dgrad_geomean": 0.95, "dgrad_min": 0.8}
     return out
 

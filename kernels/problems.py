@@ -280,11 +280,22 @@ def conv2d_wgrad_inputs(p: dict, device: str) -> tuple:
     return (x, g, p["R"], p["S"], *_conv_args(p))
 
 
+def _backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, st, pd, which: int) -> torch.Tensor:
+    """cuDNN's convolution backward as a channels_last model calls it: the gradient `which` (0:
+    input, 1: weight) of NCHW views of NHWC tensors; the other operand may be a placeholder of its
+    shape in the same layout (torch.nn.grad's expanded placeholders run a slower NCHW path)."""
+    mask = [which == 0, which == 1, False]
+    return torch.ops.aten.convolution_backward(grad, x, w, None, list(st), list(pd), [1, 1], False, [0, 0], 1, mask)[
+        which
+    ]
+
+
 def conv2d_wgrad_reference(x, grad_out, R, S, stride=1, padding=0) -> torch.Tensor:
     st, pd = stride_padding(stride, padding)
     xf, gf = _nchw(x, grad_out)
     Co, Ci = grad_out.shape[3], x.shape[3]
-    return _nhwc(torch.nn.grad.conv2d_weight(xf, (Co, Ci, R, S), gf, stride=st, padding=pd), x)
+    w = xf.new_empty((Co, R, S, Ci)).permute(0, 3, 1, 2)
+    return _nhwc(_backward(gf, xf, w, st, pd, 1), x)
 
 
 # ---- conv2d dgrad: grad_x[N, H, W, Ci] from grad_out and w -------------------------------------
@@ -312,7 +323,8 @@ def conv2d_dgrad_reference(grad_out, w, H, W, stride=1, padding=0) -> torch.Tens
     st, pd = stride_padding(stride, padding)
     gf, wf = _nchw(grad_out, w)
     N, Ci = grad_out.shape[0], w.shape[3]
-    return _nhwc(torch.nn.grad.conv2d_input((N, Ci, H, W), wf, gf, stride=st, padding=pd), grad_out)
+    x = gf.new_empty((N, H, W, Ci)).permute(0, 3, 1, 2)
+    return _nhwc(_backward(gf, x, wf, st, pd, 0), grad_out)
 
 
 def conv2d_dgrad_flops(p: dict) -> float:

@@ -340,8 +340,10 @@ def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[
 
     def check(config: dict) -> str | None:
         why = space(config)
-        if why is not None or is_vendor(config):  # the vendor's op runs every problem of its op
+        if why is not None:
             return why
+        if is_vendor(config):  # the vendor's op runs every problem of its op, where it competes
+            return None if settings.vendor_competes() else "the vendor's op, and TUNECACHE_VENDOR is off"
         if not mod.prune([config], problem, device):
             return f"the backend's pruning refuses it for this problem on {device} (resources or shape)"
         return None

@@ -33,6 +33,12 @@ QUICK_TIMING = {"warmup_ms": QUICK_WARMUP_MS, "rep_ms": QUICK_REP_MS}
 SETTLE_TIMING = {"warmup_ms": SETTLE_WARMUP_MS, "rep_ms": SETTLE_REP_MS}
 
 
+# a kernel wins over the vendor's op only where it is faster by more than this fraction: within
+# the timings' noise (a few percent at ~10 us), a kernel that won by noise ran 7% slower than
+# cuBLAS when measured again (moe-expert gate_up@M=1 on an H200); the vendor is the safe side
+VENDOR_MARGIN = 0.03
+
+
 class TuneError(RuntimeError):
     """No candidate compiled, ran and matched the reference."""
 
@@ -191,8 +197,8 @@ def tune(
     default_ms = next((t.median_ms for t in ok if t.config == default), None)
     vendor_ms = runner.vendor_ms(SETTLE_TIMING if on_gpu else {"cpu_reps": 3})
     mark("vendor")
-    if vendor_competes and vendor_ms is not None and vendor_ms < best.median_ms:
-        best = TrialRecord(VENDOR, "ok", median_ms=vendor_ms)  # torch's own op is faster here: it wins
+    if vendor_competes and vendor_ms is not None and vendor_ms * (1 - VENDOR_MARGIN) < best.median_ms:
+        best = TrialRecord(VENDOR, "ok", median_ms=vendor_ms)  # torch's own op is as fast here: it wins
         trials.append(best)
     winner_binaries = runner.binaries(best.config) if on_gpu and not is_vendor(best.config) else []
     mark("binaries")
