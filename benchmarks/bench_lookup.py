@@ -121,6 +121,11 @@ async def _load(
     finally:
         for c in clients:
             await c.aclose()
+    return _measured(latencies, errors, status, kinds, elapsed)
+
+
+def _measured(latencies: list[float], errors: int, status: dict, kinds: dict, elapsed: float) -> dict:
+    """A load run's figures: requests, errors, status counts, throughput and latency percentiles."""
     latencies.sort()
     ms = [x * 1e3 for x in latencies]
     return {
@@ -209,24 +214,7 @@ async def _raw_load(
 
     await asyncio.gather(*(one_user(i) for i in range(concurrency)))
     elapsed = time.perf_counter() - t_measure
-    latencies.sort()
-    ms = [x * 1e3 for x in latencies]
-    return {
-        "requests": len(latencies) + errors,
-        "ok": len(latencies),
-        "errors": errors,
-        "status_counts": {str(k): v for k, v in sorted(status.items())},
-        "client_errors": kinds,
-        "seconds": round(elapsed, 3),
-        "requests_per_s": round(len(latencies) / elapsed, 1),
-        "latency_ms": {
-            "p50": round(_percentile(ms, 50), 3),
-            "p90": round(_percentile(ms, 90), 3),
-            "p99": round(_percentile(ms, 99), 3),
-            "max": round(ms[-1], 3) if ms else None,
-            "mean": round(statistics.fmean(ms), 3) if ms else None,
-        },
-    }
+    return _measured(latencies, errors, status, kinds, elapsed)
 
 
 def _wrk(
