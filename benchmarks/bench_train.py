@@ -12,6 +12,13 @@ shapes are pre-tuned first (`tunecache manifest --from-model` of this very model
 
     python benchmarks/bench_train.py [--batch 128] [--steps 20] [--rounds 3] [--loss-steps 50]
         [--max-candidates 48] [--no-pretune]
+    python benchmarks/bench_train.py --model small_cnn --batch 32 --modes eager,compile,reduce-overhead,cuda-graph
+
+--model small_cnn is the host-bound case (issue 39): ten 3x3 convolutions and a Linear on 32x32
+images, where a step's kernels are a few microseconds each and the host's time per layer call
+decides. --modes times each way of running a step, torch's model and tunecache's each the same
+way in the same run: eager, `torch.compile` (default mode), `torch.compile(mode="reduce-overhead")`
+(CUDA graphs under Inductor) and a whole step captured by `torch.cuda.graph` and replayed.
 
 JSON (with `summary`: step_ratio = torch step / tunecache step, the loss curves' largest
 relative gap) and the PNG go to benchmarks/results/.
@@ -83,9 +90,29 @@ def resnet50(num_classes: int = 1000) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def build(seed: int, convert: bool) -> torch.nn.Module:
+def small_cnn(num_classes: int = 10) -> torch.nn.Module:
+    """Ten 3x3 convolutions (BatchNorm, ReLU; stride 2 at the 3rd, 5th and 7th) and a Linear."""
+    chans = (3, 32, 32, 64, 64, 128, 128, 256, 256, 256, 256)
+    layers: list[torch.nn.Module] = []
+    for i in range(10):
+        stride = 2 if i in (2, 4, 6) else 1
+        layers += [
+            torch.nn.Conv2d(chans[i], chans[i + 1], 3, stride=stride, padding=1, bias=False),
+            torch.nn.BatchNorm2d(chans[i + 1]),
+            torch.nn.ReLU(inplace=True),
+        ]
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(chans[-1], num_classes)]
+    return torch.nn.Sequential(*layers)
+
+
+# model name -> (factory, one sample's shape, classes)
+MODELS = {"resnet50": (resnet50, (3, 224, 224), 1000), "small_cnn": (small_cnn, (3, 32, 32), 10)}
+MODES = ("eager", "compile", "reduce-overhead", "cuda-graph")
+
+
+def build(seed: int, convert: bool, name: str = "resnet50") -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = resnet50()
+    model = MODELS[name][0]()
     if convert:
         import tunecache.nn
 
@@ -93,11 +120,12 @@ def build(seed: int, convert: bool) -> torch.nn.Module:
     return model.to("cuda", torch.bfloat16, memory_format=torch.channels_last).train()
 
 
-def batches(n: int, batch: int, seed: int):
+def batches(n: int, batch: int, seed: int, name: str = "resnet50"):
+    _, sample, classes = MODELS[name]
     g = torch.Generator(device="cuda").manual_seed(seed)
     for _ in range(n):
-        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16, generator=g)
-        y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
+        x = torch.randn(batch, *sample, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = torch.randint(0, classes, (batch,), device="cuda", generator=g)
         yield x.contiguous(memory_format=torch.channels_last), y
 
 
@@ -111,14 +139,26 @@ def step(model, opt, x, y) -> torch.Tensor:
 
 def pretune(args) -> float:
     """`tunecache manifest --from-model` of this script's model, then `tunecache pretune`."""
-    manifest = Path(tempfile.mkdtemp()) / "resnet50.toml"
+    manifest = Path(tempfile.mkdtemp()) / f"{args.model}.toml"
+    sample = ",".join(map(str, MODELS[args.model][1]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     if args.max_candidates is not None:
         env["TUNECACHE_MAX_CANDIDATES"] = str(args.max_candidates)
     t0 = time.perf_counter()
     cli = [sys.executable, "-m", "tunecache.cli"]
     subprocess.run(
-        [*cli, "manifest", "--from-model", "bench_train:resnet50", "--batch", str(args.batch), "-o", str(manifest)],
+        [
+            *cli,
+            "manifest",
+            "--from-model",
+            f"bench_train:{args.model}",
+            "--batch",
+            str(args.batch),
+            "--input",
+            sample,
+            "-o",
+            str(manifest),
+        ],
         env=env,
         check=True,
     )
@@ -126,21 +166,55 @@ def pretune(args) -> float:
     return time.perf_counter() - t0
 
 
-def time_steps(model, opt, data, n: int) -> float:
-    """Median milliseconds of `n` steps (CUDA events)."""
-    times = []
+def time_steps(run, data, n: int) -> float:
+    """Milliseconds per step of `n` steps of `run(x, y)` back to back (CUDA events around them
+    all: the host's time per step counts where it is longer than the GPU's)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for x, y in data[:n]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(model, opt, x, y)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        run(x, y)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def stepper(mode: str, model, opt, example):
+    """A step `run(x, y)` of `model` run the `mode` way (MODES)."""
+    if mode == "eager":
+        return lambda x, y: step(model, opt, x, y)
+    if mode in ("compile", "reduce-overhead"):
+        compiled = torch.compile(model, mode=None if mode == "compile" else "reduce-overhead")
+        return lambda x, y: step(compiled, opt, x, y)
+    # a whole step (forward, backward, SGD) captured once and replayed on copies of the inputs,
+    # as torch's CUDA graph docs capture a network; warmed up on a side stream first
+    static_x, static_y = example[0].clone(), example[1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(model, opt, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = torch.nn.functional.cross_entropy(model(static_x).float(), static_y)
+        loss.backward()
+        opt.step()
+
+    def replay(x, y):
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        return loss
+
+    return replay
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="resnet50")
+    ap.add_argument("--modes", default="eager", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3)
@@ -155,44 +229,62 @@ def main() -> None:
         print(f"plot {plot(args.plot)}")
         return
 
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}")
     tune_s = None if args.no_pretune else pretune(args)
-    data = list(batches(max(args.steps, args.warmup), args.batch, seed=1))
-    models = {"torch": build(0, convert=False), "tunecache": build(0, convert=True)}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in models.items()}
-    for k, m in models.items():  # warm-up: first calls, cuDNN's algorithm search
-        for x, y in data[: args.warmup]:
-            step(m, opts[k], x, y)
-    torch.cuda.synchronize()
-    rounds = {k: [] for k in models}
-    for _ in range(args.rounds):
+    data = list(batches(max(args.steps, args.warmup), args.batch, seed=1, name=args.model))
+    ms_by_mode: dict[str, dict[str, float]] = {}
+    rounds_by_mode: dict[str, dict[str, list[float]]] = {}
+    for mode in modes:
+        models = {k: build(0, convert=k == "tunecache", name=args.model) for k in ("torch", "tunecache")}
+        opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in models.items()}
+        runs = {}
         for k, m in models.items():
-            rounds[k].append(time_steps(m, opts[k], data, args.steps))
-    ms = {k: statistics.median(v) for k, v in rounds.items()}
+            runs[k] = stepper(mode, m, opts[k], data[0])
+            for x, y in data[: args.warmup]:  # warm-up: first calls, cuDNN's algorithm search, compiles
+                runs[k](x, y)
+        torch.cuda.synchronize()
+        rounds = {k: [] for k in models}
+        for _ in range(args.rounds):
+            for k in models:
+                rounds[k].append(time_steps(runs[k], data, args.steps))
+        rounds_by_mode[mode] = rounds
+        ms_by_mode[mode] = {k: statistics.median(v) for k, v in rounds.items()}
+        ms = ms_by_mode[mode]
+        print(
+            f"{args.model} step, batch {args.batch}, {mode}: torch {ms['torch']:.2f} ms, tunecache "
+            f"{ms['tunecache']:.2f} ms ({ms['torch'] / ms['tunecache']:.3f}x)",
+            flush=True,
+        )
 
-    # the loss of the same steps from the same seed and data
+    # the loss of the same steps from the same seed and data (eager)
     losses = {}
-    for k in models:
-        model = build(0, convert=k == "tunecache")
+    for k in ("torch", "tunecache"):
+        model = build(0, convert=k == "tunecache", name=args.model)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        losses[k] = [step(model, opt, x, y).item() for x, y in batches(args.loss_steps, args.batch, seed=2)]
+        data2 = batches(args.loss_steps, args.batch, seed=2, name=args.model)
+        losses[k] = [step(model, opt, x, y).item() for x, y in data2]
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses["tunecache"], losses["torch"]))
 
-    name = args.out.stem if args.out else f"train-resnet50-b{args.batch}"
+    name = args.out.stem if args.out else f"train-{args.model}-b{args.batch}"
     out_dir = args.out.parent if args.out else RESULTS
+    first = ms_by_mode[modes[0]]
     summary = {
-        "step_ratio": ms["torch"] / ms["tunecache"],
-        "step_ms": ms,
+        "model": args.model,
+        "step_ratio": first["torch"] / first["tunecache"],  # the first mode's (eager by default)
+        "step_ms": first,
+        "step_ratio_by_mode": {m: v["torch"] / v["tunecache"] for m, v in ms_by_mode.items()},
+        "step_ms_by_mode": ms_by_mode,
         "loss_max_rel_gap": gap,
         "batch": args.batch,
         "pretune_s": tune_s,
         "device": device_info().get("device"),
     }
-    print(
-        f"ResNet-50 training step, batch {args.batch}: torch {ms['torch']:.1f} ms, tunecache "
-        f"{ms['tunecache']:.1f} ms ({summary['step_ratio']:.3f}x); loss curves within {gap:.3%}"
-    )
+    print(f"{summary['step_ratio_by_mode']}; loss curves within {gap:.3%}")
     # the JSON first: a GPU host without matplotlib keeps the run (plot it elsewhere: --plot)
-    path = write_results(name, {"summary": summary, "rounds_ms": rounds, "losses": losses}, out_dir)
+    path = write_results(name, {"summary": summary, "rounds_ms": rounds_by_mode, "losses": losses}, out_dir)
     print(f"wrote {path}")
     try:
         print(f"plot {plot(path)}")
@@ -215,7 +307,8 @@ def plot(results: Path) -> Path:
         ax.plot(range(1, len(v) + 1), v, label=k)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
-    ax.set_title(f"ResNet-50, batch {data['summary']['batch']}, bf16, same seed and data")
+    model = data["summary"].get("model", "resnet50")
+    ax.set_title(f"{model}, batch {data['summary']['batch']}, bf16, same seed and data")
     ax.legend()
     png = Path(results).with_name(Path(results).stem + "-loss.png")
     fig.savefig(png, dpi=120, bbox_inches="tight")
