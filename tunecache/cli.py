@@ -197,7 +197,7 @@ def tune(
     device = local_device(gpu)
     mod = _backend(op, device, p, backend)
     from tunecache.cache.config_cache import CACHE
-    from tunecache.ops.launcher import launchable
+    from tunecache.ops.launcher import launchable, tune_announcement
 
     _store()  # a store that cannot be opened at all is an error here, not a warning
     key = make_key(mod, p, device)
@@ -218,6 +218,7 @@ def tune(
         TextColumn("left"),
         TimeRemainingColumn(),
     )
+    where = torch_device_for(device, gpu)
     with Progress(*columns, console=err, transient=True) as bar, Ticker() as ticker:
         what = f"tuning {mod.KERNEL} on {device}"
         task = bar.add_task(what, total=None, compiled="", best="best: —")
@@ -227,6 +228,8 @@ def tune(
         state = {"compiled": None, "best": None}
 
         def progress(stage, i, n, best_ms):
+            if stage == "start":  # what is tuned, and roughly how long it takes (the launcher says the same)
+                err.print(tune_announcement(mod, p, device, n, where), highlight=False)
             if stage == "compile":
                 state["compiled"] = max(state["compiled"] or 0, i)
             else:
@@ -240,9 +243,7 @@ def tune(
             ticker.update(f"{what}: {timed:.0f}/{n} timed{compiled} · {best}")
 
         try:
-            result = run_tune(
-                mod, p, device, torch_device=torch_device_for(device, gpu), source="cli", progress=progress
-            )
+            result = run_tune(mod, p, device, torch_device=where, source="cli", progress=progress)
         except TuneError as e:
             _fail(str(e))
     kept = CACHE.keep_tuned(result, device)

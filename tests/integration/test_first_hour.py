@@ -302,3 +302,37 @@ def test_tune_writes_progress_lines_to_a_log(db_url):
     lines = re.findall(r"^tuning conv2d_fprop\.portable on cpu:0: .* \(\d+ s\)$", proc.stderr, re.M)
     assert lines, proc.stderr  # stderr is a pipe here, as in a CI log: no bar, plain lines
     assert "\x1b[" not in proc.stderr and "candidates (digest" in proc.stdout
+
+
+def test_the_tuning_estimate_learns_from_the_stores_past_tunes(db_url):
+    """The first tune of a kernel here is a first guess and says so; the next one, of another
+    shape, is learned from the store's past tunes (their seconds a candidate, their runner
+    starts left out) and lands within 2x of what it takes; a library call says the same."""
+    import re
+
+    from tunecache.store import Store
+
+    def estimate(stderr: str) -> tuple[float, str]:
+        (m,) = re.findall(
+            r"^tuning matmul\.portable for .*: (\d+) candidates, roughly ([\d.]+) s \((.*)\)$", stderr, re.M
+        )
+        return float(m[1]), m[2]
+
+    first = tc("tune", "matmul", "-p", "M=40,N=36,K=24,dtype=float32")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert estimate(first.stderr) == (1.8, "a first guess"), first.stderr  # today's formula: 18 x 0.1 s
+    second = tc("tune", "matmul", "-p", "M=64,N=48,K=32,dtype=float32")
+    assert second.returncode == 0, second.stderr[-2000:]
+    guessed, basis = estimate(second.stderr)
+    store = Store(db_url)
+    try:
+        (rec,) = [r for r in store.list_configs() if r.key.problem["M"] == 64]
+    finally:
+        store.close()
+    took = rec.tune_seconds
+    assert basis == "from 1 past tune here" and took is not None
+    assert took / 2 <= guessed <= took * 2, f"estimated {guessed} s, the tune took {took:.2f} s"
+    code = "import torch; from tunecache import ops; ops.matmul(torch.randn(48, 32), torch.randn(32, 40))"
+    call = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    (line,) = [ln for ln in call.stderr.splitlines() if ln.startswith("tunecache: tuning matmul.portable")]
+    assert call.returncode == 0 and "s (from 2 past tunes here); later calls" in line, call.stderr

@@ -176,6 +176,75 @@ def test_default_and_vendor_times_go_with_the_result(store, tmp_path):
     assert store.get_config(k.digest).default_ms == 2.0, "a submission never changes the winner"
 
 
+def test_a_tunes_seconds_stay_with_its_winner_and_are_read_back_as_past_tunes(store):
+    """How long a kept tune took here (wall seconds, of them the runner's start) is kept with the
+    winner, replaced with it, and read back by past_tunes for the next tune's estimate: the
+    kernel's tunes on the device class, newest first; fleet copies and untimed rows left out."""
+    k = key(1)
+    store.put_config(ConfigRecord(k, CFG, 1.0, candidates=18, tune_seconds=2.5, start_seconds=1.5))
+    got = store.get_config(k.digest)
+    assert (got.tune_seconds, got.start_seconds) == (2.5, 1.5)
+    store.put_config(ConfigRecord(k, dict(CFG, BLOCK_M=64), 2.0, candidates=18, tune_seconds=9.0))
+    assert store.get_config(k.digest).tune_seconds == 2.5, "a result that lost keeps nothing of its own"
+    store.put_config(ConfigRecord(k, dict(CFG, BLOCK_M=64), 0.5, candidates=20, tune_seconds=3.0))
+    got = store.get_config(k.digest)
+    assert (got.candidates, got.tune_seconds, got.start_seconds) == (20, 3.0, None), "a new winner: its own"
+    store.put_config(ConfigRecord(key(2), CFG, 1.0, candidates=8, tune_seconds=1.0, start_seconds=0.0))
+    store.put_config(ConfigRecord(key(3), CFG, 1.0, candidates=8))  # not timed (an import, an older tunecache)
+    store.put_config(ConfigRecord(key(4, arch="sm_90", sms=132), CFG, 1.0, candidates=8, tune_seconds=1.0))
+    store.put_config(ConfigRecord(key(5, kernel="conv2d_fprop.portable"), CFG, 1.0, candidates=8, tune_seconds=1.0))
+    assert store.put_fleet_copy(ConfigRecord(key(6), CFG, 1.0, candidates=8, tune_seconds=1.0), generation=1)
+    past = store.past_tunes("matmul.portable", "cpu", 0)
+    assert [(r.key.problem["M"], r.tune_seconds) for r in past] == [(2, 1.0), (1, 3.0)]
+    assert [r.key.problem["M"] for r in store.past_tunes("matmul.portable", "cpu", 0, limit=1)] == [2]
+
+
+def test_the_tune_seconds_revision_upgrades_and_downgrades(empty_db_url):
+    """Revision 0008 adds tune_seconds and start_seconds to winners (null for what was stored
+    before) and drops them again, keeping the rows, their other columns and their indexes."""
+    from alembic import command
+    from sqlalchemy import create_engine, inspect
+
+    from tunecache.store.migrate import alembic_config, upgrade
+
+    def columns():
+        return {c["name"] for c in inspect(engine).get_columns("tuned_configs")}
+
+    engine = create_engine(empty_db_url)
+    upgrade(engine, "0007")
+    assert not {"tune_seconds", "start_seconds"} & columns()
+    upgrade(engine, "0008")
+    assert {"tune_seconds", "start_seconds"} <= columns() and "tune_seconds" in {
+        c["name"] for c in inspect(engine).get_columns("submissions")
+    }
+    store = Store(empty_db_url)
+    try:
+        store.put_config(
+            ConfigRecord(key(1), CFG, 1.0, candidates=4, default_ms=2.0, tune_seconds=3.0, start_seconds=1.0)
+        )
+    finally:
+        store.close()
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0007")
+    assert current_revision(engine) == "0007"
+    assert not {"tune_seconds", "start_seconds"} & columns() and {"reports", "default_ms"} <= columns()
+    assert {"ix_tuned_configs_digest", "ix_tuned_configs_kernel"} <= {
+        i["name"] for i in inspect(engine).get_indexes("tuned_configs")
+    }
+    engine.dispose()
+    store = Store(empty_db_url)  # migrates to head again: the row is kept, its seconds are gone
+    try:
+        assert current_revision(store.engine) == head_revision()
+        got = store.get_config(key(1).digest)
+        assert (got.median_ms, got.candidates, got.default_ms) == (1.0, 4, 2.0)
+        assert (got.tune_seconds, got.start_seconds) == (None, None)
+        assert store.past_tunes("matmul.portable", "cpu", 0) == []
+    finally:
+        store.close()
+
+
 def test_the_times_revision_upgrades_and_downgrades(empty_db_url):
     """Revision 0005 adds default_ms and vendor_ms to winners and submissions (null for what was
     stored before) and drops them again, keeping the rows and their indexes."""

@@ -354,34 +354,28 @@ def launchable(mod: ModuleType, problem: dict, device: DeviceClass) -> Callable[
 def announce_tune(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> Callable[..., None]:
     """Tuning blocks the caller's call: say so once, with what and roughly how long."""
     said = []
-    from tunecache.tuning.isolated import runner_start_s
-
-    start = runner_start_s(torch_device)
 
     def progress(stage: str, done: int, total: int, best_ms: float | None) -> None:
         if said:
             return
         said.append(stage)
-        if device.arch == "cpu":
-            guess = total * 0.1  # the interpreter, on small shapes
-        else:
-            from tunecache.tuning.compile_pool import default_workers
-
-            # as measured on an H100 host: compiles in rounds of the pool's width, then ~30 ms
-            # of checks and timings per candidate
-            guess = start + -(-total // default_workers()) * 0.6 + total * 0.03
-        shape = ",".join(f"{k}={v}" for k, v in problem.items() if not k.startswith("gemm_"))
         log.warning(
-            "tunecache: tuning %s for %s on %s: %d candidates, roughly %.0f s; later calls and "
-            "processes reuse the winner (TUNECACHE_MISS_POLICY=default never blocks)",
-            mod.KERNEL,
-            shape,
-            device,
-            total,
-            max(1.0, guess),
+            "tunecache: %s; later calls and processes reuse the winner (TUNECACHE_MISS_POLICY=default never blocks)",
+            tune_announcement(mod, problem, device, total, torch_device),
         )
 
     return progress
+
+
+def tune_announcement(mod: ModuleType, problem: dict, device: DeviceClass, candidates: int, torch_device: str) -> str:
+    """'tuning matmul.portable for M=40,N=36,K=24,dtype=float32 on cpu:0: 18 candidates,
+    roughly 0.9 s (from 2 past tunes here)': what a tune about to start says (the launcher's
+    announcement, `tunecache tune`'s first line)."""
+    from tunecache.tuning.estimate import estimate_tune
+
+    shape = ",".join(f"{k}={v}" for k, v in problem.items() if not k.startswith("gemm_"))
+    estimate = estimate_tune(mod, problem, device, candidates, torch_device)
+    return f"tuning {mod.KERNEL} for {shape} on {device}: {candidates} candidates, {estimate.text()}"
 
 
 def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> None:

@@ -68,6 +68,7 @@ class ConfigStore(StoreBase):
     ) -> tuple[ConfigRecord, bool]:
         """Keep `rec` unless the stored result is as fast (within REPLACE_MARGIN); `displace`:
         keep `rec` whatever the times (the stored winner cannot be launched: TrustStore.publish)."""
+        values = dict(values, tune_seconds=rec.tune_seconds, start_seconds=rec.start_seconds)  # a winner's own
         if insert_ignore(s, TunedConfigRow.__table__, values):
             return rec, True
         row = s.execute(
@@ -113,6 +114,8 @@ class ConfigStore(StoreBase):
         for the key is never overwritten; returns whether the copy was written."""
         values = dict(
             result_values(rec),
+            tune_seconds=rec.tune_seconds,
+            start_seconds=rec.start_seconds,
             tuned_by=rec.tuned_by or "",
             source="fleet",
             fleet_checked_at=utcnow(),
@@ -240,6 +243,26 @@ class ConfigStore(StoreBase):
                 q = q.offset(offset)
             if limit is not None:
                 q = q.limit(limit)
+            return _readable(s.execute(q).scalars())
+
+    def past_tunes(self, kernel: str, arch: str, sm_count: int, limit: int = 50) -> list[ConfigRecord]:
+        """The winners of `kernel` on a device class that were tuned here, with how long each
+        tune took (`tune_seconds`, `start_seconds`), newest first: what the next tune's estimate
+        learns from (tunecache.tuning.estimate). Fleet copies and imports took no time here."""
+        with self._read() as s:
+            q = (
+                select(TunedConfigRow)
+                .where(
+                    TunedConfigRow.kernel == kernel,
+                    TunedConfigRow.arch == arch,
+                    TunedConfigRow.sm_count == sm_count,
+                    TunedConfigRow.tune_seconds.is_not(None),
+                    TunedConfigRow.candidates > 0,
+                    TunedConfigRow.source != "fleet",
+                )
+                .order_by(TunedConfigRow.tuned_at.desc(), TunedConfigRow.id.desc())
+                .limit(limit)
+            )
             return _readable(s.execute(q).scalars())
 
     def find_configs(self, prefix: str) -> list[ConfigRecord]:

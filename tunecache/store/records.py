@@ -68,6 +68,11 @@ class ConfigRecord:
     # local bookkeeping of fleet copies (never sent or received)
     fleet_checked_at: datetime | None = None
     fleet_generation: int | None = None
+    # how long this host's tune took (wall seconds) and, of them, its trial runner's start;
+    # local too: what the next tune here expects (tunecache.tuning.estimate). The fleet gets a
+    # tune's seconds as a publish's `tune_seconds`, beside the record.
+    tune_seconds: float | None = None
+    start_seconds: float | None = None
 
     @property
     def digest(self) -> str:

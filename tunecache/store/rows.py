@@ -74,6 +74,11 @@ class TunedConfigRow(ResultColumns, Base):
     # reports of hosts that could not launch this winner (Store.report): a worker's re-time
     # that finds only other configs then replaces it, slower or not (Store.publish)
     reports: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # how long the tune that made this winner took here (wall seconds), and of them the trial
+    # runner's start, which a warm runner does not pay: the next tune's estimate learns from
+    # them (tunecache.tuning.estimate); null where not measured here (fleet copies, imports)
+    tune_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    start_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class SubmissionRow(ResultColumns, Base):
@@ -265,6 +270,8 @@ def config_record(row: TunedConfigRow) -> ConfigRecord:
         vendor_ms=row.vendor_ms,
         fleet_checked_at=row.fleet_checked_at,
         fleet_generation=row.fleet_generation,
+        tune_seconds=row.tune_seconds,
+        start_seconds=row.start_seconds,
     )
 
 

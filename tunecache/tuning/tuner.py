@@ -61,6 +61,15 @@ class TuneResult:
     # where the seconds went: stage -> seconds since the start (the benchmarks print it)
     timeline: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def start_seconds(self) -> float:
+        """Of `seconds`, how long the tune waited for its trial runner to start (its process,
+        torch's import, CUDA's): what a warm runner does not pay again; the problem's inputs
+        and reference, which every tune makes, are not part of it."""
+        t = self.timeline
+        made = t.get("runner_inputs_s", 0.0) + t.get("runner_reference_s", 0.0)
+        return round(max(0.0, min(self.seconds, t.get("inputs_ready", 0.0) - made)), 3)
+
     def record(self, device: DeviceClass) -> ConfigRecord:
         """The winner as the store and the fleet keep it."""
         return ConfigRecord(
@@ -74,6 +83,8 @@ class TuneResult:
             source=self.source,
             default_ms=self.default_ms,
             vendor_ms=self.vendor_ms,
+            tune_seconds=round(self.seconds, 3),
+            start_seconds=self.start_seconds,
         )
 
 
