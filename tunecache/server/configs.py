@@ -318,28 +318,7 @@ def _publish(raw: bytes, token: TokenRecord, state, metrics: Metrics) -> Publish
 def submissions(
     digest: DigestPath, _: ReadToken, store: StoreDep, limit: int = Query(1000, ge=1, le=10000)
 ) -> list[SubmissionOut]:
-    rows = store.submissions(digest, limit=limit)
-    return [
-        SubmissionOut(
-            **s.key.fields(),
-            digest=s.digest,
-            id=s.id,
-            config=s.config,
-            median_ms=s.median_ms,
-            tflops=s.tflops,
-            candidates=s.candidates,
-            default_ms=s.default_ms,
-            vendor_ms=s.vendor_ms,
-            device_name=s.device_name,
-            tuned_by=s.tuned_by,
-            source=s.source,
-            submitted_by=s.submitted_by,
-            accepted=s.accepted,
-            tune_seconds=s.tune_seconds,
-            created_at=s.created_at,
-        )
-        for s in rows
-    ]
+    return [SubmissionOut.of(s) for s in store.submissions(digest, limit=limit)]
 
 
 @router.delete(

@@ -157,7 +157,24 @@ def large_body(path: str) -> bool:
     return path == "/v1/import" or (path.startswith("/v1/configs/") and path.endswith("/binaries"))
 
 
-class BodyDeadline:
+class _BodyGuard:
+    """An ASGI middleware that bounds a request's body, if it has one (not GET, HEAD, OPTIONS
+    or DELETE): by `bound`, or `large_bound` on the routes whose bodies may be large."""
+
+    def __init__(self, app: Any, bound: float, large_bound: float) -> None:
+        self.app, self.bound, self.large_bound = app, bound, large_bound
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        await self.guard(scope, receive, send, self.large_bound if large_body(scope["path"]) else self.bound)
+
+    async def guard(self, scope, receive, send, bound) -> None:
+        raise NotImplementedError
+
+
+class BodyDeadline(_BodyGuard):
     """408 for a request whose body is not all received within `timeout_s` of its start.
 
     uvicorn bounds the size of headers and the idle time between requests, not the time a
@@ -167,14 +184,10 @@ class BodyDeadline:
     nothing is buffered here."""
 
     def __init__(self, app: Any, timeout_s: float, import_timeout_s: float) -> None:
-        self.app, self.timeout_s, self.import_timeout_s = app, timeout_s, import_timeout_s
+        super().__init__(app, timeout_s, import_timeout_s)
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
-            await self.app(scope, receive, send)
-            return
+    async def guard(self, scope, receive, send, timeout: float) -> None:
         loop = asyncio.get_running_loop()
-        timeout = self.import_timeout_s if large_body(scope["path"]) else self.timeout_s
         deadline = loop.time() + timeout
         received = timed_out = started = False
 
@@ -209,17 +222,13 @@ class BodyDeadline:
                 raise
 
 
-class BodyLimit:
+class BodyLimit(_BodyGuard):
     """413 for a body over the limit, whether it says its length or is chunked."""
 
     def __init__(self, app: Any, limit: int, import_limit: int) -> None:
-        self.app, self.limit, self.import_limit = app, limit, import_limit
+        super().__init__(app, limit, import_limit)
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
-            await self.app(scope, receive, send)
-            return
-        limit = self.import_limit if large_body(scope["path"]) else self.limit
+    async def guard(self, scope, receive, send, limit: int) -> None:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():

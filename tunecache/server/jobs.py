@@ -43,23 +43,11 @@ LEASE_LOST = {
 Status = Literal[JOB_STATUSES]  # type: ignore[valid-type]
 
 
-def job_out(job: JobRecord) -> JobOut:
-    return JobOut(
-        **job.key.fields(),
-        digest=job.digest,
-        id=job.id,
-        status=job.status,
-        priority=job.priority,
-        attempts=job.attempts,
-        max_attempts=job.max_attempts,
-        lease_owner=job.lease_owner,
-        lease_expires_at=job.lease_expires_at,
-        not_before=job.not_before,
-        created_at=job.created_at,
-        last_error=job.last_error,
-        unreadable=job.unreadable,
-        retime=job.retime,
-    )
+def _job_or_404(job: JobRecord | None, digest: str) -> JobOut:
+    """The job's answer, or a 404 where the store has no job for `digest`."""
+    if job is None:
+        raise HTTPException(404, f"no job for digest {digest}")
+    return JobOut.of(job)
 
 
 def _known_kernel(kernel: str, where: str = "") -> None:
@@ -100,7 +88,7 @@ def _lost(job_id: int) -> HTTPException:
 def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsDep) -> JobOut:
     _known_kernel(body.kernel)
     metrics.enqueued.inc()
-    return job_out(store.enqueue(key_of(body), priority=body.priority, max_attempts=body.max_attempts))
+    return JobOut.of(store.enqueue(key_of(body), priority=body.priority, max_attempts=body.max_attempts))
 
 
 @router.post(
@@ -130,7 +118,7 @@ def list_jobs(
     sm_count: Optional[int] = Query(None, ge=0, le=100_000),
     limit: int = Query(1000, ge=1, le=10000),
 ) -> list[JobOut]:
-    return [job_out(j) for j in store.list_jobs(status=status, limit=limit, arch=arch, sm_count=sm_count)]
+    return [JobOut.of(j) for j in store.list_jobs(status=status, limit=limit, arch=arch, sm_count=sm_count)]
 
 
 @router.get("/stats", response_model=QueueOut, summary="Jobs per status (queue depth)")
@@ -156,10 +144,7 @@ def job_statuses(body: StatusesIn, _: ReadToken, store: StoreDep) -> StatusesOut
 
 @router.get("/{digest}", response_model=JobOut, responses={404: {"model": ErrorOut}}, summary="The job of a key")
 def get_job(digest: DigestPath, _: ReadToken, store: StoreDep) -> JobOut:
-    job = store.get_job(digest)
-    if job is None:
-        raise HTTPException(404, f"no job for digest {digest}")
-    return job_out(job)
+    return _job_or_404(store.get_job(digest), digest)
 
 
 @router.post(
@@ -176,9 +161,7 @@ def retry(digest: DigestPath, token: AdminToken, store: StoreDep) -> JobOut:
         job = store.retry_job(digest, actor=token)
     except JobStateError as e:
         raise HTTPException(409, str(e)) from None
-    if job is None:
-        raise HTTPException(404, f"no job for digest {digest}")
-    return job_out(job)
+    return _job_or_404(job, digest)
 
 
 @router.delete(
@@ -215,7 +198,7 @@ def claim(body: ClaimIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -
     if job is None:
         return ClaimOut(job=None)
     metrics.job_events.labels("claimed").inc()
-    return ClaimOut(job=job_out(job), lease_secret=job.lease_secret)
+    return ClaimOut(job=JobOut.of(job), lease_secret=job.lease_secret)
 
 
 @router.post("/{job_id}/heartbeat", response_model=JobStatusOut, responses=LEASE_LOST, summary="Extend a lease")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Self, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
@@ -204,6 +204,13 @@ class KeyOut(BaseModel):
     sm_count: int
     problem: dict[str, Any]
     digest: str
+
+    @classmethod
+    def of(cls, rec: Any) -> Self:
+        """This answer from a store record (a job, a submission): its key's fields, and the
+        record's attribute of the same name for each other field the model declares."""
+        given = rec.key.fields()
+        return cls(**given, **{name: getattr(rec, name) for name in cls.model_fields.keys() - given.keys()})
 
 
 class ConfigOut(KeyOut):
