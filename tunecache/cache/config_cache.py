@@ -6,6 +6,13 @@
 - a fault of the local store (read-only, full disk, corrupt, newer schema, a lock held past
   the busy timeout) is one warning naming the cause, and the lookup goes on with the fleet
   and the miss policy (`tunecache.store.local` opens the best store that still works);
+- a call never waits on a write: what it leaves to the store or the fleet (its key queued, a
+  fleet copy, a report) is made beside it by the store's writer thread
+  (`tunecache.store.process.write_behind`); a store another process holds locked costs that
+  thread one busy timeout, after which its writes wait aside until it answers again, and a
+  result to keep (`keep`) waits with them rather than making a call wait again;
+- a call's fleet requests share one deadline (`FleetClient.for_a_call`): a fleet that missed
+  it is skipped by the next calls until a background probe finds it back;
 - a config is returned only if the caller's `check` accepts it for this problem and device
   (the kernel's space and the backend's own pruning): one that fails is dropped from the
   local store and reported to the fleet;
@@ -17,11 +24,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Literal, NamedTuple
 
 from tunecache import settings
 from tunecache.errors import short
@@ -71,12 +79,14 @@ class ConfigCache:
 
     # ---- where configs live ---------------------------------------------------------------
 
-    def store(self) -> Store | None:
-        """The local store, or None (one warning) when none can be had at all."""
+    def store(self, url: str | None = None) -> Store | None:
+        """The local store (`url`: default TUNECACHE_DB_URL), or None (one warning) when none can
+        be had at all. It does not wait for the writes left beside the calls (a call reads what
+        the store has)."""
         from tunecache.store.process import default_store
 
         try:
-            return default_store()
+            return default_store(url, settle_writes=False)
         except Exception as e:  # noqa: BLE001 - no store is a warning, never the caller's failure
             self._warn_fault("open", e)
             return None
@@ -90,8 +100,11 @@ class ConfigCache:
 
         return fleet_client(url)
 
-    def store_call(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
-        from tunecache.store import STORE_ERRORS, ReadOnlyStoreError
+    def store_call(self, what: str, fn: Callable[[], Any], default: Any = None, *, url: str | None = None) -> Any:
+        """`fn()`, or `default` on a fault of the store (`url`: its URL, default TUNECACHE_DB_URL),
+        warned once; a store another process held locked is marked so (its writes then wait
+        beside the calls, `tunecache.store.process.mark_locked`)."""
+        from tunecache.store import STORE_ERRORS, ReadOnlyStoreError, fault_kind
 
         try:
             return fn()
@@ -99,20 +112,32 @@ class ConfigCache:
             log.debug("tunecache: the local store is read-only: cannot %s", what)
             return default
         except STORE_ERRORS as e:
-            self._warn_fault(what, e)
+            if fault_kind(e) == "locked":
+                from tunecache.store.process import mark_locked
+
+                mark_locked(url or settings.db_url())
+            self._warn_fault(what, e, url)
             return default
 
-    def _warn_fault(self, what: str, e: BaseException) -> None:
-        from tunecache.store import describe_fault, sqlite_path
+    def _warn_fault(self, what: str, e: BaseException, url: str | None = None) -> None:
+        from tunecache.store import describe_fault, fault_kind, sqlite_path
 
         try:
-            path = sqlite_path(settings.db_url())
+            path = sqlite_path(url or settings.db_url())
         except Exception:  # noqa: BLE001 - the words are then less precise, nothing more
             path = None
         cause = describe_fault(e, path) or short(e)
         if cause in self._warned:
             return
         self._warned.add(cause)
+        if fault_kind(e) == "locked":
+            log.warning(
+                "tunecache: the local store failed to %s (%s); reads go on, and its writes wait beside "
+                "the calls until it answers again (those still waiting when the process exits are not kept)",
+                what,
+                cause,
+            )
+            return
         log.warning("tunecache: the local store failed to %s (%s); going on without it for this", what, cause)
 
     def warn_once(self, text: str) -> None:
@@ -162,7 +187,10 @@ class ConfigCache:
         kernel version, Triton and device class that `check` accepts: what a miss runs under
         policy `default` until its own winner is known. None without one, or without a store."""
         from tunecache.shapes import problem_distance
+        from tunecache.store.process import holds_nothing_yet
 
+        if holds_nothing_yet(settings.db_url()):  # no file yet: no neighbour, and no store to open
+            return None
         store = self.store()
         if store is None:
             return None
@@ -191,16 +219,23 @@ class ConfigCache:
         return quick_read.no_file(url) if found is quick_read.UNKNOWN else found is None
 
     def get(self, key: TuneKey, check: Check) -> ConfigRecord | None:
-        """The winner for `key` that `check` accepts, from the local store or the fleet; None: a miss."""
+        """The winner for `key` that `check` accepts, from the local store or the fleet; None: a
+        miss. Its fleet requests share one deadline (`FleetClient.for_a_call`)."""
+        fleet = self.fleet()
+        if fleet is None:
+            return self._get(key, check, None)
+        with _for_a_call(fleet):
+            return self._get(key, check, fleet)
+
+    def _get(self, key: TuneKey, check: Check, fleet: Any) -> ConfigRecord | None:
         rec = self.read_config(key.digest)
         if rec is not None and rec.source == "fleet" and self._stale(rec):
-            rec = self._recheck(self.store(), key, rec)
+            rec = self._recheck(key, rec)
         if rec is not None:
             why = _why_not(rec, key, check)
             if why is None:
                 return rec
             self.drop(key, rec.config, why, where="stored")
-        fleet = self.fleet()
         if fleet is None:
             return None
         status, frec = fleet.fetch(key)
@@ -213,7 +248,7 @@ class ConfigCache:
         why = _why_not(frec, key, check)
         if why is not None:
             log.warning("tunecache: ignoring the fleet's config of %s %s: %s", key.kernel, key.digest[:12], why)
-            fleet.report(key, frec.config, why)
+            self.fleet_behind(lambda fleet: fleet.report(key, frec.config, why))
             return None
         frec.source = "fleet"
         generation = fleet.generation
@@ -243,7 +278,7 @@ class ConfigCache:
         self._generation = fleet.current_generation()
         return self._generation
 
-    def _recheck(self, store: Store | None, key: TuneKey, rec: ConfigRecord) -> ConfigRecord | None:
+    def _recheck(self, key: TuneKey, rec: ConfigRecord) -> ConfigRecord | None:
         """Ask the fleet about a copy of its winner: still there, replaced, or removed."""
         fleet = self.fleet()
         if fleet is None:
@@ -253,15 +288,14 @@ class ConfigCache:
             return rec
         if status == "miss":
             log.info("tunecache: the fleet no longer has %s %s: removing this host's copy", key.kernel, key.digest[:12])
-            if store is not None:
-                self.store_call("remove a fleet copy", lambda: store.delete_fleet_copy(key.digest))
+            self.write_behind("remove a fleet copy", lambda store: store.delete_fleet_copy(key.digest))
             return None
         frec.source = "fleet"
-        if store is not None:
-            if frec.config == rec.config:
-                self.store_call("mark a fleet copy", lambda: store.mark_fleet_checked(key.digest, fleet.generation))
-            else:
-                self.store_call("keep a fleet copy", lambda: store.put_fleet_copy(frec, fleet.generation))
+        generation = fleet.generation
+        if frec.config == rec.config:
+            self.write_behind("mark a fleet copy", lambda store: store.mark_fleet_checked(key.digest, generation))
+        else:
+            self.write_behind("keep a fleet copy", lambda store: store.put_fleet_copy(frec, generation))
         if frec.config != rec.config:
             self.install_binaries(fleet, frec)
         return frec
@@ -299,21 +333,42 @@ class ConfigCache:
         return written
 
     def write_behind(self, what: str, fn: Callable[["Store"], Any]) -> None:
-        """A write the call need not wait for (a fleet copy, the fleet's word for a backend):
-        done at once when this process has its store open; otherwise left to the store's
-        writer thread, which opens it (SQLAlchemy's import and the schema: 0.5-0.7 s of a
-        fresh host's first call) once the call has launched its kernel (`process_store.write_behind`)."""
-        from tunecache.store.process import store_is_open, write_behind
+        """A write to this host's store that the call does not wait for (its key queued, a fleet
+        copy, a self-check verdict): left to the store's writer thread, which opens the store if
+        need be (SQLAlchemy's import and the schema: 0.5-0.7 s of a fresh host's first call) once
+        the call has launched its kernel, and holds it while another process holds the store
+        locked (`process_store.write_behind`)."""
+        from tunecache.store.process import write_behind
 
-        if store_is_open(settings.db_url()):
-            self._write(what, fn)
-        else:
-            write_behind(lambda: self._write(what, fn))
+        url = settings.db_url()
+        write_behind(lambda: self._write(what, fn, url), url)
 
-    def _write(self, what: str, fn: Callable[["Store"], Any]) -> None:
-        store = self.store()
-        if store is not None:
-            self.store_call(what, lambda: fn(store))
+    def _write(self, what: str, fn: Callable[["Store"], Any], url: str) -> bool:
+        """One write of the writer thread; False when another process held the store locked (it
+        is made again once the store answers)."""
+        from tunecache.store.process import is_locked
+
+        store = self.store(url)
+        if store is None:
+            return True
+        done = []
+        self.store_call(what, lambda: done.append(fn(store)), url=url)
+        return bool(done) or not is_locked(url)
+
+    def fleet_behind(self, fn: Callable[[Any], Any]) -> None:
+        """A fleet request the call does not wait for (its key queued, a report), made by the
+        store's writer thread under the rules of a call's requests (`FleetClient.for_a_call`)."""
+        from tunecache.store.process import write_behind
+
+        fleet = self.fleet()
+        if fleet is None:
+            return
+
+        def send() -> None:
+            with _for_a_call(fleet):
+                fn(fleet)
+
+        write_behind(send)
 
     # ---- the processes of a host ---------------------------------------------------------
 
@@ -349,15 +404,25 @@ class ConfigCache:
         decides), "never". `store`, `fleet`: where, when not this process's own; a fleet that
         is this very store (a worker of a host's own queue) keeps it once. A publish the fleet
         could not receive is tried `publish_attempts` times in all, waiting 0.5 s, 1 s, 2 s...
-        A store that cannot write keeps nothing and `rec` runs."""
+        A store that cannot write keeps nothing and `rec` runs; one another process holds locked
+        keeps it once it answers again (the writer thread waits for it, the call does not)."""
+        from tunecache.store.process import is_locked, settle
+
         trials = list(trials)
+        own, url = store is None, settings.db_url()
         store = store or self.store()
         fleet = fleet if fleet is not None else self.fleet()
         kept, won = rec, True
-        if store is not None:
-            kept, won = self.store_call(
-                "keep a tuning result", lambda: store.put_config(rec, trials, run_id), (rec, True)
-            )
+        if store is not None and own:
+            settle()  # after the writes left beside the calls: a bad row they drop must not outrun it
+        if store is not None and own and is_locked(url):
+            self.write_behind("keep a tuning result", lambda s: s.put_config(rec, trials, run_id))
+        elif store is not None:
+            put = self.store_call("keep a tuning result", lambda: store.put_config(rec, trials, run_id), None)
+            if put is not None:
+                kept, won = put
+            elif own and is_locked(url):  # it waited out the busy timeout: kept once the store answers
+                self.write_behind("keep a tuning result", lambda s: s.put_config(rec, trials, run_id))
         if fleet is None or publish == "never" or (publish == "if_won" and not won):
             return Kept(kept, won, None)
         if store is not None and getattr(fleet, "store", None) is store:
@@ -425,26 +490,26 @@ class ConfigCache:
         log.warning(
             "tunecache: dropping the %s config of %s %s %s: %s", where, key.kernel, key.digest[:12], config, reason
         )
-        store = self.store()
-        if store is not None:
 
-            def delete() -> None:
-                rec = store.get_config(key.digest)
-                if rec is not None and rec.config == config:
-                    store.delete_config(key.digest)
+        def delete(store: Store) -> None:
+            rec = store.get_config(key.digest)
+            if rec is not None and rec.config == config:
+                store.delete_config(key.digest)
 
-            self.store_call("drop a bad config", delete)
-        fleet = self.fleet()
-        if fleet is not None:
-            fleet.report(key, config, reason)
+        self.write_behind("drop a bad config", delete)
+        self.fleet_behind(lambda fleet: fleet.report(key, config, reason))
 
     def enqueue(self, key: TuneKey) -> None:
-        store = self.store()
-        if store is not None:
-            self.store_call("queue a tuning job", lambda: store.enqueue(key))
-        fleet = self.fleet()
-        if fleet is not None:
-            fleet.enqueue(key)
+        """Queue `key`'s tuning in this host's store and in the fleet, beside the call."""
+        self.write_behind("queue a tuning job", lambda store: store.enqueue(key))
+        self.fleet_behind(lambda fleet: fleet.enqueue(key))
+
+
+def _for_a_call(fleet: Any) -> ContextManager[Any]:
+    """The fleet's scope for a call's requests (`FleetClient.for_a_call`); none for a fleet
+    without one."""
+    scope = getattr(fleet, "for_a_call", None)
+    return scope() if scope is not None else contextlib.nullcontext()
 
 
 def _why_not(rec: ConfigRecord, key: TuneKey, check: Check) -> str | None:

@@ -14,6 +14,13 @@ breaker opens for `open_s` seconds, and calls return None at once, paying no tim
 call is let through; success closes the breaker, failure re-opens it. The launcher treats None
 as "the fleet had nothing": local store, then the miss policy.
 
+The requests a library call makes (`FleetClient.for_a_call`: its lookup, a copy's recheck and
+kernels, the enqueue and report it leaves beside it) share one deadline, and one of them that
+misses it opens the breaker at once, until a background probe (every `open_s` seconds) finds
+the service answering: no call waits for a hanging fleet a second time, not even the one the
+breaker would let through. (Only a call's request opens it so: a worker's heartbeat that runs
+late once must not cost it its lease.)
+
 https:// trusts TUNECACHE_CA_BUNDLE, else SSL_CERT_FILE / SSL_CERT_DIR, else certifi; proxies
 from the environment are ignored. A token sent over plain http:// to a host that is not
 loopback is warned about once per client. Settings come from `settings`; a bad value warns and
@@ -93,14 +100,22 @@ class CircuitBreaker:
         self._count = 0
         self._open_until = 0.0
         self._trial = False
+        self._missed = False  # a call's request missed its deadline: calls skip until an answer
         self._lock = threading.Lock()
 
     @property
     def is_open(self) -> bool:
-        return time.monotonic() < self._open_until
+        return self._missed or time.monotonic() < self._open_until
+
+    @property
+    def skips_calls(self) -> bool:
+        """A call's request missed its deadline and the service has not answered since."""
+        return self._missed
 
     def allow(self) -> bool:
         with self._lock:
+            if self._missed:
+                return False
             if self._count < self.failures:
                 return True
             if time.monotonic() < self._open_until or self._trial:
@@ -110,20 +125,28 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._lock:
-            self._count, self._open_until, self._trial = 0, 0.0, False
+            self._count, self._open_until, self._trial, self._missed = 0, 0.0, False, False
 
-    def failure(self) -> None:
+    def failure(self, missed_a_call: bool = False) -> bool:
+        """One more failure (`missed_a_call`: a call's request ran out of its deadline); True when
+        calls start skipping the service now (the caller starts the probe that lets them back)."""
         with self._lock:
             self._count += 1
             self._trial = False
             if self._count >= self.failures:
                 self._open_until = time.monotonic() + self.open_s
+            tripped = missed_a_call and not self._missed
+            self._missed = self._missed or missed_a_call
+            return tripped
 
 
 # ---- transport: one deadline per request, over httpcore -----------------------------------
 
 # When the request running in this thread must be done (time.monotonic()); None outside one.
 _DEADLINE: ContextVar[float | None] = ContextVar("tunecache_fleet_deadline", default=None)
+# [when the requests of the library call this thread serves must be done: set by the first]
+# inside `FleetClient.for_a_call`; None outside one
+_CALL: ContextVar[list | None] = ContextVar("tunecache_fleet_call", default=None)
 
 
 def _left(timeout: float | None, expired: type[Exception]) -> float | None:
@@ -341,9 +364,51 @@ class FleetClient:
         self._warned: set[tuple[int, str]] = set()
         # the fleet's generation as its last answer said (see tunecache.cache.config_cache)
         self.generation: int | None = None
+        self._closed = threading.Event()
+        self._prober: threading.Thread | None = None
+        self._prober_lock = threading.Lock()
 
     def close(self) -> None:
+        self._closed.set()
         self._http.close()
+
+    @contextlib.contextmanager
+    def for_a_call(self) -> Iterator[None]:
+        """The requests of one library call (in this thread): one deadline for them all,
+        TUNECACHE_SERVER_TIMEOUT_S from the first; none sent while a call's request that missed
+        its deadline has not been answered since (a background probe asks). Nested: the outer."""
+        if _CALL.get() is not None:
+            yield
+            return
+        scope = _CALL.set([None])
+        try:
+            yield
+        finally:
+            _CALL.reset(scope)
+
+    def _probe_until_back(self) -> None:
+        """Every `open_s` seconds, ask the service (GET /v1/generation, its own deadline) until
+        it answers; then the calls use it again."""
+        while not self._closed.wait(self.breaker.open_s):
+            if not self.breaker.skips_calls:
+                return  # another request found it back
+            try:
+                status, _ = self._exchange("GET", f"{API}/generation", None, None)
+            except (httpx.HTTPError, Unavailable, RuntimeError) as e:
+                log.debug("tunecache: fleet %s still does not answer (%s)", self.url, short(e))
+                continue
+            if status < 500 and status != 429:
+                self.breaker.success()
+                log.warning("tunecache: fleet %s answers again; calls use it again", self.url)
+                return
+
+    def _probe_later(self) -> None:
+        with self._prober_lock:
+            if self._prober is None or not self._prober.is_alive():
+                self._prober = threading.Thread(
+                    target=self._probe_until_back, name="tunecache-fleet-probe", daemon=True
+                )
+                self._prober.start()
 
     # ---- transport ----------------------------------------------------------------------
 
@@ -372,6 +437,7 @@ class FleetClient:
                 method,
                 path,
                 f"no whole answer within the deadline of {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)",
+                missed=True,
             )
             return None
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RecursionError, Unavailable) as e:
@@ -383,7 +449,13 @@ class FleetClient:
     def _exchange(self, method: str, path: str, json: Any, params: dict | None) -> tuple[int, bytes]:
         """One request and its whole answer, (status, body), within the deadline (else
         httpx.TimeoutException) and the size cap (else Unavailable)."""
-        scope = _DEADLINE.set(time.monotonic() + self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        call = _CALL.get()
+        if call is not None:  # the call's requests share one deadline, from the first
+            if call[0] is None:
+                call[0] = deadline
+            deadline = min(deadline, call[0])
+        scope = _DEADLINE.set(deadline)
         try:
             with self._http.stream(method, path, json=json, params=params) as r:
                 generation = r.headers.get(GENERATION_HEADER, "")
@@ -408,15 +480,21 @@ class FleetClient:
         finally:
             _DEADLINE.reset(scope)
 
-    def _failed(self, method: str, path: str, why: str) -> None:
-        self.breaker.failure()
+    def _failed(self, method: str, path: str, why: str, missed: bool = False) -> None:
+        tripped = self.breaker.failure(missed_a_call=missed and _CALL.get() is not None)
+        if tripped:
+            self._probe_later()
         log.warning(
             "tunecache: fleet %s %s%s failed (%s)%s",
             method,
             self.url,
             path,
             why,
-            "; circuit open" if self.breaker.is_open else "",
+            f"; calls skip it until it answers again (asked every {self.breaker.open_s:g} s)"
+            if tripped
+            else "; circuit open"
+            if self.breaker.is_open
+            else "",
         )
 
     def _warn_once(self, status: int, method: str, path: str, body: bytes) -> None:
@@ -478,7 +556,9 @@ class FleetClient:
                 raise Unavailable(f"answered {status}")
             data = jsonlib.loads(body)
         except httpx.TimeoutException:
-            self._failed(method, path, f"no whole answer within {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)")
+            self._failed(
+                method, path, f"no whole answer within {self.timeout_s:g} s (TUNECACHE_SERVER_TIMEOUT_S)", missed=True
+            )
             return None
         except (httpx.HTTPError, ValueError, RecursionError, Unavailable) as e:
             self._failed(method, path, short(e))
