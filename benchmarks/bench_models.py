@@ -182,6 +182,14 @@ def layers_named(names: str, ap: argparse.ArgumentParser) -> list[Layer]:
     return [by_name[n] for n in wanted]
 
 
+def op_cases(layers: list[Layer], op: str):
+    """(the layer's model/name, tunecache's call, the vendor's call) for `op` on each layer that has it."""
+    for lay in layers:
+        for case_op, ours, vendor in cases(lay):
+            if case_op == op:
+                yield f"{lay.model}/{lay.name}", ours, vendor
+
+
 def cases(layer: Layer):
     """(op, tunecache's call, the vendor's call) for each op of the layer, inputs made."""
     import torch

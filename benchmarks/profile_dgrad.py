@@ -21,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_models import cases, layers_named  # noqa: E402
+from bench_models import layers_named, op_cases  # noqa: E402
 from common import device_info, geomean, host_us, kernels_of, write_results  # noqa: E402
 
 DEFAULT_LAYERS = (
@@ -47,46 +47,43 @@ def main(argv: list[str] | None = None) -> int:
 
     layers = layers_named(args.layers, ap)
     rows = []
-    for lay in layers:
-        name = f"{lay.model}/{lay.name}"
-        for op, ours, vendor in cases(lay):
-            if op != args.op:
-                continue
-            ours()
-            torch.cuda.synchronize()
-            t_ours = statistics.median(time_ms(ours, True) for _ in range(3))
-            t_vendor = statistics.median(time_ms(vendor, True) for _ in range(3))
-            ks, vks = kernels_of(ours), kernels_of(vendor)
-            from tunecache.ops import OP_LAUNCHERS
+    op = args.op
+    for name, ours, vendor in op_cases(layers, op):
+        ours()
+        torch.cuda.synchronize()
+        t_ours = statistics.median(time_ms(ours, True) for _ in range(3))
+        t_vendor = statistics.median(time_ms(vendor, True) for _ in range(3))
+        ks, vks = kernels_of(ours), kernels_of(vendor)
+        from tunecache.ops import OP_LAUNCHERS
 
-            entry = list(OP_LAUNCHERS[op].memo.values())[-1] if OP_LAUNCHERS[op].memo else None
-            row = {
-                "layer": name,
-                "op": op,
-                "ours_ms": t_ours,
-                "vendor_ms": t_vendor,
-                "ratio": t_vendor / t_ours,
-                "host_us_ours": host_us(ours),
-                "host_us_vendor": host_us(vendor),
-                "device_us_ours": sum(k["us"] for k in ks),
-                "device_us_vendor": sum(k["us"] for k in vks),
-                "kernels": ks,
-                "vendor_kernels": vks,
-                "kernel": getattr(entry, "kernel", None),
-                "config": getattr(entry, "config", None),
-            }
-            rows.append(row)
-            print(
-                f"{name:36s} ours {t_ours * 1e3:8.1f} us  vendor {t_vendor * 1e3:8.1f} us  {row['ratio']:.3f}x | "
-                f"host {row['host_us_ours']:7.1f} us (vendor {row['host_us_vendor']:6.1f})  device "
-                f"{row['device_us_ours']:7.1f} us (vendor {row['device_us_vendor']:6.1f}), {len(ks)} kernels",
-                flush=True,
-            )
-            print(f"    ours: {row['kernel']} {row['config']}")
-            for k in ks:
-                print(f"    {k['us']:8.1f} us  {k['name']}")
-            for k in vks:
-                print(f"    {k['us']:8.1f} us  vendor: {k['name']}")
+        entry = list(OP_LAUNCHERS[op].memo.values())[-1] if OP_LAUNCHERS[op].memo else None
+        row = {
+            "layer": name,
+            "op": op,
+            "ours_ms": t_ours,
+            "vendor_ms": t_vendor,
+            "ratio": t_vendor / t_ours,
+            "host_us_ours": host_us(ours),
+            "host_us_vendor": host_us(vendor),
+            "device_us_ours": sum(k["us"] for k in ks),
+            "device_us_vendor": sum(k["us"] for k in vks),
+            "kernels": ks,
+            "vendor_kernels": vks,
+            "kernel": getattr(entry, "kernel", None),
+            "config": getattr(entry, "config", None),
+        }
+        rows.append(row)
+        print(
+            f"{name:36s} ours {t_ours * 1e3:8.1f} us  vendor {t_vendor * 1e3:8.1f} us  {row['ratio']:.3f}x | "
+            f"host {row['host_us_ours']:7.1f} us (vendor {row['host_us_vendor']:6.1f})  device "
+            f"{row['device_us_ours']:7.1f} us (vendor {row['device_us_vendor']:6.1f}), {len(ks)} kernels",
+            flush=True,
+        )
+        print(f"    ours: {row['kernel']} {row['config']}")
+        for k in ks:
+            print(f"    {k['us']:8.1f} us  {k['name']}")
+        for k in vks:
+            print(f"    {k['us']:8.1f} us  vendor: {k['name']}")
     info = device_info()
     summary = {
         "device": info.get("device"),

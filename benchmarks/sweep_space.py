@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_models import cases, layers_named  # noqa: E402
+from bench_models import layers_named, op_cases  # noqa: E402
 from common import device_info, geomean, write_results  # noqa: E402
 
 
@@ -57,58 +57,55 @@ def main(argv: list[str] | None = None) -> int:
 
     launcher.tune = recording_tune
     rows = []
-    for lay in layers:
-        name = f"{lay.model}/{lay.name}"
-        for op, ours, _vendor in cases(lay):
-            if op != args.op:
-                continue
-            del results[:]
-            ours()
-            torch.cuda.synchronize()
-            if not results:
-                print(f"{name}: found in the store, nothing tuned (use a fresh TUNECACHE_DB_URL)")
-                continue
-            mod, problem, device, res = results[-1]
-            order = mod.prune(mod.config_space(problem, device), problem, device)
-            ok = sorted((t for t in res.trials if t.status == "ok"), key=lambda t: t.median_ms)
-            default = mod.default_config(problem, device)
-            default_ms = next((t.median_ms for t in ok if t.config == default), None)
-            top = []
-            for t in ok[: args.top]:
-                rank = order.index(t.config) if t.config in order else None
-                top.append({"config": t.config, "ms": t.median_ms, "rank": rank})
-            by_tile: dict[tuple, dict] = {}
-            for t in ok:  # fastest first: the first of each tile shape is its best
-                tile = tuple(t.config.get(k) for k in ("BLOCK_M", "BLOCK_N", "num_warps"))
-                by_tile.setdefault(tile, {"config": t.config, "ms": t.median_ms})
-            row = {
-                "layer": name,
-                "op": op,
-                "kernel": mod.KERNEL,
-                "problem": problem,
-                "space": len(order),
-                "timed": len(ok),
-                "failed": len(res.trials) - len(ok),
-                "vendor_ms": res.vendor_ms,
-                "best_ms": res.median_ms,
-                "best": res.config,
-                "default_ms": default_ms,
-                "ratio": (res.vendor_ms / res.median_ms) if res.vendor_ms else None,
-                "top": top,
-                "best_per_tile": list(by_tile.values()),
-            }
-            rows.append(row)
-            print(
-                f"{name} {op} ({mod.KERNEL}): {row['timed']} timed of {row['space']}, "
-                f"best {res.median_ms * 1e3:.1f} us, vendor {res.vendor_ms * 1e3:.1f} us -> {row['ratio']:.3f}x; "
-                f"default {default_ms} ms",
-                flush=True,
-            )
-            for t in top:
-                print(f"    {t['ms'] * 1e3:8.1f} us  rank {t['rank']}  {t['config']}")
-            print("    best per tile shape (BLOCK_M, BLOCK_N, num_warps):")
-            for t in row["best_per_tile"]:
-                print(f"    {t['ms'] * 1e3:8.1f} us  {t['config']}")
+    op = args.op
+    for name, ours, _vendor in op_cases(layers, op):
+        del results[:]
+        ours()
+        torch.cuda.synchronize()
+        if not results:
+            print(f"{name}: found in the store, nothing tuned (use a fresh TUNECACHE_DB_URL)")
+            continue
+        mod, problem, device, res = results[-1]
+        order = mod.prune(mod.config_space(problem, device), problem, device)
+        ok = sorted((t for t in res.trials if t.status == "ok"), key=lambda t: t.median_ms)
+        default = mod.default_config(problem, device)
+        default_ms = next((t.median_ms for t in ok if t.config == default), None)
+        top = []
+        for t in ok[: args.top]:
+            rank = order.index(t.config) if t.config in order else None
+            top.append({"config": t.config, "ms": t.median_ms, "rank": rank})
+        by_tile: dict[tuple, dict] = {}
+        for t in ok:  # fastest first: the first of each tile shape is its best
+            tile = tuple(t.config.get(k) for k in ("BLOCK_M", "BLOCK_N", "num_warps"))
+            by_tile.setdefault(tile, {"config": t.config, "ms": t.median_ms})
+        row = {
+            "layer": name,
+            "op": op,
+            "kernel": mod.KERNEL,
+            "problem": problem,
+            "space": len(order),
+            "timed": len(ok),
+            "failed": len(res.trials) - len(ok),
+            "vendor_ms": res.vendor_ms,
+            "best_ms": res.median_ms,
+            "best": res.config,
+            "default_ms": default_ms,
+            "ratio": (res.vendor_ms / res.median_ms) if res.vendor_ms else None,
+            "top": top,
+            "best_per_tile": list(by_tile.values()),
+        }
+        rows.append(row)
+        print(
+            f"{name} {op} ({mod.KERNEL}): {row['timed']} timed of {row['space']}, "
+            f"best {res.median_ms * 1e3:.1f} us, vendor {res.vendor_ms * 1e3:.1f} us -> {row['ratio']:.3f}x; "
+            f"default {default_ms} ms",
+            flush=True,
+        )
+        for t in top:
+            print(f"    {t['ms'] * 1e3:8.1f} us  rank {t['rank']}  {t['config']}")
+        print("    best per tile shape (BLOCK_M, BLOCK_N, num_warps):")
+        for t in row["best_per_tile"]:
+            print(f"    {t['ms'] * 1e3:8.1f} us  {t['config']}")
     info = device_info()
     ratios = [r["ratio"] for r in rows if r["ratio"]]
     summary = {
