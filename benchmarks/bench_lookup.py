@@ -60,26 +60,84 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[i]
 
 
-async def _load(
-    url: str,
-    tokens: list[str],
-    digests: list[str],
-    misses: list[str],
-    miss_rate: float,
-    concurrency: int,
-    seconds: float,
-    warmup_s: float,
-    addresses: int = 1,
-) -> dict:
+class _ClosedLoop:
+    """What the two Python load generators share: users that each send the next lookup as soon
+    as the last is answered (a miss at `miss_rate`, else a hit, under a random token) for
+    `seconds` after `warmup_s` (from `run`); only requests started after the warm-up are counted."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        digests: list[str],
+        misses: list[str],
+        miss_rate: float,
+        seconds: float,
+        warmup_s: float,
+    ) -> None:
+        self.tokens, self.digests, self.misses, self.miss_rate = tokens, digests, misses, miss_rate
+        self.rng = random.Random(0)
+        self.latencies: list[float] = []
+        self.status: dict[int, int] = {}
+        self.kinds: dict[str, int] = {}
+        self.errors = 0
+        self.seconds, self.warmup_s = seconds, warmup_s
+        self.t_measure = self.t_end = 0.0
+
+    def requests(self):
+        """(digest, token) of a user's next lookup, while the run lasts."""
+        while time.perf_counter() < self.t_end:
+            rng = self.rng
+            d = rng.choice(self.misses) if rng.random() < self.miss_rate else rng.choice(self.digests)
+            yield d, rng.choice(self.tokens)
+
+    def client_error(self, e: BaseException) -> int:
+        """The client failed the request (no status): counted by the error's type."""
+        self.kinds[type(e).__name__] = self.kinds.get(type(e).__name__, 0) + 1
+        return -1
+
+    def answered(self, t0: float, code: int) -> None:
+        """A request started at `t0` is over, with status `code` (-1: the client's error)."""
+        t1 = time.perf_counter()
+        if t0 >= self.t_measure:
+            if code in (200, 404):
+                self.latencies.append(t1 - t0)
+            else:
+                self.errors += 1
+            self.status[code] = self.status.get(code, 0) + 1
+
+    async def run(self, users) -> dict:
+        """Runs the users to the end; the figures: requests, errors, status counts, throughput and
+        latency percentiles."""
+        self.t_measure = time.perf_counter() + self.warmup_s
+        self.t_end = self.t_measure + self.seconds
+        await asyncio.gather(*users)
+        elapsed = time.perf_counter() - self.t_measure
+        latencies = sorted(self.latencies)
+        ms = [x * 1e3 for x in latencies]
+        return {
+            "requests": len(latencies) + self.errors,
+            "ok": len(latencies),
+            "errors": self.errors,
+            "status_counts": {str(k): v for k, v in sorted(self.status.items())},
+            "client_errors": self.kinds,
+            "seconds": round(elapsed, 3),
+            "requests_per_s": round(len(latencies) / elapsed, 1),
+            "latency_ms": {
+                "p50": round(_percentile(ms, 50), 3),
+                "p90": round(_percentile(ms, 90), 3),
+                "p99": round(_percentile(ms, 99), 3),
+                "max": round(ms[-1], 3) if ms else None,
+                "mean": round(statistics.fmean(ms), 3) if ms else None,
+            },
+        }
+
+
+async def _load(url: str, loop: _ClosedLoop, concurrency: int, addresses: int = 1) -> dict:
+    """The closed loop through httpx clients, one per loopback address."""
     n = max(1, min(addresses, concurrency))
     per = -(-concurrency // n)
     limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
-    latencies: list[float] = []
-    status: dict[int, int] = {}
-    kinds: dict[str, int] = {}
-    errors = 0
-    rng = random.Random(0)
-    auth = [{"Authorization": f"Bearer {t}"} for t in tokens]
+    auth = {t: {"Authorization": f"Bearer {t}"} for t in loop.tokens}
     clients = [
         httpx.AsyncClient(
             base_url=url,
@@ -89,99 +147,34 @@ async def _load(
         )
         for i in range(n)
     ]
+
+    async def one_user(client: httpx.AsyncClient) -> None:
+        for d, token in loop.requests():
+            t0 = time.perf_counter()
+            try:
+                code = (await client.get(f"/v1/configs/{d}", headers=auth[token])).status_code
+            except httpx.HTTPError as e:  # client side: e.g. a keep-alive connection the server just closed
+                code = loop.client_error(e)
+            loop.answered(t0, code)
+
     try:
-        t_start = time.perf_counter()
-        t_measure = t_start + warmup_s
-        t_end = t_measure + seconds
-
-        async def one_user(client: httpx.AsyncClient) -> None:
-            nonlocal errors
-            while True:
-                now = time.perf_counter()
-                if now >= t_end:
-                    return
-                d = rng.choice(misses) if rng.random() < miss_rate else rng.choice(digests)
-                t0 = time.perf_counter()
-                try:
-                    r = await client.get(f"/v1/configs/{d}", headers=rng.choice(auth))
-                    code = r.status_code
-                except httpx.HTTPError as e:  # client side: e.g. a keep-alive connection the server just closed
-                    code = -1
-                    kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
-                t1 = time.perf_counter()
-                if t0 >= t_measure:
-                    if code in (200, 404):
-                        latencies.append(t1 - t0)
-                    else:
-                        errors += 1
-                    status[code] = status.get(code, 0) + 1
-
-        await asyncio.gather(*(one_user(clients[i % n]) for i in range(concurrency)))
-        elapsed = time.perf_counter() - t_measure
+        return await loop.run(one_user(clients[i % n]) for i in range(concurrency))
     finally:
         for c in clients:
             await c.aclose()
-    return _measured(latencies, errors, status, kinds, elapsed)
 
 
-def _measured(latencies: list[float], errors: int, status: dict, kinds: dict, elapsed: float) -> dict:
-    """A load run's figures: requests, errors, status counts, throughput and latency percentiles."""
-    latencies.sort()
-    ms = [x * 1e3 for x in latencies]
-    return {
-        "requests": len(latencies) + errors,
-        "ok": len(latencies),
-        "errors": errors,
-        "status_counts": {str(k): v for k, v in sorted(status.items())},
-        "client_errors": kinds,
-        "seconds": round(elapsed, 3),
-        "requests_per_s": round(len(latencies) / elapsed, 1),
-        "latency_ms": {
-            "p50": round(_percentile(ms, 50), 3),
-            "p90": round(_percentile(ms, 90), 3),
-            "p99": round(_percentile(ms, 99), 3),
-            "max": round(ms[-1], 3) if ms else None,
-            "mean": round(statistics.fmean(ms), 3) if ms else None,
-        },
-    }
-
-
-async def _raw_load(
-    url: str,
-    tokens: list[str],
-    digests: list[str],
-    misses: list[str],
-    miss_rate: float,
-    concurrency: int,
-    seconds: float,
-    warmup_s: float,
-    addresses: int = 1,
-) -> dict:
+async def _raw_load(url: str, loop: _ClosedLoop, concurrency: int, addresses: int = 1) -> dict:
     """The same closed loop as `_load`, over plain asyncio streams: one keep-alive connection
     per user (from one of `addresses` loopback addresses), a request written and its answer
     read by hand. httpx's pool costs far more CPU than the service at 1,000 in flight; this
     costs little more than the sockets."""
     host, port = url.removeprefix("http://").split(":")
-    latencies: list[float] = []
-    status: dict[int, int] = {}
-    kinds: dict[str, int] = {}
-    errors = 0
-    rng = random.Random(0)
-    t_start = time.perf_counter()
-    t_measure = t_start + warmup_s
-    t_end = t_measure + seconds
 
     async def one_user(i: int) -> None:
-        nonlocal errors
         reader = writer = None
-        while True:
-            now = time.perf_counter()
-            if now >= t_end:
-                break
-            d = rng.choice(misses) if rng.random() < miss_rate else rng.choice(digests)
-            request = (
-                f"GET /v1/configs/{d} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {rng.choice(tokens)}\r\n\r\n"
-            ).encode()
+        for d, token in loop.requests():
+            request = f"GET /v1/configs/{d} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
             t0 = time.perf_counter()
             try:
                 if writer is None:
@@ -197,24 +190,15 @@ async def _raw_load(
                     writer.close()
                     writer = None
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, AttributeError) as e:
-                code = -1
-                kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+                code = loop.client_error(e)
                 if writer is not None:
                     writer.close()
                 writer = None
-            t1 = time.perf_counter()
-            if t0 >= t_measure:
-                if code in (200, 404):
-                    latencies.append(t1 - t0)
-                else:
-                    errors += 1
-                status[code] = status.get(code, 0) + 1
+            loop.answered(t0, code)
         if writer is not None:
             writer.close()
 
-    await asyncio.gather(*(one_user(i) for i in range(concurrency)))
-    elapsed = time.perf_counter() - t_measure
-    return _measured(latencies, errors, status, kinds, elapsed)
+    return await loop.run(one_user(i) for i in range(concurrency))
 
 
 def _wrk(
@@ -453,7 +437,8 @@ def main() -> None:
 
                 return _wrk(service, tokens, digests, misses, args.miss_rate, c, args.seconds, Path(tempfile.mkdtemp()))
             load = _raw_load if args.load_generator == "raw" else _load
-            run = load(service, tokens, digests, misses, args.miss_rate, c, args.seconds, args.warmup, args.addresses)
+            loop = _ClosedLoop(tokens, digests, misses, args.miss_rate, args.seconds, args.warmup)
+            run = load(service, loop, c, args.addresses)
             try:
                 import uvloop
 
