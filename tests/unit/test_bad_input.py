@@ -84,50 +84,45 @@ def test_unopenable_store_url_is_named(monkeypatch, tmp_path):
         Store("postgresql+psycopg://nobody@127.0.0.1:1/none")
 
 
-def _tuned_key(db_url):
+def _tuned_then_edited(monkeypatch, sql: str, *params):
+    """A matmul tuned into the store, then its row edited by `sql` (`params`, then the key's
+    digest): the store, the key and the call's inputs."""
     from tunecache.store import default_store
 
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "tune")
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     ops.matmul(a, b)
     (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
-    return default_store(), entry.key, (a, b)
+    store = default_store()
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(sql, (*params, entry.key.digest))
+    return store, entry.key, (a, b)
+
+
+def _refused_with_a_warning(monkeypatch, caplog, inputs, logger: str, warning: str) -> None:
+    """A fresh process's strict call finds no config it may launch, and the log says why."""
+    ops.clear_memo()
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "strict")
+    with caplog.at_level(logging.WARNING, logger=logger):
+        with pytest.raises(LookupError, match="no tuned config"):
+            ops.matmul(*inputs)
+    assert warning in caplog.text
 
 
 def test_corrupt_row_is_skipped_with_a_warning(db_url, monkeypatch, caplog):
-    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "tune")
-    store, key, (a, b) = _tuned_key(db_url)
-    with store.engine.begin() as conn:
-        conn.exec_driver_sql("UPDATE tuned_configs SET config = '{not json' WHERE digest = ?", (key.digest,))
-    ops.clear_memo()
-    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "strict")
-    with caplog.at_level(logging.WARNING, logger="tunecache.store"):
-        with pytest.raises(LookupError, match="no tuned config"):
-            ops.matmul(a, b)
-    assert "corrupt" in caplog.text
+    _, _, inputs = _tuned_then_edited(monkeypatch, "UPDATE tuned_configs SET config = '{not json' WHERE digest = ?")
+    _refused_with_a_warning(monkeypatch, caplog, inputs, "tunecache.store", "corrupt")
 
 
 def test_config_outside_the_space_is_never_launched(db_url, monkeypatch, caplog):
-    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "tune")
-    store, key, (a, b) = _tuned_key(db_url)
-    with store.engine.begin() as conn:
-        conn.exec_driver_sql(
-            "UPDATE tuned_configs SET config = ? WHERE digest = ?",
-            ('{"BLOCK_M": 7, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}', key.digest),
-        )
-    ops.clear_memo()
-    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "strict")
-    with caplog.at_level(logging.WARNING, logger="tunecache"):
-        with pytest.raises(LookupError):
-            ops.matmul(a, b)
-    assert "outside the space" in caplog.text
+    outside = '{"BLOCK_M": 7, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}'
+    _, _, inputs = _tuned_then_edited(monkeypatch, "UPDATE tuned_configs SET config = ? WHERE digest = ?", outside)
+    _refused_with_a_warning(monkeypatch, caplog, inputs, "tunecache", "outside the space")
 
 
 def test_foreign_row_under_another_digest_is_skipped(db_url, monkeypatch, caplog):
-    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "tune")
-    store, key, (a, b) = _tuned_key(db_url)
     # a row whose fields no longer hash to its digest (edited by hand or by a foreign tool)
-    with store.engine.begin() as conn:
-        conn.exec_driver_sql("UPDATE tuned_configs SET sm_count = 999 WHERE digest = ?", (key.digest,))
+    store, key, _ = _tuned_then_edited(monkeypatch, "UPDATE tuned_configs SET sm_count = 999 WHERE digest = ?")
     with caplog.at_level(logging.WARNING, logger="tunecache.store"):
         assert store.get_config(key.digest) is None
     assert "hash to" in caplog.text
