@@ -203,13 +203,28 @@ _RC = {
 _MARK = re.compile(r'<g id="(tcm-\d+-\d+)">')
 
 
+def _absent(ax: Any, y: float, text: str) -> None:
+    """A grey note at the left of row `y` where a chart has no bar to draw (not measured)."""
+    from matplotlib.transforms import blended_transform_factory
+
+    ax.text(
+        0.01,
+        y,
+        text,
+        transform=blended_transform_factory(ax.transAxes, ax.transData),
+        va="center",
+        fontsize=7,
+        color="#999",
+        style="italic",
+    )
+
+
 def _figure_svg(group: Group, fig_no: int) -> str:
     """One figure per (device class, kernel): the speed-up of the tuned config over the default
     and over the vendor's op per shape (left), and the shape's tuning time (right). Each bar is
     an SVG group with class `mark <series>`, `data-digest` and a <title> (the tooltip)."""
     import matplotlib
     from matplotlib.figure import Figure
-    from matplotlib.transforms import blended_transform_factory
 
     shapes = group.plotted
     n = len(shapes)
@@ -233,16 +248,7 @@ def _figure_svg(group: Group, fig_no: int) -> str:
                 (h / 2, s.vs_vendor, s.vendor_ms, "speedup-vendor", _TUNED_VS_VENDOR, group.vendor),
             ):
                 if ratio is None:
-                    ax.text(
-                        0.01,
-                        i + dy,
-                        f"{who}: not measured",
-                        transform=blended_transform_factory(ax.transAxes, ax.transData),
-                        va="center",
-                        fontsize=7,
-                        color="#999",
-                        style="italic",
-                    )
+                    _absent(ax, i + dy, f"{who}: not measured")
                     continue
                 tops.append(ratio)
                 (bar,) = ax.barh([i + dy], [ratio], height=h, color=color)
@@ -279,16 +285,7 @@ def _figure_svg(group: Group, fig_no: int) -> str:
         log = bool(times) and max(times) / max(min(times), 1e-3) > 30
         for i, s in enumerate(shapes):
             if s.tune_s is None:
-                at.text(
-                    0.01,
-                    i,
-                    "not recorded",
-                    transform=blended_transform_factory(at.transAxes, at.transData),
-                    va="center",
-                    fontsize=7,
-                    color="#999",
-                    style="italic",
-                )
+                _absent(at, i, "not recorded")
                 continue
             (bar,) = at.barh([i], [max(s.tune_s, 0.05)], height=0.6, color=_TUNE_TIME)
             mark(bar, "tune-time", s, f"{s.shape}: tuned in {_duration(s.tune_s)}")
@@ -509,6 +506,20 @@ def _error(text: str | None) -> str:
     return f'<span title="{e(text[-4000:])}">{"…" if cut else ""}{e(tail)}</span>'
 
 
+def _job_cells(j: JobRecord, now: datetime, fifth: str) -> list[str]:
+    """The cells every job table starts with: the key (digest, kernel, device, shape), the
+    table's own fifth cell, then attempts and age."""
+    return [
+        _digest(j.digest),
+        e(j.key.kernel),
+        _device(j.key.arch, j.key.sm_count),
+        _shape_cell(j.key.problem, j.unreadable),
+        fifth,
+        f"{j.attempts}/{j.max_attempts}",
+        e(age(_secs(j.created_at, now))),
+    ]
+
+
 def _queue_tables(store: Store, now: datetime, counts: dict[str, int]) -> dict[str, str]:
     def more(status: str, shown: int) -> str:
         n = counts.get(status, 0)
@@ -520,13 +531,7 @@ def _queue_tables(store: Store, now: datetime, counts: dict[str, int]) -> dict[s
         wait = _secs(j.not_before, now)
         rows.append(
             [
-                _digest(j.digest),
-                e(j.key.kernel),
-                _device(j.key.arch, j.key.sm_count),
-                _shape_cell(j.key.problem, j.unreadable),
-                str(j.priority),
-                f"{j.attempts}/{j.max_attempts}",
-                e(age(_secs(j.created_at, now))),
+                *_job_cells(j, now, str(j.priority)),
                 _when(j.not_before),
                 "ready" if wait is None or wait >= 0 else e(age(wait)) + " (backoff)",
                 _error(j.last_error),
@@ -560,13 +565,7 @@ def _queue_tables(store: Store, now: datetime, counts: dict[str, int]) -> dict[s
         lease = "" if left is None else (f"lapsed {age(left)} ago" if left >= 0 else age(left))
         rows.append(
             [
-                _digest(j.digest),
-                e(j.key.kernel),
-                _device(j.key.arch, j.key.sm_count),
-                _shape_cell(j.key.problem, j.unreadable),
-                e(j.lease_owner or ""),
-                f"{j.attempts}/{j.max_attempts}",
-                e(age(_secs(j.created_at, now))),
+                *_job_cells(j, now, e(j.lease_owner or "")),
                 _when(j.lease_expires_at),
                 e(lease),
             ]
@@ -579,19 +578,7 @@ def _queue_tables(store: Store, now: datetime, counts: dict[str, int]) -> dict[s
     ) + more("running", len(running))
     failed: list[JobRecord] = store.list_jobs(status="failed", limit=MAX_JOBS)
     failed += store.list_jobs(status="quarantined", limit=MAX_JOBS)
-    rows = [
-        [
-            _digest(j.digest),
-            e(j.key.kernel),
-            _device(j.key.arch, j.key.sm_count),
-            _shape_cell(j.key.problem, j.unreadable),
-            e(j.status),
-            f"{j.attempts}/{j.max_attempts}",
-            e(age(_secs(j.created_at, now))),
-            _error(j.last_error),
-        ]
-        for j in failed
-    ]
+    rows = [[*_job_cells(j, now, e(j.status)), _error(j.last_error)] for j in failed]
     out["failed"] = _table(
         ["digest", "kernel", "device", "shape", "status", "attempts", "age", "last error (tail)"],
         rows,
