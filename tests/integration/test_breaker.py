@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from support.fleet import Server
+from support.misses import miss_key, timed_miss
 from support.raw_http import RawServer, head
 
 TIMEOUT_S = 1.0
@@ -41,28 +41,6 @@ def fleet_env(db_url, monkeypatch):
     client.reset_clients()
 
 
-def _call(i: int) -> float:
-    """One library call on a shape not seen before (so it goes past the memo); its seconds."""
-    from tunecache import ops
-
-    a, b = torch.randn(8 + i, 8), torch.randn(8, 8)
-    t0 = time.perf_counter()
-    out = ops.matmul(a, b)
-    elapsed = time.perf_counter() - t0
-    torch.testing.assert_close(out, a @ b)
-    return elapsed
-
-
-def _key(i: int):
-    from tunecache import backends
-    from tunecache.key import interpreter_device
-    from tunecache.tuning.tuner import make_key
-    from tunecache_kernels import problems
-
-    p = problems.matmul_problem(torch.empty(8 + i, 8, device="meta"), torch.empty(8, 8, device="meta"))
-    return make_key(backends.backend_module("matmul", "portable"), p, interpreter_device())
-
-
 def _assert_breaker_spares_the_call(url: str, monkeypatch) -> None:
     from tunecache.fleet.client import fleet_client
     from tunecache.store import default_store
@@ -70,17 +48,17 @@ def _assert_breaker_spares_the_call(url: str, monkeypatch) -> None:
     monkeypatch.setenv("TUNECACHE_SERVER_URL", url)
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "tune")
     # policy tune: the fleet has nothing usable, so the call tunes locally and succeeds
-    _call(0)
-    assert default_store().get_config(_key(0).digest) is not None
+    timed_miss(0)
+    assert default_store().get_config(miss_key(0).digest) is not None
     # policy default: lookup and enqueue both go to the fleet
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
-    _call(1)
+    timed_miss(1)
     fleet = fleet_client(url)
     assert fleet.breaker.is_open, f"{FAILURES} failures in a row must open the breaker"
     # open: a call with two fleet requests (lookup, enqueue) pays neither timeout
-    elapsed = _call(2)
+    elapsed = timed_miss(2)
     assert elapsed < TIMEOUT_S, f"the call took {elapsed:.2f} s with the breaker open"
-    keys = [_key(i) for i in range(100)]
+    keys = [miss_key(i) for i in range(100)]
     t0 = time.perf_counter()
     for k in keys:
         assert fleet.lookup(k) is None
@@ -114,7 +92,7 @@ def test_service_answering_garbage(fleet_env, kind):
         _assert_breaker_spares_the_call(server.url, fleet_env)
         assert server.requests >= FAILURES, "the client did talk to it"
         seen = server.requests
-        _call(3)
+        timed_miss(3)
         assert server.requests == seen, "an open breaker sends nothing"
     finally:
         server.close()
@@ -126,7 +104,7 @@ def test_breaker_closes_again_when_the_service_is_back(fleet_env, clean_fleet, p
     from tunecache.fleet.client import FleetClient
 
     fleet = clean_fleet
-    key = _key(5)
+    key = miss_key(5)
     body = {
         **key.fields(),
         "config": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},

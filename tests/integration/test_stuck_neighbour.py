@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from support.fleet import Server
+from support.misses import miss_key, timed_miss
 from support.raw_http import RawServer, head
 
 BUSY_S = 2.0  # TUNECACHE_DB_BUSY_TIMEOUT_S
@@ -43,28 +43,6 @@ def env(db_url, monkeypatch):
     client.reset_clients()
     yield monkeypatch
     client.reset_clients()
-
-
-def _call(i: int) -> float:
-    """One library call on a shape not seen before (a miss past the memo); its seconds."""
-    from tunecache import ops
-
-    a, b = torch.randn(8 + i, 8), torch.randn(8, 8)
-    t0 = time.perf_counter()
-    out = ops.matmul(a, b)
-    elapsed = time.perf_counter() - t0
-    torch.testing.assert_close(out, a @ b)
-    return elapsed
-
-
-def _key(i: int):
-    from tunecache import backends
-    from tunecache.key import interpreter_device
-    from tunecache.tuning.tuner import make_key
-    from tunecache_kernels import problems
-
-    p = problems.matmul_problem(torch.empty(8 + i, 8, device="meta"), torch.empty(8, 8, device="meta"))
-    return make_key(backends.backend_module("matmul", "portable"), p, interpreter_device())
 
 
 def _seconds(times: list[float]) -> str:
@@ -175,17 +153,17 @@ def test_the_writes_of_a_locked_store_wait_aside_and_land_once_it_answers(env, d
 
     path = _store_at_head(db_url)
     with stuck_writer(path), caplog.at_level(logging.WARNING, logger="tunecache"):
-        times = [_call(i) for i in range(3)]
+        times = [timed_miss(i) for i in range(3)]
         assert sum(times) < BUSY_S, (
             f"3 misses under a locked store took {sum(times):.2f} s ({_seconds(times)}), at most one busy "
             f"timeout ({BUSY_S:g} s)"
         )
         waited = _until("the writer finds the store locked", lambda: process_store.is_locked(db_url), BUSY_S + 5)
-        later = _call(3)
+        later = timed_miss(3)
         assert later < SLACK_S, f"a miss after the store was found locked took {later:.2f} s: it must skip the store"
         assert _jobs(db_url) == set(), "the writes wait while the lock is held"
     let_go = time.monotonic()
-    landed = _until("the 4 queued keys land", lambda: _jobs(db_url) == {_key(i).digest for i in range(4)}, 10)
+    landed = _until("the 4 queued keys land", lambda: _jobs(db_url) == {miss_key(i).digest for i in range(4)}, 10)
     assert not process_store.is_locked(db_url)
     assert landed < PROBE_S + 2.0, f"the queued keys landed {landed:.2f} s after the lock was let go"
     assert time.monotonic() - let_go < PROBE_S + 3.0
@@ -207,7 +185,7 @@ def test_3_results_kept_under_a_locked_store_wait_for_one_busy_timeout(env, db_u
         times = []
         for i in range(3):
             t0 = time.perf_counter()
-            kept = cache.keep(ConfigRecord(_key(i), cfg, 1.0))
+            kept = cache.keep(ConfigRecord(miss_key(i), cfg, 1.0))
             times.append(time.perf_counter() - t0)
             assert kept.record.config == cfg
         assert sum(times) < BUSY_S + SLACK_S, (
@@ -216,7 +194,7 @@ def test_3_results_kept_under_a_locked_store_wait_for_one_busy_timeout(env, db_u
         )
     s = Store(db_url)
     try:
-        _until("the 3 results land", lambda: all(s.get_config(_key(i).digest) for i in range(3)), PROBE_S + 5)
+        _until("the 3 results land", lambda: all(s.get_config(miss_key(i).digest) for i in range(3)), PROBE_S + 5)
     finally:
         s.close()
 
@@ -230,15 +208,15 @@ def _assert_one_deadline_then_skipped(url: str, env) -> None:
     from tunecache.fleet.client import fleet_client
 
     env.setenv("TUNECACHE_SERVER_URL", url)
-    first = _call(0)
+    first = timed_miss(0)
     assert first < DEADLINE_S + SLACK_S, (
         f"a miss under a hanging fleet took {first:.2f} s: one fleet deadline ({DEADLINE_S:g} s) per call at "
         f"most (before: two, GET then POST)"
     )
     assert fleet_client(url).breaker.skips_calls
-    times = [_call(i) for i in range(1, 4)]
+    times = [timed_miss(i) for i in range(1, 4)]
     time.sleep(PROBE_S * 1.5)  # past the breaker's open time: the probe asks again, and fails
-    times += [_call(i) for i in range(4, 7)]
+    times += [timed_miss(i) for i in range(4, 7)]
     assert max(times) < SLACK_S, (
         f"the 6 misses after the fleet missed its deadline took {_seconds(times)} s: they must skip it "
         f"(before: the breaker's trial call waited for another deadline)"
@@ -258,9 +236,9 @@ def test_a_hanging_fleet_costs_one_call_one_deadline(env, clean_fleet, tmp_path)
         server.resume()
         back = _until("the probe finds the fleet back", lambda: not fleet_client(server.url).breaker.skips_calls, 10)
         assert back < 2 * PROBE_S + DEADLINE_S + SLACK_S, f"the probe found the fleet back after {back:.2f} s"
-        took = _call(7)
+        took = timed_miss(7)
         assert took < SLACK_S, f"a miss with the fleet back took {took:.2f} s"
-        digest = _key(7).digest
+        digest = miss_key(7).digest
         with httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {clean_fleet.tokens['read']}"}
         ) as api:
@@ -295,7 +273,7 @@ def test_a_dribbling_fleet_costs_one_call_one_deadline(env):
         back = _until("the probe finds the fleet back", lambda: not fleet_client(server.url).breaker.skips_calls, 10)
         assert back < 2 * PROBE_S + DEADLINE_S + SLACK_S, f"the probe found the fleet back after {back:.2f} s"
         before = server.requests
-        _call(8)
+        timed_miss(8)
         _until("a miss asks the fleet again", lambda: server.requests >= before + 2, 5)  # lookup, then enqueue
     finally:
         server.close()
