@@ -402,7 +402,7 @@ def _look_up_first(mod: ModuleType, problem: dict, device: DeviceClass) -> "list
     a first-contact check of its own (which would compile and run other kernels in another
     process first). Returns [what the lookup found] for `_decide`."""
     rec = CACHE.get(make_key(mod, problem, device), launchable(mod, problem, device))
-    if rec is not None:
+    if rec is not None and not is_vendor(rec.config):  # torch's op won: it says nothing of the kernels
         selfcheck.vouch(mod, device, rec)
     return [rec]
 
