@@ -7,6 +7,7 @@ every test). Plain helpers are imported from support/ (`from support import run_
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import tempfile
@@ -49,7 +50,12 @@ def pytest_unconfigure(config):
     # reporting, at interpreter exit, the IR objects of the Gluon kernels this process compiled
     # itself (test_compile_matches_launch, test_triton_key_cache) as "leaked": ~35 lines of noise
     # about objects the exiting interpreter frees anyway. The compile workers silence it the
-    # same way (tunecache.tuning.isolated_main).
+    # same way (tunecache.tuning.isolated_main). At exit, not now: pytest's capture plugin puts
+    # stderr back after this hook.
+    atexit.register(_quiet_stderr)
+
+
+def _quiet_stderr() -> None:
     sys.stderr.flush()
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
