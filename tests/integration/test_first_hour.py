@@ -207,13 +207,13 @@ def test_a_test_run_ends_without_nanobind_noise():
 
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        + ["tests/integration/test_compile_matches_launch.py", "-k", "matmul.hopper"],
+        + ["tests/integration/test_compile_matches_launch.py"],  # its Gluon compiles leave what nanobind reports
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-2000:]
     assert "nanobind" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
 
 
