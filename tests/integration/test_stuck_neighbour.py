@@ -160,7 +160,7 @@ def test_the_writes_of_a_locked_store_wait_aside_and_land_once_it_answers(env, d
         )
         waited = _until("the writer finds the store locked", lambda: process_store.is_locked(db_url), BUSY_S + 5)
         later = timed_miss(3)
-        assert later < SLACK_S, f"a miss after the store was found locked took {later:.2f} s: it must skip the store"
+        assert later < BUSY_S / 2, f"a miss after the store was found locked took {later:.2f} s: it must skip the store"
         assert _jobs(db_url) == set(), "the writes wait while the lock is held"
     let_go = time.monotonic()
     landed = _until("the 4 queued keys land", lambda: _jobs(db_url) == {miss_key(i).digest for i in range(4)}, 10)
@@ -217,7 +217,9 @@ def _assert_one_deadline_then_skipped(url: str, env) -> None:
     times = [timed_miss(i) for i in range(1, 4)]
     time.sleep(PROBE_S * 1.5)  # past the breaker's open time: the probe asks again, and fails
     times += [timed_miss(i) for i in range(4, 7)]
-    assert max(times) < SLACK_S, (
+    # a call that asked the fleet waits its deadline at least; one that skips it only the miss's own
+    # time (up to 0.63 s seen under a full CI run on the 2-core host)
+    assert max(times) < DEADLINE_S, (
         f"the 6 misses after the fleet missed its deadline took {_seconds(times)} s: they must skip it "
         f"(before: the breaker's trial call waited for another deadline)"
     )
@@ -237,7 +239,7 @@ def test_a_hanging_fleet_costs_one_call_one_deadline(env, clean_fleet, tmp_path)
         back = _until("the probe finds the fleet back", lambda: not fleet_client(server.url).breaker.skips_calls, 10)
         assert back < 2 * PROBE_S + DEADLINE_S + SLACK_S, f"the probe found the fleet back after {back:.2f} s"
         took = timed_miss(7)
-        assert took < SLACK_S, f"a miss with the fleet back took {took:.2f} s"
+        assert took < DEADLINE_S, f"a miss with the fleet back took {took:.2f} s"
         digest = miss_key(7).digest
         with httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {clean_fleet.tokens['read']}"}
