@@ -53,6 +53,12 @@ def _readable(rows: Iterable[TunedConfigRow]) -> list[ConfigRecord]:
     return out
 
 
+def locked(s: Session, row_type: Any, digest: str) -> Any:
+    """The `row_type` row (TunedConfigRow, TuningJobRow) of `digest`, locked for this write
+    (FOR UPDATE, where the database has it); None if there is none."""
+    return s.execute(select(row_type).where(row_type.digest == digest).with_for_update()).scalar_one_or_none()
+
+
 _S = TypeVar("_S", bound="StoreBase")
 
 

@@ -9,7 +9,7 @@ from sqlalchemy import and_, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from tunecache.key import TuneKey
-from tunecache.store.base import REPLACE_MARGIN, StoreBase, _readable, log
+from tunecache.store.base import REPLACE_MARGIN, StoreBase, _readable, locked, log
 from tunecache.store.engine import dialect_insert, insert_ignore
 from tunecache.store.records import (
     ConfigRecord,
@@ -292,9 +292,7 @@ class ConfigStore(StoreBase):
         others; False (nothing kept) unless `config` is the winner's config. Callers check each
         binary against the key first (`binaries.refusal`)."""
         with self._write() as s:
-            row = s.execute(
-                select(TunedConfigRow).where(TunedConfigRow.digest == digest).with_for_update()
-            ).scalar_one_or_none()
+            row = locked(s, TunedConfigRow, digest)
             if row is None or row.config != config:
                 return False
             s.execute(KernelBinaryRow.__table__.delete().where(KernelBinaryRow.digest == digest))

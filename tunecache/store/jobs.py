@@ -10,7 +10,7 @@ from sqlalchemy import and_, case, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from tunecache.key import TuneKey
-from tunecache.store.base import CLAIM_SCAN, LEASE_PREFIX, StoreBase, log
+from tunecache.store.base import CLAIM_SCAN, LEASE_PREFIX, StoreBase, locked, log
 from tunecache.store.engine import insert_ignore
 from tunecache.store.faults import (
     JobStateError,
@@ -309,9 +309,7 @@ class JobStore(StoreBase):
         it is running, done, or cannot be read."""
         now = self._now_sql()
         with self._write() as s:
-            row = s.execute(
-                select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
-            ).scalar_one_or_none()
+            row = locked(s, TuningJobRow, digest)
             if row is None:
                 return None
             rec = job_record(row)
@@ -349,9 +347,7 @@ class JobStore(StoreBase):
         """Delete the job of this digest, in whatever state (a worker holding it loses its lease),
         audited as `actor`'s; the job as it was, or None if there was none."""
         with self._write() as s:
-            row = s.execute(
-                select(TuningJobRow).where(TuningJobRow.digest == digest).with_for_update()
-            ).scalar_one_or_none()
+            row = locked(s, TuningJobRow, digest)
             if row is None:
                 return None
             job = job_record(row)

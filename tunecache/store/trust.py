@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tunecache.key import TuneKey
-from tunecache.store.base import REPLACE_MARGIN, TOKEN_PREFIX, StoreBase
+from tunecache.store.base import REPLACE_MARGIN, TOKEN_PREFIX, StoreBase, locked
 from tunecache.store.engine import insert_ignore
 from tunecache.store.jobs import NO_LEASE, update_jobs
 from tunecache.store.records import (
@@ -115,9 +115,7 @@ class TrustStore(StoreBase):
             )
             s.add(sub)
             s.flush()
-            row = s.execute(
-                select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).with_for_update()
-            ).scalar_one_or_none()
+            row = locked(s, TunedConfigRow, rec.digest)
             try:
                 winner = None if row is None else config_record(row)
             except (ValueError, TypeError, KeyError):
@@ -146,9 +144,7 @@ class TrustStore(StoreBase):
         submission that beats it). A re-time that finds only other configs then replaces the
         winner (`publish`). Returns (whether there is a winner, the job)."""
         with self._write() as s:
-            row = s.execute(
-                select(TunedConfigRow).where(TunedConfigRow.digest == digest).with_for_update()
-            ).scalar_one_or_none()
+            row = locked(s, TunedConfigRow, digest)
             if row is None:
                 return False, None
             key = key_of(row)
@@ -170,9 +166,7 @@ class TrustStore(StoreBase):
         every candidate its host could launch, never ran the winner's config."""
         if not trials:  # an import or a bare result says nothing of what its host could launch
             return False
-        row = s.execute(
-            select(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).with_for_update()
-        ).scalar_one_or_none()
+        row = locked(s, TunedConfigRow, rec.digest)
         if row is None or not row.reports or row.config == rec.config:
             return False
         return not any(t.status == "ok" and t.config == row.config for t in trials)
