@@ -269,6 +269,9 @@ def run_layer(layer: Layer, rounds: int) -> list[Row]:
 
 
 def summarize(rows: list[dict], device: str | None) -> dict:
+    from tunecache import settings
+    from tunecache_kernels.spaces import is_vendor
+
     out: dict = {"device": device}
     for op in ("matmul", *CONV_OPS):
         ratios = [r["ratio"] for r in rows if r["op"] == op]
@@ -276,10 +279,10 @@ def summarize(rows: list[dict], device: str | None) -> dict:
             out[op] = {"geomean": geomean(ratios), "min": min(ratios), "layers": len(ratios)}
             # the layers whose tune the vendor's op won (TUNECACHE_VENDOR: on by default)
             out[op]["vendor_won"] = sum(
-                any(e["config"] == {"vendor": True} for e in r["entries"]) for r in rows if r["op"] == op
+                any(is_vendor(e["config"]) for e in r["entries"]) for r in rows if r["op"] == op
             )
             out[op]["first_call_s_max"] = max(r["first_call_s"] for r in rows if r["op"] == op)
-    out["vendor_competes"] = os.environ.get("TUNECACHE_VENDOR", "1") not in ("0", "false", "no", "off")
+    out["vendor_competes"] = settings.vendor_competes()
     out["goal"] = {"geomean": 1.0, "min": 0.85, "dgrad_geomean": 0.95, "dgrad_min": 0.8}
     return out
 
