@@ -5,6 +5,10 @@ Run them under TRITON_INTERPRET=1: test_autotune.py starts fresh processes that 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -12,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tunecache
 
+ROOT = Path(__file__).resolve().parents[3]
 BENCH_CALLS: list[int] = []
 
 
@@ -25,7 +30,12 @@ def counting_bench(kernel_call, quantiles=None):
     return [ms, ms, ms] if quantiles else ms
 
 
-# ---- a blocked matmul, as in Triton's tutorial 03-matrix-multiplication -------------------
+# ---- Triton's tutorial matmul (03-matrix-multiplication), as benchmarks/tutorial_matmul.py holds it
+
+# loaded by path: benchmarks/ is no package, and a child process has only KERNELS and ROOT on its path
+_spec = importlib.util.spec_from_file_location("tutorial_matmul", ROOT / "benchmarks" / "tutorial_matmul.py")
+tutorial_matmul = sys.modules["tutorial_matmul"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tutorial_matmul)
 
 MATMUL_CONFIGS = [
     triton.Config(
@@ -39,68 +49,13 @@ MATMUL_CONFIGS = [
     ),
 ]
 
-
-@tunecache.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "K"], do_bench=counting_bench)
-@triton.jit
-def matmul_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    stride_cm,
-    stride_cn,
-    BLOCK_SIZE_M: tl.constexpr,
-    BLOCK_SIZE_N: tl.constexpr,
-    BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
-):
-    pid = tl.program_id(axis=0)
-    num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    offs_am = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)) % M
-    offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)) % N
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
-    b_ptrs = b_ptr + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
-    accumulator = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_SIZE_K, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_SIZE_K, other=0.0)
-        accumulator = tl.dot(a, b, accumulator)
-        a_ptrs += BLOCK_SIZE_K * stride_ak
-        b_ptrs += BLOCK_SIZE_K * stride_bk
-    c = accumulator.to(c_ptr.dtype.element_ty)
-
-    offs_cm = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    c_ptrs = c_ptr + stride_cm * offs_cm[:, None] + stride_cn * offs_cn[None, :]
-    c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-    tl.store(c_ptrs, c, mask=c_mask)
+matmul_kernel = tunecache.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "K"], do_bench=counting_bench)(
+    triton.jit(tutorial_matmul.matmul_kernel)
+)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    M, K = a.shape
-    K, N = b.shape
-    c = torch.empty((M, N), device=a.device, dtype=a.dtype)
-
-    def grid(META):
-        return (triton.cdiv(M, META["BLOCK_SIZE_M"]) * triton.cdiv(N, META["BLOCK_SIZE_N"]),)
-
-    matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    return c
+    return tutorial_matmul.launch(matmul_kernel, a, b)
 
 
 # ---- configs with a pre_hook that sets a descriptor's block shape (as conv fprop does) -----
