@@ -47,6 +47,12 @@ def _check(out, ref, tol):
     assert err < tol, f"relative error {err:.3g}"
 
 
+@pytest.fixture
+def dev() -> DeviceClass:
+    """The GPU's device class as the ops key it: sm_90 and its SM count."""
+    return DeviceClass("sm_90", gh.num_sms(0))
+
+
 MATMUL_CASES = [
     (256, 256, 256),
     (1000, 1000, 2000),
@@ -64,7 +70,7 @@ MATMUL_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layouts", ["rr", "rc", "cr", "cc"])
 @pytest.mark.parametrize("M,N,K", MATMUL_CASES)
-def test_matmul_matches_torch(M, N, K, layouts, dtype):
+def test_matmul_matches_torch(M, N, K, layouts, dtype, dev):
     torch.manual_seed(M * 7 + N * 3 + K)
     a = torch.randn(M, K, device="cuda", dtype=dtype)
     b = torch.randn(K, N, device="cuda", dtype=dtype)
@@ -74,7 +80,6 @@ def test_matmul_matches_torch(M, N, K, layouts, dtype):
         b = b.t().contiguous().t()
     p = mm.problem(a, b)
     ref = a.float() @ b.float()
-    dev = DeviceClass("sm_90", gh.num_sms(0))
     configs = [
         mm.default_config(p, dev),
         {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
@@ -171,6 +176,41 @@ def _conv_ids(case):
     return "x".join(str(v).replace(" ", "") for v in case)
 
 
+def _fprop_data(case, seed: int):
+    """(x, w, the reference output) of a conv case, random from `seed`."""
+    N, H, W, Ci, Co, R, S, st, pd = case
+    torch.manual_seed(seed)
+    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+    return x, w, fprop.reference(x.float(), w.float(), st, pd)
+
+
+def _wgrad_data(case, seed: int):
+    """(x, grad_out, the reference grad_w) of a conv case, random from `seed`."""
+    N, H, W, Ci, Co, R, S, st, pd = case
+    sh, sw = st if isinstance(st, tuple) else (st, st)
+    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
+    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
+    torch.manual_seed(seed)
+    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+    return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
+
+
+def _wgrad_jit_then_planned(monkeypatch, case, configs, kernel):
+    """Every config against torch through the JIT (which builds the plans), then on new data
+    through its plan alone (`kernel` and the split-K reduce barred from the JIT); the last
+    (x, grad_out)."""
+    N, H, W, Ci, Co, R, S, st, pd = case
+    for seed in (0, 1):
+        x, g, ref = _wgrad_data(case, seed)
+        for c in configs:
+            _poison(Co * R * S * Ci, torch.bfloat16)
+            _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
+        _no_jit(monkeypatch, kernel, sk.split_k_reduce_kernel)
+    return x, g
+
+
 # few input channels (Ci <= 8): the packed-taps kernel, K = R*S*Ci gathered through pointers
 CONV_PACKED = [
     (4, 224, 224, 3, 64, 7, 7, 2, 3),  # the ResNet stem
@@ -191,17 +231,9 @@ PACKED_CONFIGS = [
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
-def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case):
+def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
-    dev = DeviceClass("sm_90", gh.num_sms(0))
-
-    def data(seed):
-        torch.manual_seed(seed)
-        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
-        return x, w, fprop.reference(x.float(), w.float(), st, pd)
-
-    x, w, _ = data(0)
+    x, w, _ = _fprop_data(case, 0)
     p = fprop.problem(x, w, st, pd)
     assert gpt.packs_taps(p)
     configs = [fprop.default_config(p, dev)] + PACKED_CONFIGS
@@ -209,7 +241,7 @@ def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case):
     x_odd = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view(x.shape)
     x_odd.copy_(x)
     for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
-        x, w, ref = data(seed)
+        x, w, ref = _fprop_data(case, seed)
         for c in configs:
             _poison(p["gemm_M"] * gh.round_up(Co, 8), torch.bfloat16)
             _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)
@@ -222,14 +254,10 @@ def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
-def test_conv2d_fprop_matches_torch(case):
+def test_conv2d_fprop_matches_torch(case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
-    torch.manual_seed(hash(case) % 1000)
-    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
+    x, w, ref = _fprop_data(case, hash(case) % 1000)
     p = fprop.problem(x, w, st, pd)
-    dev = DeviceClass("sm_90", gh.num_sms(0))
-    ref = fprop.reference(x.float(), w.float(), st, pd)
     configs = [fprop.default_config(p, dev)]
     if case in CONV_EXTRA or (N == 1 and R == 3 and Ci == 128 and Co == 384):
         configs += [
@@ -257,17 +285,10 @@ def test_conv2d_fprop_matches_torch(case):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
-def test_conv2d_wgrad_matches_torch(case):
+def test_conv2d_wgrad_matches_torch(case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
-    torch.manual_seed(hash(case) % 1000 + 1)
-    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-    sh, sw = st if isinstance(st, tuple) else (st, st)
-    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
-    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
-    g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
+    x, g, ref = _wgrad_data(case, hash(case) % 1000 + 1)
     p = wgrad.problem(x, g, R, S, st, pd)
-    dev = DeviceClass("sm_90", gh.num_sms(0))
-    ref = wgrad.reference(x.float(), g.float(), R, S, st, pd)
     base = wgrad.default_config(p, dev)
     configs = [base, dict(base, SPLIT_K=1), dict(base, SPLIT_K=wgrad.STREAM_K)]
     if case in CONV_EXTRA:
@@ -276,18 +297,6 @@ def test_conv2d_wgrad_matches_torch(case):
     for c in configs:
         _poison(Co * R * S * gh.round_up(Ci, 8), torch.bfloat16)
         _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
-
-
-def _wgrad_data(case, seed: int):
-    """(x, grad_out, the reference grad_w) of a conv case, random from `seed`."""
-    N, H, W, Ci, Co, R, S, st, pd = case
-    sh, sw = st if isinstance(st, tuple) else (st, st)
-    ph, pw = pd if isinstance(pd, tuple) else (pd, pd)
-    P, Q = problems.out_size(H, R, sh, ph), problems.out_size(W, S, sw, pw)
-    torch.manual_seed(seed)
-    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
-    return x, g, wgrad.reference(x.float(), g.float(), R, S, st, pd)
 
 
 PACKED_WGRAD_CONFIGS = [
@@ -300,20 +309,13 @@ PACKED_WGRAD_CONFIGS = [
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
-def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case):
+def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
-    dev = DeviceClass("sm_90", gh.num_sms(0))
-
     x, g, _ = _wgrad_data(case, 0)
     p = wgrad.problem(x, g, R, S, st, pd)
     assert gpt.packs_taps(p)
     configs = [wgrad.default_config(p, dev)] + [c for c in PACKED_WGRAD_CONFIGS if wgrad.resources_ok(c, p)]
-    for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
-        x, g, ref = _wgrad_data(case, seed)
-        for c in configs:
-            _poison(Co * R * S * Ci, torch.bfloat16)
-            _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
-        _no_jit(monkeypatch, wgrad.conv2d_wgrad_packed_kernel, sk.split_k_reduce_kernel)
+    _wgrad_jit_then_planned(monkeypatch, case, configs, wgrad.conv2d_wgrad_packed_kernel)
 
 
 CONV_FEW_CO = [
@@ -337,12 +339,10 @@ FEW_CO_CONFIGS = [  # BLOCK_N set to the problem's few-Co width
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_FEW_CO, ids=_conv_ids)
-def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
+def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case, dev):
     """The few-Co kernel (grad_out gathered per tap, x read once): the configs whose BLOCK_N is
     its B tile's width run it (gluon_wgrad.runs_few_co), through the JIT and then its plan."""
     N, H, W, Ci, Co, R, S, st, pd = case
-    dev = DeviceClass("sm_90", gh.num_sms(0))
-
     x, g, _ = _wgrad_data(case, 0)
     p = wgrad.problem(x, g, R, S, st, pd)
     width = gwg.few_co_width(p, wgrad.FEW_CO_NARROWEST)
@@ -351,12 +351,7 @@ def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case):
     configs = [c for c in configs if wgrad.resources_ok(c, p)]
     assert len(configs) >= 3 and all(gwg.runs_few_co(p, c, wgrad.FEW_CO_NARROWEST) for c in configs)
     configs.append(wgrad.default_config(p, dev))  # either kernel, as an untuned call runs it
-    for seed in (0, 1):  # JIT (builds the plans), then the planned launches on new data
-        x, g, ref = _wgrad_data(case, seed)
-        for c in configs:
-            _poison(Co * R * S * Ci, torch.bfloat16)
-            _check(wgrad.launch(c, x, g, R, S, st, pd), ref, 1e-2)
-        _no_jit(monkeypatch, wgrad.conv2d_wgrad_few_co_kernel, sk.split_k_reduce_kernel)
+    x, g = _wgrad_jit_then_planned(monkeypatch, case, configs, wgrad.conv2d_wgrad_few_co_kernel)
     # a grad_out that is not contiguous (a channels slice) is read through a copy, not a plan
     g2 = torch.randn(*g.shape[:3], Co + 1, device="cuda", dtype=torch.bfloat16)[..., :Co]
     monkeypatch.undo()
@@ -378,7 +373,7 @@ DGRAD_EXTRA = [
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA + DGRAD_EXTRA, ids=_conv_ids)
-def test_conv2d_dgrad_matches_torch(case):
+def test_conv2d_dgrad_matches_torch(case, dev):
     """grad_x in one launch over every phase, w read in place, written in place: against torch's."""
     N, H, W, Ci, Co, R, S, st, pd = case
     torch.manual_seed(hash(case) % 1000 + 2)
@@ -388,7 +383,6 @@ def test_conv2d_dgrad_matches_torch(case):
     g = torch.randn(N, P, Q, Co, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16)
     p = dgrad.problem(g, w, H, W, st, pd)
-    dev = DeviceClass("sm_90", gh.num_sms(0))
     if not dgrad.supports(p, dev):
         pytest.skip("TMA im2col cannot walk this geometry")
     ref = dgrad.reference(g.float(), w.float(), H, W, st, pd)
@@ -430,11 +424,10 @@ def test_wgrad_split_k_is_deterministic():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_conv_fp16_and_bf16(dtype):
+def test_conv_fp16_and_bf16(dtype, dev):
     torch.manual_seed(1)
     x = torch.randn(8, 20, 20, 64, device="cuda", dtype=dtype)
     w = torch.randn(96, 3, 3, 64, device="cuda", dtype=dtype)
-    dev = DeviceClass("sm_90", gh.num_sms(0))
     p = fprop.problem(x, w, 2, 1)
     y = fprop.launch(fprop.default_config(p, dev), x, w, 2, 1)
     assert y.dtype == dtype
