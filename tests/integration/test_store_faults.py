@@ -48,11 +48,30 @@ def rec(m: int, ms: float = 1.0) -> ConfigRecord:
     return ConfigRecord(key(m), CFG, ms)
 
 
-def seed(url: str) -> None:
-    """A store at head holding the config of key(1), closed (its -wal and -shm are gone)."""
+def seed(path: Path) -> str:
+    """The URL of a store at head at `path` holding the config of key(1) and its trial, closed
+    (its -wal and -shm are gone)."""
+    url = f"sqlite:///{path}"
     s = Store(url)
     s.put_config(rec(1), [TrialRecord(CFG, "ok", 1.0)])
     s.close()
+    return url
+
+
+def read_only_warnings(url: str, caplog) -> list[str]:
+    """Open the local store at `url`, which must come up read-only: it serves key(1) and skips,
+    quietly, a put of key(2). The warnings it logged."""
+    with caplog.at_level(logging.WARNING, logger="tunecache.store"):
+        h = open_local_store(url)
+        try:
+            assert h.outcome == "read-only" and not h.store.writable
+            assert h.store.get_config(key(1).digest).config == CFG
+            kept, won = h.store.put_config(rec(2), [TrialRecord(CFG, "ok", 1.0)])  # skipped
+            assert kept.digest == key(2).digest and won
+            assert h.store.get_config(key(2).digest) is None
+        finally:
+            h.store.close()
+    return warnings_of(caplog)
 
 
 def warnings_of(caplog) -> list[str]:
@@ -103,26 +122,20 @@ def fill(d: Path) -> None:
 def test_read_only_file_system_serves_reads_and_skips_writes(tmpfs, caplog):
     d = tmpfs()
     path = d / "store.sqlite"
-    url = f"sqlite:///{path}"
-    seed(url)
+    url = seed(path)
     remount_read_only(d)
-    with caplog.at_level(logging.WARNING, logger="tunecache.store"):
-        h = open_local_store(url)
-        try:
-            assert h.outcome == "read-only" and not h.store.writable
-            assert h.store.get_config(key(1).digest).config == CFG
-            assert [t.status for t in h.store.trials(key(1).digest)] == ["ok"]
-            kept, won = h.store.put_config(rec(2), [TrialRecord(CFG, "ok", 1.0)])  # skipped, quietly
-            assert kept.digest == key(2).digest and won
-            h.store.add_trials(key(2), [TrialRecord(CFG, "ok", 1.0)])
-            assert h.store.get_config(key(2).digest) is None
-            with pytest.raises(ReadOnlyStoreError, match="open read-only"):  # a queue that drops jobs must say so
-                h.store.enqueue(key(3))
-        finally:
-            h.store.close()
-    assert warnings_of(caplog) == [
+    assert read_only_warnings(url, caplog) == [
         f"tunecache: the store file {path} is on a read-only file system: using it read-only"
     ]
+    h = open_local_store(url)
+    try:
+        assert [t.status for t in h.store.trials(key(1).digest)] == ["ok"]
+        h.store.add_trials(key(2), [TrialRecord(CFG, "ok", 1.0)])
+        assert h.store.trials(key(2).digest) == []
+        with pytest.raises(ReadOnlyStoreError, match="open read-only"):  # a queue that drops jobs must say so
+            h.store.enqueue(key(3))
+    finally:
+        h.store.close()
 
 
 def test_store_file_that_cannot_be_written_is_used_read_only(tmpfs, caplog):
@@ -130,21 +143,11 @@ def test_store_file_that_cannot_be_written_is_used_read_only(tmpfs, caplog):
     # the immutable attribute
     d = tmpfs()
     path = d / "store.sqlite"
-    url = f"sqlite:///{path}"
-    seed(url)
+    url = seed(path)
     if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
         pytest.skip("cannot make a file immutable here (chattr +i)")
     try:
-        with caplog.at_level(logging.WARNING, logger="tunecache.store"):
-            h = open_local_store(url)
-            try:
-                assert h.outcome == "read-only" and not h.store.writable
-                assert h.store.get_config(key(1).digest).config == CFG
-                h.store.put_config(rec(2))  # skipped
-                assert h.store.get_config(key(2).digest) is None
-            finally:
-                h.store.close()
-        assert warnings_of(caplog) == [
+        assert read_only_warnings(url, caplog) == [
             f"tunecache: the store file {path} cannot be written (permission denied): using it read-only"
         ]
     finally:
@@ -208,19 +211,9 @@ def test_full_disk_under_an_open_store_reads_and_a_put_fails_in_words(tmpfs, cap
 def test_full_disk_under_a_closed_store_serves_it_read_only(tmpfs, caplog):
     d = tmpfs("1m")
     path = d / "store.sqlite"
-    url = f"sqlite:///{path}"
-    seed(url)
+    url = seed(path)
     fill(d)
-    with caplog.at_level(logging.WARNING, logger="tunecache.store"):
-        h = open_local_store(url)
-        try:
-            assert h.outcome == "read-only" and not h.store.writable
-            assert h.store.get_config(key(1).digest).config == CFG
-            assert h.store.put_config(rec(2))[0].digest == key(2).digest  # skipped
-            assert h.store.get_config(key(2).digest) is None
-        finally:
-            h.store.close()
-    assert warnings_of(caplog) == [f"tunecache: the disk holding {path} is full: using it read-only"]
+    assert read_only_warnings(url, caplog) == [f"tunecache: the disk holding {path} is full: using it read-only"]
 
 
 def test_full_disk_without_a_store_keeps_results_in_memory(tmpfs, caplog):
@@ -251,7 +244,7 @@ def test_corrupt_file_is_moved_aside_and_a_fresh_store_made(tmp_path, caplog, da
         path.write_bytes(b"this is not a database\n" * 200)
         Path(f"{path}-wal").write_bytes(b"nor is this a write-ahead log")
     else:
-        seed(url)
+        seed(path)
         data = bytearray(path.read_bytes())
         data[16:100] = b"\xff" * 84  # page size, format numbers, counters: all wrong
         path.write_bytes(bytes(data))
@@ -303,21 +296,12 @@ def test_default_store_survives_a_corrupt_store_and_warns_once(db_url, caplog):
 
 def test_store_of_a_newer_tunecache_is_used_read_only(tmp_path, caplog):
     path = tmp_path / "store.sqlite"
-    url = f"sqlite:///{path}"
-    seed(url)
+    url = seed(path)
     s = Store(url)
     with s.engine.begin() as conn:
         conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
     s.close()
-    with caplog.at_level(logging.WARNING, logger="tunecache.store"):
-        h = open_local_store(url)
-        try:
-            assert h.outcome == "read-only" and not h.store.writable
-            assert h.store.get_config(key(1).digest).config == CFG
-            h.store.put_config(rec(2))
-        finally:
-            h.store.close()
-    assert warnings_of(caplog) == [
+    assert read_only_warnings(url, caplog) == [
         f"tunecache: the store file {path} was written by a newer tunecache (schema revision 9999, this one "
         f"knows up to {head_revision()}): using it read-only"
     ]
@@ -346,8 +330,7 @@ def hold_write_lock(path: Path) -> sqlite3.Connection:
 
 def test_held_lock_lets_reads_through_and_a_write_fails_in_words(tmp_path, caplog, short_busy_timeout):
     path = tmp_path / "store.sqlite"
-    url = f"sqlite:///{path}"
-    seed(url)
+    url = seed(path)
     holder = hold_write_lock(path)
     h = None
     try:
@@ -400,8 +383,7 @@ def test_held_lock_while_the_store_needs_migrating_warns_once_and_goes_on(tmp_pa
 
 
 def test_a_healthy_store_opens_as_it_is_without_alembic(tmp_path):
-    url = f"sqlite:///{tmp_path / 'store.sqlite'}"
-    seed(url)
+    url = seed(tmp_path / "store.sqlite")
     out = run_py(
         "import sys; from tunecache.store.local import open_local_store; h = open_local_store(%r); "
         "print(h.outcome, h.fault, h.store.writable, 'alembic' in sys.modules)" % url
