@@ -24,12 +24,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import (
-    TensorMemoryLayout,
-    allocate_tensor_memory,
-    mbarrier,
-    tma,
-)
+from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
 from . import gluon_device as gdev
@@ -44,10 +39,10 @@ from .gluon_blackwell import (
     likeliest_first,
     mma_into_next_acc,
     partial_epilogue,
+    pipeline_rings,
     ring_slot,
     tma_store_epilogue,
 )
-from .gluon_device import init_ring, invalidate_ring
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
@@ -250,6 +245,25 @@ def _phase_store_epilogue(
         acc_use += 1
 
 
+@gluon.jit
+def _epilogue(
+    y_desc, c_smem, gx_ptr, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work,
+    n_phases, PS, Ci, R, S, H, W, M2, PQ2, Q2, stride_h, stride_w, pad_h, pad_w,
+    VEC: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT: gl.constexpr,
+):  # fmt: skip
+    """The binary's epilogue: a stride-1 split's fp32 partials into ws, a stride-1 tile by TMA
+    store, else each phase's pixels from registers."""
+    if SPLIT:
+        partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M2, Ci)
+    elif TMA_STORE:
+        tma_store_epilogue(y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)
+    else:
+        _phase_store_epilogue(
+            gx_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Ci, R, S, H, W, M2,
+            PQ2, Q2, stride_h, stride_w, pad_h, pad_w, VEC,
+        )  # fmt: skip
+
+
 @gluon.jit(do_not_specialize=[*gdg.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER"])  # one binary for every shape
 def conv2d_dgrad_kernel(
     g_desc,
@@ -292,91 +306,43 @@ def conv2d_dgrad_kernel(
     tiles leave SMs idle): SPLITS work items a tile, whose fp32 partials go to ws_ptr
     [SPLITS, M2, Ci] for split_k_reduce."""
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-    dtype: gl.constexpr = g_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(empty)
-    init_ring(acc_ready)
-    init_ring(acc_empty)
-    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
-    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
-
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
+        g_desc, w_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
+    )
     num_pid_m = gl.cdiv(M2, BLOCK_M)
     num_pid_n = gl.cdiv(Ci, BLOCK_N)
     num_work = n_phases * num_pid_m * num_pid_n
     if SPLIT:
         num_work = num_work * SPLITS
-    # one call a binary, each with its partitions' arguments written out: Gluon takes each
-    # partition's function and arguments as written in the call (a tuple kept in a variable
-    # loses its constexpr members)
-    # fmt: off
-    if SPLIT:  # one phase, split: fp32 partials
-        gl.warp_specialize(
-            [
-                (partial_epilogue, (
-                    ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M2, Ci,
-                )),
-                (_mma_partition, (
-                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
-                    PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
-                )),
-                (_load_partition, (
-                    g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
-                    Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
-                )),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
-    elif TMA_STORE:  # one phase, whose walk is grad_x's own pixels
-        c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
-        gl.warp_specialize(
-            [
-                (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-                (_mma_partition, (
-                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
-                    PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
-                )),
-                (_load_partition, (
-                    g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
-                    Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
-                )),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
+    if TMA_STORE and not SPLIT:  # one phase, whose walk is grad_x's own pixels
+        c_smem = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
     else:
-        gl.warp_specialize(
-            [
-                (_phase_store_epilogue, (
-                    gx_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Ci, R, S,
-                    H, W, M2, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, VEC,
-                )),
-                (_mma_partition, (
-                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
-                    PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
-                )),
-                (_load_partition, (
-                    g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
-                    Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
-                )),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
+        c_smem = a_bufs  # unused: these epilogues store from registers
+    # the partitions' arguments written out: Gluon takes each partition's function and arguments
+    # as written in the call (a tuple kept in a variable loses its constexpr members)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_epilogue, (
+                y_desc, c_smem, gx_ptr, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m,
+                num_work, n_phases, PS, Ci, R, S, H, W, M2, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, VEC, TMA_STORE,
+                SPLIT,
+            )),
+            (_mma_partition, (
+                a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
+                PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
+            )),
+            (_load_partition, (
+                g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
+                Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
+            )),
+        ],
+        [1, 1],
+        [WORKER_REGS, WORKER_REGS],
+    )
     # fmt: on
-
-    invalidate_ring(ready)
-    invalidate_ring(empty)
-    invalidate_ring(acc_ready)
-    invalidate_ring(acc_empty)
+    gdev.invalidate_rings(ready, empty, acc_ready, acc_empty)
 
 
 JIT_FUNCTIONS = (conv2d_dgrad_kernel,)

@@ -463,10 +463,8 @@ def conv2d_dgrad_kernel(
     # the epilogue's way from the WGMMA layout to the store layout, allocated here so that its
     # size is the kernel's to state (smem_bytes), not the compiler's to choose
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gdev.init_ring(ready)
-    gdev.init_ring(empty)
+    ready = gdev.barrier_ring(STAGES)
+    empty = gdev.barrier_ring(STAGES)
     # fmt: off
     gl.warp_specialize(
         [
@@ -482,8 +480,7 @@ def conv2d_dgrad_kernel(
         ],
         [1])
     # fmt: on
-    gdev.invalidate_ring(ready)
-    gdev.invalidate_ring(empty)
+    gdev.invalidate_rings(ready, empty)
 
 
 JIT_FUNCTIONS = (conv2d_dgrad_kernel, sk.split_k_reduce_kernel)

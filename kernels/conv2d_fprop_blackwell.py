@@ -33,15 +33,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import (
-    TensorMemoryLayout,
-    allocate_tensor_memory,
-    fence_async_shared,
-    mbarrier,
-    tcgen05_commit,
-    tcgen05_mma,
-    tma,
-)
+from triton.experimental.gluon.language.nvidia.blackwell import fence_async_shared, mbarrier, tma
 
 from . import KernelSpec, problems
 from . import gluon_device as gdev
@@ -51,15 +43,19 @@ from . import gluon_split_k as sk
 from .geometry import is_pointwise
 from .gluon_blackwell import (
     WORKER_REGS,
+    gather_rings,
     grouped_tile,
     likeliest_first,
     mma_partition,
+    mma_when_loaded,
     partial_epilogue,
+    pipeline_rings,
     ring_slot,
     split_k_range,
+    store_gathered,
     tma_store_epilogue,
+    wait_acc,
 )
-from .gluon_device import init_ring, invalidate_ring
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
@@ -135,6 +131,18 @@ def _load_partition(
             use += 1
 
 
+@gluon.jit
+def _epilogue(
+    y_desc, c_smem, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW,
+    SPLIT: gl.constexpr,
+):  # fmt: skip
+    """The binary's epilogue: fp32 partials into ws (SPLIT), else y by TMA store."""
+    if SPLIT:
+        partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW)
+    else:
+        tma_store_epilogue(y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)
+
+
 @gluon.jit(do_not_specialize=[*_SHAPE_ARGS, "SPLITS", "K_PER", "LDW"])
 def conv2d_fprop_kernel(
     x_desc,
@@ -169,20 +177,9 @@ def conv2d_fprop_kernel(
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    dtype: gl.constexpr = y_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(empty)
-    init_ring(acc_ready)
-    init_ring(acc_empty)
-    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
-    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
-
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
+        x_desc, w_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
+    )
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(Co, BLOCK_N)
     tiles = num_pid_m * num_pid_n
@@ -190,53 +187,34 @@ def conv2d_fprop_kernel(
     if SPLIT:
         num_work = tiles * SPLITS
         k_per_split = K_PER
+        c_smem = a_bufs  # unused: the split binary's partials leave from tensor memory
     else:
         num_work = tiles
         k_per_split = k_iters
-    # the partitions' argument lists written out in each launch: a tuple kept in a variable
-    # loses its constexpr members
+        c_smem = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    # the partitions' argument lists written out: a tuple kept in a variable loses its
+    # constexpr members
     # fmt: off
-    if SPLIT:
-        gl.warp_specialize(
-            [
-                (partial_epilogue, (
-                    ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M, LDW,
-                )),
-                (mma_partition, (
-                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, k_iters,
-                    k_per_split, False, True,
-                )),
-                (_load_partition, (
-                    x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
-                    stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,
-                )),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
-    else:
-        c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
-        gl.warp_specialize(
-            [
-                (tma_store_epilogue, (y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-                (mma_partition, (
-                    a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, k_iters,
-                    k_per_split, False, True,
-                )),
-                (_load_partition, (
-                    x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
-                    stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,
-                )),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_epilogue, (
+                y_desc, c_smem, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M,
+                LDW, SPLIT,
+            )),
+            (mma_partition, (
+                a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, k_iters,
+                k_per_split, False, True,
+            )),
+            (_load_partition, (
+                x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
+                stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,
+            )),
+        ],
+        [1, 1],
+        [WORKER_REGS, WORKER_REGS],
+    )
     # fmt: on
-
-    invalidate_ring(ready)
-    invalidate_ring(empty)
-    invalidate_ring(acc_ready)
-    invalidate_ring(acc_empty)
+    gdev.invalidate_rings(ready, empty, acc_ready, acc_empty)
 
 
 @gluon.jit
@@ -288,13 +266,7 @@ def conv2d_fprop_packed_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], w_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(done)
-    init_ring(acc_bar)
-    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+    ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 1, BLOCK_M, BLOCK_N)
 
     pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M
@@ -305,18 +277,11 @@ def conv2d_fprop_packed_kernel(
     base, h0, w0 = gpt.packed_rows(m0, M, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_M, g_layout)
     a = gpt.packed_gather(x_ptr, base, h0, w0, 0, K, SCi, Ci, H, W, BLOCK_K, g_layout)
     for kk in range(k_tiles):
-        slot, phase = ring_slot(kk, NUM_BUFFERS)
-        mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this A slot
-        a_bufs.index(slot).store(a)
-        fence_async_shared()
+        slot, phase = store_gathered(a, a_bufs, done, kk)
         a = gpt.packed_gather(x_ptr, base, h0, w0, (kk + 1) * BLOCK_K, K, SCi, Ci, H, W, BLOCK_K, g_layout)
-        mbarrier.wait(ready.index(slot), phase)
-        tcgen05_mma(
-            a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0, mbarriers=[done.index(slot)]
-        )
+        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, kk, False, True)
         _packed_b_load(kk + NUM_BUFFERS - 1, k_tiles, n0, w_desc, b_bufs, ready, done)
-    tcgen05_commit(acc_bar.index(0))
-    mbarrier.wait(acc_bar.index(0), 0)
+    wait_acc(acc_bar)
     for j in gl.static_range(BLOCK_N // EPI_N):
         buf = c_smem.index(j % 2)
         part = acc.slice(j * EPI_N, EPI_N).load().to(dtype)
@@ -325,9 +290,7 @@ def conv2d_fprop_packed_kernel(
         fence_async_shared()
         tma.async_store(y_desc, [m0, n0 + j * EPI_N], buf)
     tma.store_wait(0)
-    invalidate_ring(ready)
-    invalidate_ring(done)
-    invalidate_ring(acc_bar)
+    gdev.invalidate_rings(ready, done, acc_bar)
 
 
 JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)

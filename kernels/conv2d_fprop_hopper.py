@@ -332,10 +332,8 @@ def conv2d_fprop_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gdev.init_ring(ready)
-    gdev.init_ring(empty)
+    ready = gdev.barrier_ring(STAGES)
+    empty = gdev.barrier_ring(STAGES)
     # fmt: off
     gl.warp_specialize(
         [
@@ -350,8 +348,7 @@ def conv2d_fprop_kernel(
         ],
         [1])
     # fmt: on
-    gdev.invalidate_ring(ready)
-    gdev.invalidate_ring(empty)
+    gdev.invalidate_rings(ready, empty)
 
 
 @gluon.jit
@@ -400,8 +397,7 @@ def conv2d_fprop_packed_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], w_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gdev.init_ring(ready)
+    ready = gdev.barrier_ring(STAGES)
 
     pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M

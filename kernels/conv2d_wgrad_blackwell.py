@@ -37,17 +37,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import (
-    TensorMemoryLayout,
-    allocate_tensor_memory,
-    fence_async_shared,
-    mbarrier,
-    tcgen05_commit,
-    tcgen05_mma,
-    tma,
-)
+from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
@@ -56,12 +49,16 @@ from .geometry import is_pointwise
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
+    gather_rings,
     likeliest_first,
     mma_into_next_acc,
+    mma_when_loaded,
+    pipeline_rings,
     ring_slot,
     store_acc_masked,
+    store_gathered,
+    wait_acc,
 )
-from .gluon_device import init_ring, invalidate_ring
 from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
@@ -251,23 +248,11 @@ def conv2d_wgrad_kernel(
     [num_splits, Co, R*S*Ci], `per` k-steps per split; ws_ptr and flags_ptr unused.
     Stream-K: out_ptr grad_w, ws_ptr [CTAs, BLOCK_M, BLOCK_N] fp32, flags_ptr [CTAs] int32 (all
     zero at launch, left so), `per` (tile, k-step) iterations per CTA."""
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
-    dtype: gl.constexpr = g_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_M], g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(empty)
-    init_ring(acc_ready)
-    init_ring(acc_empty)
-    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
-    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
-
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
+        g_desc, x_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
+    )
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles = co_blocks * ci_blocks * RS
@@ -343,11 +328,7 @@ def conv2d_wgrad_kernel(
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
     )
-
-    invalidate_ring(ready)
-    invalidate_ring(empty)
-    invalidate_ring(acc_ready)
-    invalidate_ring(acc_empty)
+    gdev.invalidate_rings(ready, empty, acc_ready, acc_empty)
 
 
 @gluon.jit
@@ -400,13 +381,7 @@ def conv2d_wgrad_packed_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + g_desc.block_type.shape, g_desc.layout)
     b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(done)
-    init_ring(acc_bar)
-    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+    ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 2, BLOCK_M, BLOCK_N)
 
     pid = gl.program_id(0)
     co_blocks = gl.cdiv(Co, BLOCK_M)
@@ -422,24 +397,16 @@ def conv2d_wgrad_packed_kernel(
     base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
     b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
     for i in range(n):
-        slot, phase = ring_slot(i, NUM_BUFFERS)
-        mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this B slot
-        b_bufs.index(slot).store(b)
-        fence_async_shared()
+        slot, phase = store_gathered(b, b_bufs, done, i)
         m0 += BLOCK_K
         base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
         b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
-        mbarrier.wait(ready.index(slot), phase)
-        a = a_bufs.index(slot).permute((1, 0))
-        tcgen05_mma(a, b_bufs.index(slot), acc, use_acc=i > 0, mbarriers=[done.index(slot)])
+        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, i, True, False)
         _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, co0, g_desc, a_bufs, ready, done)
-    tcgen05_commit(acc_bar.index(0))
-    mbarrier.wait(acc_bar.index(0), 0)
+    wait_acc(acc_bar)
     # every split has at least one step (gluon_split_k.split_k_plan)
     store_acc_masked(acc, acc_bar.index(1), out_ptr + split.to(gl.int64) * Co * K, co0, Co, K, n0, K)
-    invalidate_ring(ready)
-    invalidate_ring(done)
-    invalidate_ring(acc_bar)
+    gdev.invalidate_rings(ready, done, acc_bar)
 
 
 @gluon.jit(do_not_specialize=list(gwg.FEW_CO_WGRAD_INTS))
@@ -480,13 +447,7 @@ def conv2d_wgrad_few_co_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + x_desc.block_type.shape, x_desc.layout)
     b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(done)
-    init_ring(acc_bar)
-    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+    ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 1, BLOCK_M, BLOCK_N)
 
     pid = gl.program_id(0)
     ci_blocks = gl.cdiv(Ci, BLOCK_M)
@@ -502,29 +463,21 @@ def conv2d_wgrad_few_co_kernel(
         g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
     )
     for i in range(n):
-        slot, phase = ring_slot(i, NUM_BUFFERS)
-        mbarrier.wait(done.index(slot), phase ^ 1)  # the MMA that last read this B slot
-        b_bufs.index(slot).store(b)
-        fence_async_shared()
+        slot, phase = store_gathered(b, b_bufs, done, i)
         m0 += BLOCK_K
         img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
         b = gwg.few_co_gather(
             g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
         )
-        mbarrier.wait(ready.index(slot), phase)
-        a = a_bufs.index(slot).permute((1, 0))
-        tcgen05_mma(a, b_bufs.index(slot), acc, use_acc=i > 0, mbarriers=[done.index(slot)])
+        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, i, True, False)
         _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, ci0, x_desc, a_bufs, ready, done)
-    tcgen05_commit(acc_bar.index(0))
-    mbarrier.wait(acc_bar.index(0), 0)
+    wait_acc(acc_bar)
     EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
     slice_layout: gl.constexpr = acc.slice(0, EPI_N).get_reg_layout()
     for j in gl.static_range(BLOCK_N // EPI_N):
         part = acc.slice(j * EPI_N, EPI_N).load(slice_layout)
         gwg.few_co_store(out_ptr, split, part, ci0, j * EPI_N, Co, RS, Ci, num_warps)
-    invalidate_ring(ready)
-    invalidate_ring(done)
-    invalidate_ring(acc_bar)
+    gdev.invalidate_rings(ready, done, acc_bar)
 
 
 JIT_FUNCTIONS = (

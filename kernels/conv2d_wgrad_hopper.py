@@ -285,10 +285,8 @@ def conv2d_wgrad_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gdev.init_ring(ready)
-    gdev.init_ring(empty)
+    ready = gdev.barrier_ring(STAGES)
+    empty = gdev.barrier_ring(STAGES)
     gl.warp_specialize(
         [
             (
@@ -343,8 +341,7 @@ def conv2d_wgrad_kernel(
         [1],
         [40],
     )
-    gdev.invalidate_ring(ready)
-    gdev.invalidate_ring(empty)
+    gdev.invalidate_rings(ready, empty)
 
 
 @gluon.jit
@@ -395,8 +392,7 @@ def conv2d_wgrad_packed_kernel(
     g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gdev.init_ring(ready)
+    ready = gdev.barrier_ring(STAGES)
 
     pid = gl.program_id(0)
     co_blocks = gl.cdiv(Co, BLOCK_M)
@@ -473,8 +469,7 @@ def conv2d_wgrad_few_co_kernel(
     g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gdev.init_ring(ready)
+    ready = gdev.barrier_ring(STAGES)
 
     pid = gl.program_id(0)
     ci_blocks = gl.cdiv(Ci, BLOCK_M)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    allocate_tensor_memory,
     fence_async_shared,
     mbarrier,
     tcgen05_commit,
@@ -30,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
+from .gluon_device import barrier_ring
 from .gluon_host import ring_shortfall
 
 # Registers per thread the one-warp load and MMA partitions keep (setmaxnreg); the epilogue
@@ -41,6 +44,74 @@ WORKER_REGS = gl.constexpr(40)
 def ring_slot(use, NUM: gl.constexpr):
     """(slot, phase) of the `use`-th use of a ring of NUM slots."""
     return use % NUM, (use // NUM) & 1
+
+
+@gluon.jit
+def pipeline_rings(
+    a_desc, b_desc, NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
+):
+    """The rings every persistent kernel here runs on, allocated and initialized: the operand
+    ring (NUM_BUFFERS stages of a_desc's and b_desc's blocks, `ready` and `empty` barriers) and
+    the accumulator ring (NUM_ACC fp32 [BLOCK_M, BLOCK_N] buffers in tensor memory, `acc_ready`
+    and `acc_empty`). Returns (a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
+    ready = barrier_ring(NUM_BUFFERS)
+    empty = barrier_ring(NUM_BUFFERS)
+    acc_ready = barrier_ring(NUM_ACC)
+    acc_empty = barrier_ring(NUM_ACC)
+    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
+    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
+    return a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem
+
+
+# ---- one tile per CTA, one operand gathered in registers (the packed-taps and few-Co kernels) ----
+
+
+@gluon.jit
+def gather_rings(NUM_BUFFERS: gl.constexpr, ACC_BARS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The barriers and the accumulator of a kernel that TMA-loads one operand and gathers the
+    other: `ready` (a TMA stage has landed), `done` (the MMA that read a stage of both rings has
+    completed), ACC_BARS barriers for the accumulator, and the fp32 [BLOCK_M, BLOCK_N]
+    accumulator in tensor memory. Returns (ready, done, acc_bar, acc)."""
+    ready = barrier_ring(NUM_BUFFERS)
+    done = barrier_ring(NUM_BUFFERS)
+    acc_bar = barrier_ring(ACC_BARS)
+    acc = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1))
+    return ready, done, acc_bar, acc
+
+
+@gluon.jit
+def store_gathered(tile, bufs, done, use):
+    """The gathered operand's `use`-th k-step tile into its stage of `bufs`, once the MMA that
+    last read that stage is done; returns the stage's (slot, phase)."""
+    slot, phase = ring_slot(use, bufs.shape[0])
+    mbarrier.wait(done.index(slot), phase ^ 1)
+    bufs.index(slot).store(tile)
+    fence_async_shared()
+    return slot, phase
+
+
+@gluon.jit
+def mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, use, A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    """Once stage `slot`'s TMA operand has landed, the `use`-th k-step's MMA into `acc` (the
+    first one overwrites it), which arrives on done[slot] when complete (an operand stored
+    K-outer is fed through a permuted view)."""
+    mbarrier.wait(ready.index(slot), phase)
+    a = a_bufs.index(slot)
+    b = b_bufs.index(slot)
+    if A_TRANS:
+        a = a.permute((1, 0))
+    if B_TRANS:
+        b = b.permute((1, 0))
+    tcgen05_mma(a, b, acc, use_acc=use > 0, mbarriers=[done.index(slot)])
+
+
+@gluon.jit
+def wait_acc(acc_bar):
+    """Every MMA issued so far has completed: the accumulator holds its final value."""
+    tcgen05_commit(acc_bar.index(0))
+    mbarrier.wait(acc_bar.index(0), 0)
 
 
 @gluon.jit

@@ -10,6 +10,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 
 @gluon.jit
+def barrier_ring(NUM: gl.constexpr):
+    """A ring of NUM mbarriers in shared memory, each initialized for one arrival."""
+    bars = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
+    init_ring(bars)
+    return bars
+
+
+@gluon.jit
 def init_ring(bars, count: gl.constexpr = 1):
     """Initialize a ring of mbarriers ([NUM, 1] in shared memory), each expecting `count` arrivals."""
     NUM: gl.constexpr = bars.shape[0]
@@ -22,6 +30,17 @@ def invalidate_ring(bars):
     NUM: gl.constexpr = bars.shape[0]
     for i in gl.static_range(NUM):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def invalidate_rings(first, second, third=None, fourth=None):
+    """A kernel's rings of mbarriers, invalidated in this order once it is done with them."""
+    invalidate_ring(first)
+    invalidate_ring(second)
+    if third is not None:
+        invalidate_ring(third)
+    if fourth is not None:
+        invalidate_ring(fourth)
 
 
 @gluon.jit

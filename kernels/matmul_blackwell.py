@@ -29,14 +29,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import (
-    TensorMemoryLayout,
-    allocate_tensor_memory,
-    mbarrier,
-    tma,
-)
+from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_matmul as gmm
 from . import gluon_split_k as sk
@@ -45,12 +41,12 @@ from .gluon_blackwell import (
     grouped_tile,
     likeliest_first,
     mma_partition,
+    pipeline_rings,
     ring_slot,
     split_k_range,
     store_acc_masked,
     tma_store_epilogue,
 )
-from .gluon_device import init_ring, invalidate_ring
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
@@ -192,6 +188,38 @@ def _register_epilogue(
         acc_use += 1
 
 
+@gluon.jit
+def _epilogue(
+    c_desc,
+    c_smem,
+    ws_ptr,
+    c_ptr,
+    cnt_ptr,
+    acc_tmem,
+    acc_ready,
+    acc_empty,
+    num_work,
+    tiles,
+    num_pid_m,
+    num_pid_n,
+    group_m,
+    M,
+    N,
+    LDW,
+    SPLITS,
+    SPLIT: gl.constexpr,
+    SWAP: gl.constexpr,
+):
+    """The binary's epilogue: from registers (split, swapped), else the TMA store."""
+    if SPLIT or SWAP:
+        _register_epilogue(
+            ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW,
+            SPLITS, SPLIT, SWAP,
+        )  # fmt: skip
+    else:
+        tma_store_epilogue(c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)
+
+
 @gluon.jit(do_not_specialize=["M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW"])
 def matmul_kernel(
     a_desc,
@@ -224,20 +252,9 @@ def matmul_kernel(
     and cnt_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW]
     fp32 receives the partials, K_PER k-steps per split, cnt_ptr holds a zeroed int32 counter
     per tile (left zeroed), and the last split of a tile to arrive writes c_ptr [M, LDW]."""
-    dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-    init_ring(ready)
-    init_ring(empty)
-    init_ring(acc_ready)
-    init_ring(acc_empty)
-    tmem_layout: gl.constexpr = TensorMemoryLayout(block=(BLOCK_M, BLOCK_N), col_stride=1)
-    acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
-
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
+        a_desc, b_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
+    )
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     tiles = num_pid_m * num_pid_n
@@ -248,126 +265,33 @@ def matmul_kernel(
     else:
         num_work = tiles
         k_per_split = total_k
-    # two launches of the partitions, their argument lists written out in each: the split and
-    # swapped binaries allocate no TMA staging buffers, and a partition takes no None in their place
-    # (nor a tuple held in a variable: it would carry A_TRANS and B_TRANS as values, not
-    # constexprs)
     if SPLIT or SWAP:
-        gl.warp_specialize(
-            [
-                (
-                    _register_epilogue,
-                    (
-                        ws_ptr,
-                        c_ptr,
-                        cnt_ptr,
-                        acc_tmem,
-                        acc_ready,
-                        acc_empty,
-                        num_work,
-                        tiles,
-                        num_pid_n,
-                        group_m,
-                        M,
-                        N,
-                        LDW,
-                        SPLITS,
-                        SPLIT,
-                        SWAP,
-                    ),
-                ),
-                (
-                    mma_partition,
-                    (
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        acc_tmem,
-                        acc_ready,
-                        acc_empty,
-                        num_work,
-                        tiles,
-                        total_k,
-                        k_per_split,
-                        A_TRANS,
-                        B_TRANS,
-                    ),
-                ),
-                (
-                    _load_partition,
-                    (
-                        a_desc,
-                        b_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        num_work,
-                        tiles,
-                        num_pid_n,
-                        total_k,
-                        k_per_split,
-                        group_m,
-                        A_TRANS,
-                        B_TRANS,
-                    ),
-                ),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
+        c_smem = a_bufs  # unused: the split and swapped binaries store from registers
     else:
-        c_smem = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-        gl.warp_specialize(
-            [
-                (tma_store_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)),
-                (
-                    mma_partition,
-                    (
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        acc_tmem,
-                        acc_ready,
-                        acc_empty,
-                        num_work,
-                        tiles,
-                        total_k,
-                        k_per_split,
-                        A_TRANS,
-                        B_TRANS,
-                    ),
-                ),
-                (
-                    _load_partition,
-                    (
-                        a_desc,
-                        b_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        num_work,
-                        tiles,
-                        num_pid_n,
-                        total_k,
-                        k_per_split,
-                        group_m,
-                        A_TRANS,
-                        B_TRANS,
-                    ),
-                ),
-            ],
-            [1, 1],
-            [WORKER_REGS, WORKER_REGS],
-        )
-
-    invalidate_ring(ready)
-    invalidate_ring(empty)
-    invalidate_ring(acc_ready)
-    invalidate_ring(acc_empty)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    # the partitions' argument lists written out: a tuple kept in a variable would carry A_TRANS
+    # and B_TRANS as values, not constexprs
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_epilogue, (
+                c_desc, c_smem, ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_m,
+                num_pid_n, group_m, M, N, LDW, SPLITS, SPLIT, SWAP,
+            )),
+            (mma_partition, (
+                a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, total_k, k_per_split,
+                A_TRANS, B_TRANS,
+            )),
+            (_load_partition, (
+                a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_work, tiles, num_pid_n, total_k, k_per_split,
+                group_m, A_TRANS, B_TRANS,
+            )),
+        ],
+        [1, 1],
+        [WORKER_REGS, WORKER_REGS],
+    )
+    # fmt: on
+    gdev.invalidate_rings(ready, empty, acc_ready, acc_empty)
 
 
 JIT_FUNCTIONS = (matmul_kernel,)
