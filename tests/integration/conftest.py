@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.fleet import Server, make_tokens, reset_fleet_tables, start_fleet
+from support.fleet import reset_fleet_tables, start_fleet
 
 # The shared services' tables are emptied behind their backs between tests (`clean_fleet`),
 # which a service sees only after TUNECACHE_LOOKUP_CACHE_S: these answer every lookup from the
@@ -18,25 +18,16 @@ NO_LOOKUP_CACHE = {"TUNECACHE_LOOKUP_CACHE_S": "0"}
 @pytest.fixture(scope="module")
 def fleet(pg_url, tmp_path_factory):
     """A running service over the session's Postgres database, and a token per scope."""
-    from tunecache.store import Store
-
-    Store(pg_url).close()  # migrate before the server and the tests touch it
-    tokens = make_tokens(pg_url)
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    server = Server(pg_url, log, env=NO_LOOKUP_CACHE).start()
-    server.tokens = tokens
-    server.db_url = pg_url
-    yield server
-    server.stop()
+    with start_fleet(pg_url, tmp_path_factory.mktemp("server"), env=NO_LOOKUP_CACHE) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def sqlite_fleet(tmp_path_factory):
     """The same service as `fleet`, over a SQLite file (the store's other engine)."""
     d = tmp_path_factory.mktemp("sqlite-fleet")
-    server = start_fleet(f"sqlite:///{d / 'fleet.sqlite'}", d, env=NO_LOOKUP_CACHE)
-    yield server
-    server.stop()
+    with start_fleet(f"sqlite:///{d / 'fleet.sqlite'}", d, env=NO_LOOKUP_CACHE) as server:
+        yield server
 
 
 @pytest.fixture

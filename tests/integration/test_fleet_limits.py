@@ -44,9 +44,8 @@ def _db_url(request, tmp_path_factory) -> str:
 @pytest.fixture(scope="module", params=BACKENDS)
 def svc(request, tmp_path_factory):
     """The service with its default limits."""
-    server = start_fleet(_db_url(request, tmp_path_factory), tmp_path_factory.mktemp("svc"), prefix="limits")
-    yield server
-    server.stop()
+    with start_fleet(_db_url(request, tmp_path_factory), tmp_path_factory.mktemp("svc"), prefix="limits") as server:
+        yield server
 
 
 @pytest.fixture
@@ -58,11 +57,10 @@ def clean_svc(svc):
 @pytest.fixture(scope="module", params=BACKENDS)
 def tight(request, tmp_path_factory):
     """The service with low limits (TIGHT)."""
-    server = start_fleet(
+    with start_fleet(
         _db_url(request, tmp_path_factory), tmp_path_factory.mktemp("tight"), prefix="tight", env=TIGHT
-    )
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 def result(median_ms=5.0, config=None, **key):

@@ -40,13 +40,10 @@ def two(pg_url, tmp_path_factory):
     """Processes A and B of one fleet (`tunecache serve` twice over one database)."""
     d = tmp_path_factory.mktemp("scale-out")
     env = {"TUNECACHE_LOOKUP_CACHE_S": str(TTL_S)}
-    a = start_fleet(pg_url, d, prefix="scale", env=env)
-    b = Server(pg_url, d / "b.log", env=env).start()
-    b.tokens, b.db_url = a.tokens, pg_url
-    reset_fleet_tables(pg_url)
-    yield a, b
-    b.stop()
-    a.stop()
+    with start_fleet(pg_url, d, prefix="scale", env=env) as a, Server(pg_url, d / "b.log", env=env).start() as b:
+        b.tokens, b.db_url = a.tokens, pg_url
+        reset_fleet_tables(pg_url)
+        yield a, b
 
 
 def api(server: Server, scope: str) -> httpx.Client:

@@ -30,9 +30,8 @@ EDGES = {"TUNECACHE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "TUNECACHE_CONNECT
 
 @pytest.fixture(scope="module")
 def svc(pg_url, tmp_path_factory):
-    server = start_fleet(pg_url, tmp_path_factory.mktemp("edges"), prefix="edges", env=EDGES)
-    yield server
-    server.stop()
+    with start_fleet(pg_url, tmp_path_factory.mktemp("edges"), prefix="edges", env=EDGES) as server:
+        yield server
 
 
 def rss_mib(server, field: str = "VmRSS") -> float:

@@ -37,9 +37,8 @@ FOOTPRINT = {"TUNECACHE_BYTES_PER_DAY": str(BYTES_PER_DAY), "TUNECACHE_TRIALS_PE
 @pytest.fixture(scope="module")
 def svc(pg_url, tmp_path_factory):
     """The service with its lookup cache on (the default) and a small byte quota."""
-    server = start_fleet(pg_url, tmp_path_factory.mktemp("footprint"), prefix="footprint", env=FOOTPRINT)
-    yield server
-    server.stop()
+    with start_fleet(pg_url, tmp_path_factory.mktemp("footprint"), prefix="footprint", env=FOOTPRINT) as server:
+        yield server
 
 
 def token(server, scope: str) -> str:

@@ -85,6 +85,12 @@ class Server:
                 self.proc.wait(5)
         self.proc = None
 
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def pause(self) -> None:
         """SIGSTOP: the socket still accepts connections, but nothing answers (a hung service)."""
         assert self.proc is not None
