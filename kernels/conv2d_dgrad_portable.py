@@ -15,7 +15,6 @@ import triton.language as tl
 
 from . import portable_rules as rules
 from . import problems
-from .spaces.portable import SPACES
 
 OP, BACKEND = "conv2d_dgrad", "portable"
 KERNEL = f"{OP}.{BACKEND}"
@@ -114,32 +113,16 @@ def conv2d_dgrad_kernel(
     )
 
 
-JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
-
-
-supports = rules.supports
-
-
-def config_space(p: dict, device) -> list[dict]:
-    return list(SPACES[OP])
-
-
-def _sizes(p: dict) -> dict[str, int]:
+def _extents(p: dict) -> tuple:
+    """A phase's pixels, Ci and Co (the tile dimensions' extents), and the GEMM's (M, N, K)."""
     m = p["N"] * -(-p["H"] // p["stride_h"]) * -(-p["W"] // p["stride_w"])
-    return {"BLOCK_M": m, "BLOCK_N": p["Ci"], "BLOCK_K": p["Co"]}
+    return (m, p["Ci"], p["Co"]), (m, p["Ci"], p["gemm_K"])
 
 
-def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    s = _sizes(p)
-    return rules.prune(configs, p, device, s, (s["BLOCK_M"], p["Ci"], p["gemm_K"]))
-
-
-_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-
-
-def default_config(p: dict, device) -> dict:
-    return rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
+JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
+supports, config_space, prune, default_config = rules.host_rules(
+    OP, _extents, cpu=(32, 32, 16, 4), gpu=(128, 64, 32, 4)
+)
 
 
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):

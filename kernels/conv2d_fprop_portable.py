@@ -9,7 +9,6 @@ import triton.language as tl
 
 from . import portable_rules as rules
 from . import problems
-from .spaces.portable import SPACES
 
 OP, BACKEND = "conv2d_fprop", "portable"
 KERNEL = f"{OP}.{BACKEND}"
@@ -82,30 +81,15 @@ def conv2d_fprop_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & co_ok[None, :])
 
 
+def _extents(p: dict) -> tuple:
+    """The problem's extent along (BLOCK_M, BLOCK_N, BLOCK_K), and its GEMM's (M, N, K)."""
+    return (p["gemm_M"], p["Co"], p["Ci"]), (p["gemm_M"], p["gemm_N"], p["gemm_K"])
+
+
 JIT_FUNCTIONS = (conv2d_fprop_kernel,)
-
-
-supports = rules.supports
-
-
-def config_space(p: dict, device) -> list[dict]:
-    return list(SPACES[OP])
-
-
-def _sizes(p: dict) -> dict[str, int]:
-    return {"BLOCK_M": p["gemm_M"], "BLOCK_N": p["Co"], "BLOCK_K": p["Ci"]}
-
-
-def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return rules.prune(configs, p, device, _sizes(p), (p["gemm_M"], p["gemm_N"], p["gemm_K"]))
-
-
-_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-
-
-def default_config(p: dict, device) -> dict:
-    return rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
+supports, config_space, prune, default_config = rules.host_rules(
+    OP, _extents, cpu=(32, 32, 16, 4), gpu=(128, 64, 32, 4)
+)
 
 
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:

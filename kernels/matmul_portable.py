@@ -9,7 +9,6 @@ import triton.language as tl
 
 from . import portable_rules as rules
 from . import problems
-from .spaces.portable import SPACES
 
 OP, BACKEND = "matmul", "portable"
 KERNEL = f"{OP}.{BACKEND}"
@@ -68,30 +67,15 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+def _extents(p: dict) -> tuple:
+    """The problem's extent along (BLOCK_M, BLOCK_N, BLOCK_K), and its GEMM's (M, N, K)."""
+    return (p["M"], p["N"], p["K"]), (p["M"], p["N"], p["K"])
+
+
 JIT_FUNCTIONS = (matmul_kernel,)
-
-
-supports = rules.supports
-
-
-def config_space(p: dict, device) -> list[dict]:
-    return list(SPACES[OP])
-
-
-def _sizes(p: dict) -> dict[str, int]:
-    return {"BLOCK_M": p["M"], "BLOCK_N": p["N"], "BLOCK_K": p["K"]}
-
-
-def prune(configs: list[dict], p: dict, device) -> list[dict]:
-    return rules.prune(configs, p, device, _sizes(p), (p["M"], p["N"], p["K"]))
-
-
-_CPU_DEFAULT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-
-
-def default_config(p: dict, device) -> dict:
-    return rules.default(_CPU_DEFAULT, _GPU_DEFAULT, _sizes(p), device)
+supports, config_space, prune, default_config = rules.host_rules(
+    OP, _extents, cpu=(32, 32, 32, 4), gpu=(128, 128, 32, 8)
+)
 
 
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

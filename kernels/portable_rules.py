@@ -5,8 +5,11 @@ default tiles and the arguments of its kernel."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .geometry import pow2_at_least
 from .hardware import HOPPER
+from .spaces.portable import SPACES
 
 
 def supports(p: dict, device) -> bool:
@@ -121,3 +124,26 @@ def prune(
     itemsize = 4 if p["dtype"] == "float32" else 2
     kept = [c for c in configs if gpu_ok(c, sizes, itemsize) and (gpu_extra is None or gpu_extra(c))]
     return ranked(kept, gemm, device.sm_count)
+
+
+def host_rules(op: str, extents: Callable[[dict], tuple], cpu: tuple, gpu: tuple) -> tuple:
+    """A portable backend's (supports, config_space, prune, default_config), from what is its own:
+    `extents(p)`, the problem's extent along (BLOCK_M, BLOCK_N, BLOCK_K) and its implicit GEMM's
+    (M, N, K), and its default (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) on the CPU interpreter
+    (`cpu`) and on a GPU (`gpu`), GROUP_M 8 and 3 stages."""
+
+    def sizes(p: dict) -> dict[str, int]:
+        return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), extents(p)[0]))
+
+    def config_space(p: dict, device) -> list[dict]:
+        return list(SPACES[op])
+
+    def prune_space(configs: list[dict], p: dict, device) -> list[dict]:
+        return prune(configs, p, device, sizes(p), extents(p)[1])
+
+    def default_config(p: dict, device) -> dict:
+        cpu_c, gpu_c = ({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w, "num_stages": 3}
+                        for m, n, k, w in (cpu, gpu))  # fmt: skip
+        return default(cpu_c, gpu_c, sizes(p), device)
+
+    return supports, config_space, prune_space, default_config
