@@ -46,14 +46,10 @@ def test_a_store_at_another_revision_is_read_through_the_store(db_url, tmp_path)
 
 
 def _downgrade(db_url: str, revision: str) -> None:
-    from alembic import command
     from sqlalchemy import create_engine
 
-    from tunecache.store.migrate import alembic_config
+    from support.migrations import downgrade
 
     engine = create_engine(db_url)
-    with engine.begin() as conn:
-        cfg = alembic_config()
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, revision)
+    downgrade(engine, revision)
     engine.dispose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from support.migrations import columns, downgrade, indexes
 from tunecache.key import TuneKey
 from tunecache.store import ConfigRecord, Store, TrialRecord
 from tunecache.store.migrate import current_revision, head_revision
@@ -199,24 +200,26 @@ def test_a_tunes_seconds_stay_with_its_winner_and_are_read_back_as_past_tunes(st
     assert [r.key.problem["M"] for r in store.past_tunes("matmul.portable", "cpu", 0, limit=1)] == [2]
 
 
+def step_down(engine, revision: str) -> None:
+    """Alembic's downgrade to `revision`: the winners keep their indexes."""
+    downgrade(engine, revision)
+    assert current_revision(engine) == revision
+    assert {"ix_tuned_configs_digest", "ix_tuned_configs_kernel"} <= indexes(engine, "tuned_configs")
+
+
 def test_the_tune_seconds_revision_upgrades_and_downgrades(empty_db_url):
     """Revision 0008 adds tune_seconds and start_seconds to winners (null for what was stored
     before) and drops them again, keeping the rows, their other columns and their indexes."""
-    from alembic import command
-    from sqlalchemy import create_engine, inspect
+    from sqlalchemy import create_engine
 
-    from tunecache.store.migrate import alembic_config, upgrade
-
-    def columns():
-        return {c["name"] for c in inspect(engine).get_columns("tuned_configs")}
+    from tunecache.store.migrate import upgrade
 
     engine = create_engine(empty_db_url)
     upgrade(engine, "0007")
-    assert not {"tune_seconds", "start_seconds"} & columns()
+    assert not {"tune_seconds", "start_seconds"} & columns(engine, "tuned_configs")
     upgrade(engine, "0008")
-    assert {"tune_seconds", "start_seconds"} <= columns() and "tune_seconds" in {
-        c["name"] for c in inspect(engine).get_columns("submissions")
-    }
+    assert {"tune_seconds", "start_seconds"} <= columns(engine, "tuned_configs")
+    assert "tune_seconds" in columns(engine, "submissions")
     store = Store(empty_db_url)
     try:
         store.put_config(
@@ -224,15 +227,9 @@ def test_the_tune_seconds_revision_upgrades_and_downgrades(empty_db_url):
         )
     finally:
         store.close()
-    cfg = alembic_config()
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0007")
-    assert current_revision(engine) == "0007"
-    assert not {"tune_seconds", "start_seconds"} & columns() and {"reports", "default_ms"} <= columns()
-    assert {"ix_tuned_configs_digest", "ix_tuned_configs_kernel"} <= {
-        i["name"] for i in inspect(engine).get_indexes("tuned_configs")
-    }
+    step_down(engine, "0007")
+    kept = columns(engine, "tuned_configs")
+    assert not {"tune_seconds", "start_seconds"} & kept and {"reports", "default_ms"} <= kept
     engine.dispose()
     store = Store(empty_db_url)  # migrates to head again: the row is kept, its seconds are gone
     try:
@@ -248,38 +245,27 @@ def test_the_tune_seconds_revision_upgrades_and_downgrades(empty_db_url):
 def test_the_times_revision_upgrades_and_downgrades(empty_db_url):
     """Revision 0005 adds default_ms and vendor_ms to winners and submissions (null for what was
     stored before) and drops them again, keeping the rows and their indexes."""
-    from alembic import command
-    from sqlalchemy import create_engine, inspect
+    from sqlalchemy import create_engine
     from sqlalchemy.exc import IntegrityError
 
-    from tunecache.store.migrate import alembic_config, upgrade
+    from tunecache.store.migrate import upgrade
 
-    def downgrade(revision):
-        cfg = alembic_config()
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, revision)
-
-    def columns(table):
-        return {c["name"] for c in inspect(engine).get_columns(table)}
+    def times():
+        return {"default_ms", "vendor_ms"} & (columns(engine, "tuned_configs") | columns(engine, "submissions"))
 
     engine = create_engine(empty_db_url)
     upgrade(engine, "0004")
-    assert not {"default_ms", "vendor_ms"} & (columns("tuned_configs") | columns("submissions"))
+    assert not times()
     upgrade(engine, "0005")
-    assert {"default_ms", "vendor_ms"} <= columns("tuned_configs") & columns("submissions")
+    assert {"default_ms", "vendor_ms"} <= columns(engine, "tuned_configs") & columns(engine, "submissions")
     store = Store(empty_db_url)
     try:
         store.publish(ConfigRecord(key(1), CFG, 1.0, default_ms=2.0, vendor_ms=0.5), submitted_by="w")
         store.put_config(ConfigRecord(key(2), CFG, 1.0))
     finally:
         store.close()
-    downgrade("0004")
-    assert current_revision(engine) == "0004"
-    assert not {"default_ms", "vendor_ms"} & (columns("tuned_configs") | columns("submissions"))
-    assert {"ix_tuned_configs_digest", "ix_tuned_configs_kernel"} <= {
-        i["name"] for i in inspect(engine).get_indexes("tuned_configs")
-    }
+    step_down(engine, "0004")
+    assert not times()
     engine.dispose()
     store = Store(empty_db_url)  # migrates to head again: the rows are kept, their times are gone
     try:
