@@ -87,6 +87,9 @@ class Turn:
 
     waited: bool
     held: bool
+    # a config another host of the fleet tuned this key to and submitted (`Fleet.announce`): a
+    # claim measured there only, to time against the default before it runs here
+    hint: dict | None = None
 
 
 def _holder_text(path: Path) -> str:

@@ -409,10 +409,20 @@ def triton_interpret() -> bool:
 
 
 def compile_workers() -> int | None:
-    """TUNECACHE_COMPILE_WORKERS: compile processes (default: one per CPU core)."""
+    """TUNECACHE_COMPILE_WORKERS: compile processes (default: one per CPU core, shared among the
+    job's processes of this host, `local_ranks`)."""
     if not os.environ.get("TUNECACHE_COMPILE_WORKERS", "").strip():
         return None
     return int(_env_number("TUNECACHE_COMPILE_WORKERS", 1, int, 1, strict=False))
+
+
+def local_ranks() -> int:
+    """How many processes of a job run on this host, as torchrun says (LOCAL_WORLD_SIZE); 1
+    when not set or not a positive integer (not a tunecache setting: never an error)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def gluon_direct_launch() -> bool:

@@ -125,11 +125,19 @@ def reset_fleet_tables(db_url: str) -> None:
     engine = create_engine(db_url)
     with engine.begin() as conn:
         if engine.dialect.name == "sqlite":
-            for table in ("tuned_configs", "tuning_jobs", "trials", "submissions", "kernel_binaries"):
+            for table in (
+                "tuned_configs",
+                "tuning_jobs",
+                "trials",
+                "submissions",
+                "kernel_binaries",
+                "tune_announcements",
+            ):
                 conn.exec_driver_sql(f"DELETE FROM {table}")
         else:
             conn.exec_driver_sql(
-                "TRUNCATE tuned_configs, tuning_jobs, trials, submissions, kernel_binaries RESTART IDENTITY"
+                "TRUNCATE tuned_configs, tuning_jobs, trials, submissions, kernel_binaries, tune_announcements "
+                "RESTART IDENTITY"
             )
     engine.dispose()
 

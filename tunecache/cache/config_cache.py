@@ -26,19 +26,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Literal, NamedTuple
 
 from tunecache import settings
 from tunecache.errors import short
 from tunecache.fleet.protocol import KEPT_EXISTING, UNREACHABLE, WON, Fleet, Published
 from tunecache.key import TuneKey
-from tunecache.store.records import ConfigRecord, TrialRecord, utcnow
+from tunecache.store.records import ANNOUNCE_S, ConfigRecord, TrialRecord, utcnow
 
 if TYPE_CHECKING:
     from tunecache.key import DeviceClass
+    from tunecache.locks import Turn
     from tunecache.store import Store
     from tunecache.tuning.tuner import TuneResult
 
@@ -46,6 +49,8 @@ log = logging.getLogger("tunecache")
 
 # How often a process asks the fleet for its generation (only when it reads a fleet copy).
 GENERATION_POLL_S = 60.0
+# How often a host that waits for another's tune of a key asks the fleet whether it is done.
+FLEET_WAIT_POLL_S = 2.0
 
 Check = Callable[[dict], "str | None"]  # a config -> why it cannot run here, or None
 
@@ -372,15 +377,85 @@ class ConfigCache:
 
     # ---- the processes of a host ---------------------------------------------------------
 
-    def turn(self, key: TuneKey, wait: bool = True):
-        """One tune of `key` per host and store (`tunecache.locks.tune_turn`): a context whose
-        `Turn` says whether this process waited for another's tune (then `get` the winner first)
-        and whether it holds the key (`wait=False`: not when another process does)."""
+    @contextlib.contextmanager
+    def turn(self, key: TuneKey, check: Check, wait: bool = True) -> Iterator["Turn"]:
+        """One tune of `key` per host and store (`tunecache.locks.tune_turn`), and with a fleet,
+        one per fleet (`Fleet.announce`): a context whose `Turn` says whether this process
+        waited for another's tune (then `get` the winner first), whether it holds the key
+        (`wait=False`: not when another process or host tunes it), and a `hint` (another host's
+        submitted config, to time against the default before it runs here)."""
         from tunecache import locks
         from tunecache.shapes import shape_text
 
         what = f"{key.kernel} {shape_text(dict(key.problem))}"
-        return locks.tune_turn(settings.db_url(), key.digest, what, wait)
+        with locks.tune_turn(settings.db_url(), key.digest, what, wait) as turn:
+            fleet = self.fleet()
+            if fleet is None or not turn.held or (turn.waited and self.get(key, check) is not None):
+                yield turn
+                return
+            with self._fleet_turn(fleet, key, check, what, wait) as fleet_turn:
+                yield fleet_turn
+
+    @contextlib.contextmanager
+    def _fleet_turn(self, fleet: Fleet, key: TuneKey, check: Check, what: str, wait: bool) -> Iterator["Turn"]:
+        """The fleet's part of `turn`: wait while a worker or another host tunes `key` (at most
+        TUNECACHE_TUNE_WAIT_S in all, and no longer than its lease or announcement holds
+        unrenewed); else announce that this host tunes it, renewed while the block runs and
+        withdrawn after it (its result is published inside the block)."""
+        from tunecache.locks import Turn
+
+        holder = f"{socket.gethostname()} pid {os.getpid()}"
+        deadline = time.monotonic() + settings.tune_wait_s()
+        told = waited = False
+        while True:
+            with _for_a_call(fleet):
+                said = fleet.announce(key, holder)
+            if said is None or said.mine:
+                break
+            if said.state == "submitted":  # a claim: one this host's check refuses is no hint
+                hint = said.hint if said.hint is not None and _why_not_config(said.hint, check) is None else None
+                yield Turn(waited=True, held=True, hint=hint)
+                return
+            if not wait:
+                yield Turn(waited=False, held=False)
+                return
+            if time.monotonic() >= deadline:
+                log.warning("tunecache: %s: still being tuned by %s; tuning it on this host too", what, said.holder)
+                break
+            if not told:
+                log.warning(
+                    "tunecache: %s is being tuned by %s on the fleet (%s): waiting for its result "
+                    "(at most %g s, TUNECACHE_TUNE_WAIT_S)",
+                    what,
+                    said.holder,
+                    fleet.where,
+                    deadline - time.monotonic(),
+                )
+                told = True
+            time.sleep(min(FLEET_WAIT_POLL_S, max(0.05, deadline - time.monotonic()), said.seconds_left + 0.05))
+            waited = True
+            if self.get(key, check) is not None:
+                yield Turn(waited=True, held=True)
+                return
+        if said is None or not said.mine:
+            yield Turn(waited=waited, held=True)
+            return
+        done = threading.Event()
+
+        def renew() -> None:  # the announcement holds while this host tunes, and not after
+            while not done.wait(ANNOUNCE_S / 3):
+                with _for_a_call(fleet):
+                    fleet.announce(key, holder)
+
+        renewer = threading.Thread(target=renew, name="tunecache-announce", daemon=True)
+        renewer.start()
+        try:
+            yield Turn(waited=waited, held=True)
+        finally:
+            done.set()
+            renewer.join()
+            with _for_a_call(fleet):
+                fleet.announce(key, holder, 0.0)
 
     # ---- keep, drop, enqueue ----------------------------------------------------------------
 
@@ -515,8 +590,12 @@ def _for_a_call(fleet: Any) -> ContextManager[Any]:
 def _why_not(rec: ConfigRecord, key: TuneKey, check: Check) -> str | None:
     if rec.key.digest != key.digest:
         return f"it is the entry of another key ({rec.key.kernel} {rec.key.digest[:12]})"
+    return _why_not_config(rec.config, check)
+
+
+def _why_not_config(config: dict, check: Check) -> str | None:
     try:
-        return check(rec.config)
+        return check(config)
     except Exception as e:  # noqa: BLE001 - a check that cannot decide refuses
         return f"checking it failed: {type(e).__name__}: {e}"
 

@@ -156,8 +156,10 @@ class Autotuner(TritonAutotuner):
             self.cache[tuning_key], self.configs_timings = found
             return True
         from tunecache.cache.config_cache import CACHE
+        from tunecache.ops.launcher import in_space
 
-        with CACHE.turn(key) as turn:  # one process of the host tunes a key; the others wait for it
+        # one process of the host (and with a fleet, one host of it) tunes a key; the others wait for it
+        with CACHE.turn(key, in_space(self.kernel_name)) as turn:
             found = self._lookup(key, configs) if turn.waited else None
             if found is not None:
                 self.cache[tuning_key], self.configs_timings = found

@@ -55,8 +55,12 @@ from tunecache.fleet.protocol import (
 )
 from tunecache.key import DeviceClass, TuneKey
 from tunecache.store.records import (
+    ANNOUNCE_S,
+    ANNOUNCE_STATES,
     MAX_ENQUEUE_BATCH,
+    MAX_LEASE_S,
     MAX_STATUS_DIGESTS,
+    Announcement,
     ConfigRecord,
     JobRecord,
     PurgeReport,
@@ -860,6 +864,18 @@ class FleetClient:
                 out.update(res[1])
         return out
 
+    def announce(self, key: TuneKey, holder: str, seconds: float = ANNOUNCE_S) -> Announcement | None:
+        """Who tunes `key` across the fleet (POST /v1/jobs/announce, `Store.announce`); None when the
+        fleet could not say (unreachable, refused, or a service older than the endpoint): the
+        caller tunes it itself."""
+        res = self._call(
+            "POST",
+            f"{API}/jobs/announce",
+            _announcement,
+            json={**key.fields(), "holder": holder[:128], "seconds": seconds},
+        )
+        return None if res is None or res[0] != 200 else res[1]
+
     def _job_statuses_one_by_one(self, digests: list[str]) -> dict[str, str] | None:
         out: dict[str, str] = {}
         for d in digests:
@@ -929,6 +945,23 @@ def _expect(*fields: str) -> Callable[[Any], dict]:
         return body
 
     return parse
+
+
+def _announcement(body: Any) -> Announcement:
+    b = _expect("state")(body)
+    if b["state"] not in ANNOUNCE_STATES:
+        raise ValueError(f"unknown announcement state {b['state']!r}")
+    hint = b.get("hint")
+    if hint is not None and not isinstance(hint, dict):
+        raise ValueError("an announcement's hint is a config (an object)")
+    hint_ms = b.get("hint_ms")
+    return Announcement(
+        b["state"],
+        holder=str(b.get("holder") or "")[:128],
+        seconds_left=min(max(float(b.get("seconds_left") or 0.0), 0.0), MAX_LEASE_S),
+        hint=hint,
+        hint_ms=None if hint_ms is None else float(hint_ms),
+    )
 
 
 _CLIENTS: dict[tuple[str, str | None], FleetClient] = {}

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, runtime_checkable
 
 from tunecache.key import DeviceClass, TuneKey
-from tunecache.store.records import ConfigRecord, JobRecord, PurgeReport, TrialRecord
+from tunecache.store.records import ANNOUNCE_S, Announcement, ConfigRecord, JobRecord, PurgeReport, TrialRecord
 
 if TYPE_CHECKING:
     from tunecache.tuning.binaries import Binary
@@ -116,6 +116,7 @@ class Fleet(Protocol):
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> bool | None: ...
     def enqueue_missing(self, keys: list[TuneKey], priority: int = 0, max_attempts: int = 3) -> set[str] | None: ...
     def statuses(self, digests: Iterable[str]) -> dict[str, str] | None: ...
+    def announce(self, key: TuneKey, holder: str, seconds: float = ANNOUNCE_S) -> Announcement | None: ...
     def active(self, device: DeviceClass) -> int | None: ...
 
     # the queue: workers

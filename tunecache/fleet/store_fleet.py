@@ -15,7 +15,7 @@ from tunecache.fleet.protocol import (
     SyncAnswer,
 )
 from tunecache.key import DeviceClass, TuneKey
-from tunecache.store.records import ConfigRecord, JobRecord, PurgeReport, TrialRecord, whoami
+from tunecache.store.records import ANNOUNCE_S, Announcement, ConfigRecord, JobRecord, PurgeReport, TrialRecord, whoami
 
 if TYPE_CHECKING:
     from tunecache.store import Store
@@ -92,6 +92,9 @@ class StoreFleet:
 
     def statuses(self, digests: Iterable[str]) -> dict[str, str] | None:
         return self.store.job_statuses(digests)
+
+    def announce(self, key: TuneKey, holder: str, seconds: float = ANNOUNCE_S) -> Announcement | None:
+        return self.store.announce(key, holder, self.actor, seconds)
 
     def active(self, device: DeviceClass) -> int | None:
         c = self.store.job_counts(arch=device.arch, sm_count=device.sm_count)

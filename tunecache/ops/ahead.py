@@ -69,7 +69,7 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
 
     def settle(p: Any, mod: Any, check: Any, wait: bool) -> bool:
         """Tune p's key if it is this process's turn; False: another process holds it (wait=False)."""
-        with CACHE.turn(p.key, wait=wait) as turn:
+        with CACHE.turn(p.key, check, wait=wait) as turn:
             if not turn.held and not turn.waited:
                 return False
             if CACHE.get(p.key, check) is not None:  # it had none when this call began
@@ -78,7 +78,7 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
             problem = p.shape.problem
             try:
                 announce = announce_tune(mod, problem, device, where)
-                result = tune(mod, problem, device, torch_device=where, progress=announce)
+                result = tune(mod, problem, device, torch_device=where, progress=announce, hint=turn.hint)
             except TuneError as e:
                 report.failed.append(f"{p.kernel} {problem}: {e}")
                 return True

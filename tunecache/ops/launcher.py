@@ -443,7 +443,8 @@ def _decide(
             f"TUNECACHE_MISS_POLICY=strict; tune it with `tunecache tune` or pre-tune a manifest"
         )
     if policy == "tune":
-        with CACHE.turn(key) as turn:  # one process of the host tunes a key; the others wait for it
+        # one process of the host (and with a fleet, one host of it) tunes a key; the others wait for it
+        with CACHE.turn(key, check) as turn:
             if turn.waited:
                 rec = CACHE.get(key, check)
                 if rec is not None:
@@ -451,7 +452,7 @@ def _decide(
             failure = None
             try:
                 announce = announce_tune(mod, problem, device, torch_device)
-                result = tune(mod, problem, device, torch_device=torch_device, progress=announce)
+                result = tune(mod, problem, device, torch_device=torch_device, progress=announce, hint=turn.hint)
             except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
                 result, failure = None, e
             default_ran = result is not None and result.default_ms is not None

@@ -1,5 +1,5 @@
-"""/v1/jobs: the tuning queue. Hosts enqueue misses; workers claim, heartbeat, complete, fail;
-admins retry and drop jobs."""
+"""/v1/jobs: the tuning queue. Hosts enqueue misses and announce the keys they tune; workers
+claim, heartbeat, complete, fail; admins retry and drop jobs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from tunecache.server.configs import DigestPath, key_of
 from tunecache.server.deps import AdminToken, MetricsDep, PublishToken, ReadToken, StoreDep, WorkerToken
 from tunecache.server.schemas import (
     INT32_MAX,
+    AnnounceIn,
+    AnnounceOut,
     Arch,
     ClaimIn,
     ClaimOut,
@@ -89,6 +91,21 @@ def enqueue(body: EnqueueIn, _: PublishToken, store: StoreDep, metrics: MetricsD
     _known_kernel(body.kernel)
     metrics.enqueued.inc()
     return JobOut.of(store.enqueue(key_of(body), priority=body.priority, max_attempts=body.max_attempts))
+
+
+@router.post(
+    "/announce",
+    response_model=AnnounceOut,
+    summary="Say this host tunes a key, or learn who does",
+    description="One tune of a key per fleet: a host that misses a key asks here before it tunes. `yours`: "
+    "no worker and no other host tunes it, and the others are told this host does for `seconds` (renew by "
+    "asking again; 0 withdraws). `tuning`: wait for the holder's result. `submitted`: the host that "
+    "announced it submitted `hint`, a claim measured there only (a publish token's result is a submission "
+    "until a worker re-times it): time it against your default before you run it.",
+)
+def announce(body: AnnounceIn, token: PublishToken, store: StoreDep) -> AnnounceOut:
+    _known_kernel(body.kernel)
+    return AnnounceOut.of(store.announce(key_of(body), f"{token.name}: {body.holder}", token.name, body.seconds))
 
 
 @router.post(

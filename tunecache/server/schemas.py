@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal, Optional, Self, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
-from tunecache.store.records import MAX_BACKOFF_S, MAX_ENQUEUE_BATCH, MAX_LEASE_S, MAX_STATUS_DIGESTS
+from tunecache.store.records import (
+    ANNOUNCE_S,
+    ANNOUNCE_STATES,
+    MAX_BACKOFF_S,
+    MAX_ENQUEUE_BATCH,
+    MAX_LEASE_S,
+    MAX_STATUS_DIGESTS,
+    Announcement,
+)
 
 INT32_MAX = 2**31 - 1
 JSON_MAX_DEPTH = 8
@@ -382,6 +390,29 @@ LeaseSeconds = Annotated[
         description=f"seconds, at most {MAX_LEASE_S:g} (more is a 422); heartbeats renew it",
     ),
 ]
+
+
+class AnnounceIn(KeyIn):
+    holder: Owner = Field(description="the host, in words for people (the token's name is put before it)")
+    seconds: Annotated[float, Field(strict=True, ge=0, le=MAX_LEASE_S, allow_inf_nan=False)] = Field(
+        ANNOUNCE_S,
+        description=f"how long the announcement holds unless renewed, at most {MAX_LEASE_S:g}; 0 withdraws it",
+    )
+
+
+class AnnounceOut(BaseModel):
+    state: Literal[ANNOUNCE_STATES] = Field(  # type: ignore[valid-type]
+        description="yours: tune it; tuning: `holder` tunes it (wait at most `seconds_left`); submitted: the "
+        "host that announced it submitted `hint` (a claim: time it against your default before you run it)"
+    )
+    holder: str = ""
+    seconds_left: float = 0.0
+    hint: Optional[dict[str, Any]] = None
+    hint_ms: Optional[float] = None
+
+    @classmethod
+    def of(cls, a: Announcement) -> Self:
+        return cls(state=a.state, holder=a.holder, seconds_left=a.seconds_left, hint=a.hint, hint_ms=a.hint_ms)
 
 
 class ClaimIn(Model):

@@ -1,4 +1,5 @@
-"""The tuning queue: enqueue, claim under a lease, heartbeat, complete, fail, retry, drop, expire."""
+"""The tuning queue: enqueue, claim under a lease, heartbeat, complete, fail, retry, drop, expire;
+and who tunes a key of the fleet (announce)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ from tunecache.store.faults import (
     JobStateError,
 )
 from tunecache.store.records import (
+    ANNOUNCE_S,
     JOB_STATUSES,
     MAX_BACKOFF_S,
     MAX_LEASE_S,
+    Announcement,
     JobRecord,
     QueueWait,
     TokenRecord,
     hash_token,
 )
 from tunecache.store.rows import (
+    AnnouncementRow,
+    SubmissionRow,
     TunedConfigRow,
     TuningJobRow,
     job_record,
@@ -100,6 +105,47 @@ class JobStore(StoreBase):
                 update_jobs(s, (TuningJobRow.id == row.id,), **changes, updated_at=now)
                 s.refresh(row)
             return job_record(row)
+
+    def announce(self, key: TuneKey, holder: str, token_name: str, seconds: float = ANNOUNCE_S) -> Announcement:
+        """Who tunes `key` across the fleet: a worker holding its job's lease, another host that
+        announced it (until its announcement lapses, or its submission answers it), or else the
+        caller, `holder` (for people: the host's words) with the token `token_name`, for the
+        next `seconds` (a call again renews it; 0 withdraws it). Times are the database's.
+
+        A host's result stays a submission (the fleet's winner is made by a worker's re-time):
+        what the others get of it is `hint`, to time against their default before they run it."""
+        seconds = min(max(float(seconds), 0.0), MAX_LEASE_S)
+        now = self._now_sql()
+        with self._write() as s:
+            db_now = s.execute(select(now)).scalar_one()
+            job = s.execute(select(TuningJobRow).where(TuningJobRow.digest == key.digest)).scalar_one_or_none()
+            if job is not None and job.status == "running" and job.lease_expires_at is not None:
+                if job.lease_expires_at > db_now:
+                    left = (job.lease_expires_at - db_now).total_seconds()
+                    return Announcement("tuning", holder=f"worker {job.lease_owner or ''}".strip(), seconds_left=left)
+            mine = dict(
+                holder=holder[:128], token_name=token_name[:128], created_at=now, expires_at=self._now_sql(seconds)
+            )
+            if insert_ignore(s, AnnouncementRow.__table__, dict(digest=key.digest, **mine)):
+                return Announcement("yours", seconds_left=seconds)
+            row = locked(s, AnnouncementRow, key.digest)
+            if row.holder == holder[:128] and row.token_name == token_name[:128]:
+                s.execute(update(AnnouncementRow).where(AnnouncementRow.id == row.id).values(**mine))
+                return Announcement("yours", seconds_left=seconds)
+            sub = s.execute(
+                select(SubmissionRow)
+                .where(SubmissionRow.digest == key.digest, SubmissionRow.submitted_by == row.token_name)
+                .order_by(SubmissionRow.id.desc())
+                .limit(1)
+            ).scalar_one_or_none()
+            if sub is not None and isinstance(sub.config, dict):
+                return Announcement("submitted", holder=row.holder, hint=sub.config, hint_ms=sub.median_ms)
+            if row.expires_at > db_now:
+                left = (row.expires_at - db_now).total_seconds()
+                return Announcement("tuning", holder=row.holder, seconds_left=left)
+            # it lapsed with nothing submitted (that host died, or gave up): the caller's now
+            s.execute(update(AnnouncementRow).where(AnnouncementRow.id == row.id).values(**mine))
+            return Announcement("yours", seconds_left=seconds)
 
     def claim_job(
         self,

@@ -166,6 +166,31 @@ class JobRecord:
         self.digest = self.digest or self.key.digest
 
 
+# how long an announcement holds without being renewed (a host renews it a few times a minute
+# while it tunes): a host that died mid-tune keeps the others waiting at most this long
+ANNOUNCE_S = 60.0
+# what an announcement says of a key (Store.announce)
+ANNOUNCE_STATES = ("yours", "tuning", "submitted")
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Who tunes a key of the fleet, as `Store.announce` answered: "yours" (the caller tunes it),
+    "tuning" (`holder`, a worker's lease or another host's announcement, for `seconds_left`
+    more at most), or "submitted" (the host that announced it submitted `hint`, a claim measured
+    on that host only: a host that takes it times it against its default before it runs it)."""
+
+    state: str
+    holder: str = ""
+    seconds_left: float = 0.0
+    hint: dict | None = None
+    hint_ms: float | None = None
+
+    @property
+    def mine(self) -> bool:
+        return self.state == "yours"
+
+
 @dataclass
 class QueueWait:
     """One device class's queue as /healthz reports it."""

@@ -206,6 +206,20 @@ class KernelBinaryRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
+class AnnouncementRow(Base):
+    """A key a host of the fleet said it is tuning (`Store.announce`): the other hosts that miss
+    it wait for that host's result instead of tuning it again, until `expires_at` (the host
+    renews it while it tunes)."""
+
+    __tablename__ = "tune_announcements"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    holder: Mapped[str] = mapped_column(String(128))  # for people: the token's name and the host's words
+    token_name: Mapped[str] = mapped_column(String(128))  # whose submission answers it
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
+
+
 class AuditRow(Base):
     """One admin action: who (the token, or `cli:user@host`), what, on what, when, details."""
 

@@ -29,6 +29,7 @@ from tunecache.store.records import (
     utcnow,
 )
 from tunecache.store.rows import (
+    AnnouncementRow,
     ApiTokenRow,
     AuditRow,
     KernelBinaryRow,
@@ -458,6 +459,9 @@ class TrustStore(StoreBase):
                     TuningJobRow.updated_at < self._now_sql(-older_than_s),
                 )
             ).rowcount
+            s.execute(
+                AnnouncementRow.__table__.delete().where(AnnouncementRow.expires_at < self._now_sql(-older_than_s))
+            )
             unused = [  # the kernels of a replaced or removed winner (configs compared as Python objects)
                 row_id
                 for row_id, config, winner_config in s.execute(

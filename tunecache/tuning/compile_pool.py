@@ -70,13 +70,18 @@ def prebuild_launch_utils() -> None:
 
 
 def default_workers() -> int:
+    """TUNECACHE_COMPILE_WORKERS, else the cores this process may run on; a rank of a job whose
+    processes share the host's cores (torchrun's LOCAL_WORLD_SIZE, no CPU binding) takes its
+    share, so that N ranks tuning at once do not start N compile processes per core."""
     n = settings.compile_workers()
     if n:
         return n
+    total = max(1, os.cpu_count() or 1)
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        mine = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        mine = total
+    return max(1, mine // settings.local_ranks()) if mine >= total else mine
 
 
 def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> Iterator[tuple[int, KernelReport]]:

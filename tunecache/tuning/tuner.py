@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Callable, Iterator
 
@@ -116,20 +116,58 @@ def tune(
     source: str = "inline",
     progress: Callable[[str, int, int, float | None], None] | None = None,
     configs: list[dict] | None = None,
+    hint: dict | None = None,
 ) -> TuneResult:
     """Tune `mod` (a backend module) for `problem` on this device; return the winner and every trial.
 
     Nothing is written: callers keep the result (`ConfigCache.keep`, or a store's `put_config`
     with `result.record(device)`). `configs` overrides the candidate list (benchmarks).
+    `hint`: a config another host of the fleet tuned this key to (a claim measured there only):
+    it is timed against the default (and the vendor's op) first, and wins without a tune of
+    the whole space when it runs right here and beats them; else the whole space is tuned.
     """
+    if hint is not None and configs is None:
+        t0 = time.perf_counter()
+        checked = _tune(mod, problem, device, torch_device, source, progress, None, hint)
+        ran = next((t for t in checked.trials if t.config == hint and t.status == "ok"), None)
+        if device.arch == "cpu" and ran is not None:  # the interpreter's times are not speeds (as for the vendor)
+            checked = replace(checked, config=hint, median_ms=ran.median_ms)
+        if checked.config == hint:
+            log.info("tunecache: %s %s: the fleet's submitted config holds here (%s)", mod.KERNEL, problem, hint)
+            return checked
+        log.warning(
+            "tunecache: %s: the config another host submitted (%s) is no faster than the default here; tuning "
+            "the whole space",
+            mod.KERNEL,
+            hint,
+        )
+        result = _tune(mod, problem, device, torch_device, source, progress, None, None)
+        result.seconds = time.perf_counter() - t0
+        return result
+    return _tune(mod, problem, device, torch_device, source, progress, configs, None)
+
+
+def _tune(
+    mod: ModuleType,
+    problem: dict,
+    device: DeviceClass,
+    torch_device: str | None,
+    source: str,
+    progress: Callable[[str, int, int, float | None], None] | None,
+    configs: list[dict] | None,
+    hint: dict | None,
+) -> TuneResult:
     t0 = time.perf_counter()
     on_gpu = device.arch != "cpu"
     default = mod.default_config(problem, device)
     torch_device = torch_device or ("cuda:0" if on_gpu else "cpu")
     key = make_key(mod, problem, device)
     space = mod.config_space(problem, device) if configs is None else configs
+    if hint is not None:  # the claim and the default: the vendor competes below as in any tune
+        space = [c for c in (hint, default) if not is_vendor(c)]
+        space = [c for i, c in enumerate(space) if c not in space[:i]]
     candidates = mod.prune(space, problem, device) if configs is None else list(configs)
-    if configs is None:
+    if configs is None and hint is None:
         cap = settings.max_candidates()
         if cap is not None:
             candidates = candidates[:cap]
@@ -174,7 +212,7 @@ def tune(
     mark("quick_round")
     # the leaders' variants in run-time arguments only (GROUP_M, SPLIT_K): the same binaries,
     # so they cost a timing each and no compile; the capped list holds each kernel once
-    if quick and configs is None:
+    if quick and configs is None and hint is None:
         for sibling in _siblings(mod, problem, device, space, [candidates[i] for i in leaders(quick)], candidates):
             candidates.append(sibling)
             time_quickly(len(candidates) - 1)
