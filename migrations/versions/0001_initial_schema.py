@@ -7,6 +7,8 @@ Revises:
 import sqlalchemy as sa
 from alembic import op
 
+from tunecache_migrations.columns import backend_columns, result_columns
+
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -14,14 +16,7 @@ depends_on = None
 
 
 def _key_columns():
-    return [
-        sa.Column("kernel", sa.String(128), nullable=False),
-        sa.Column("kernel_version", sa.String(64), nullable=False),
-        sa.Column("triton_version", sa.String(32), nullable=False),
-        sa.Column("arch", sa.String(16), nullable=False),
-        sa.Column("sm_count", sa.Integer, nullable=False),
-        sa.Column("problem", sa.JSON, nullable=False),
-    ]
+    return [*backend_columns(), sa.Column("problem", sa.JSON, nullable=False)]
 
 
 def upgrade() -> None:
@@ -31,13 +26,7 @@ def upgrade() -> None:
         sa.Column("digest", sa.String(64), nullable=False),
         *_key_columns(),
         sa.Column("device_name", sa.String(128), nullable=False, server_default=""),
-        sa.Column("config", sa.JSON, nullable=False),
-        sa.Column("median_ms", sa.Float, nullable=False),
-        sa.Column("tflops", sa.Float, nullable=True),
-        sa.Column("candidates", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("tuned_by", sa.String(128), nullable=False, server_default=""),
-        sa.Column("tuned_at", sa.DateTime, nullable=False),
-        sa.Column("source", sa.String(16), nullable=False, server_default="inline"),
+        *result_columns(),
     )
     op.create_index("ix_tuned_configs_digest", "tuned_configs", ["digest"], unique=True)
     op.create_index("ix_tuned_configs_kernel", "tuned_configs", ["kernel"])

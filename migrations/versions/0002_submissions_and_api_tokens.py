@@ -7,6 +7,8 @@ Revises: 0001
 import sqlalchemy as sa
 from alembic import op
 
+from tunecache_migrations.columns import backend_columns, result_columns
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
@@ -18,20 +20,10 @@ def upgrade() -> None:
         "submissions",
         sa.Column("id", sa.Integer, primary_key=True),
         sa.Column("digest", sa.String(64), nullable=False),
-        sa.Column("kernel", sa.String(128), nullable=False),
-        sa.Column("kernel_version", sa.String(64), nullable=False),
-        sa.Column("triton_version", sa.String(32), nullable=False),
-        sa.Column("arch", sa.String(16), nullable=False),
-        sa.Column("sm_count", sa.Integer, nullable=False),
+        *backend_columns(),
         sa.Column("device_name", sa.String(128), nullable=False, server_default=""),
         sa.Column("problem", sa.JSON, nullable=False),
-        sa.Column("config", sa.JSON, nullable=False),
-        sa.Column("median_ms", sa.Float, nullable=False),
-        sa.Column("tflops", sa.Float, nullable=True),
-        sa.Column("candidates", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("tuned_by", sa.String(128), nullable=False, server_default=""),
-        sa.Column("tuned_at", sa.DateTime, nullable=False),
-        sa.Column("source", sa.String(16), nullable=False, server_default="inline"),
+        *result_columns(),
         sa.Column("submitted_by", sa.String(128), nullable=False, server_default=""),
         sa.Column("accepted", sa.Boolean, nullable=False, server_default=sa.false()),
         sa.Column("tune_seconds", sa.Float, nullable=True),

@@ -8,6 +8,8 @@ Revises: 0002
 import sqlalchemy as sa
 from alembic import op
 
+from tunecache_migrations.columns import backend_columns
+
 revision = "0003"
 down_revision = "0002"
 branch_labels = None
@@ -25,11 +27,7 @@ def upgrade() -> None:
     op.create_table(
         "selfchecks",
         sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("kernel", sa.String(128), nullable=False),
-        sa.Column("kernel_version", sa.String(64), nullable=False),
-        sa.Column("triton_version", sa.String(32), nullable=False),
-        sa.Column("arch", sa.String(16), nullable=False),
-        sa.Column("sm_count", sa.Integer, nullable=False),
+        *backend_columns(),
         sa.Column("ok", sa.Boolean, nullable=False),
         sa.Column("detail", sa.Text, nullable=True),
         sa.Column("seconds", sa.Float, nullable=True),
