@@ -43,6 +43,7 @@ def test_a_host_that_never_tuned_launches_the_fleets_kernels_without_compiling(t
             fleet.tokens["worker"],
             TRITON_CACHE_DIR=str(tmp_path / "tuner-triton"),
             TUNECACHE_MAX_CANDIDATES="4",
+            TUNECACHE_VENDOR="0",  # a kernel wins (cuBLAS would beat 4 candidates, and it has no binaries)
         )
         fresh = host_env(tmp_path, "fresh", fleet.url, fleet.tokens["read"], TRITON_CACHE_DIR=str(tmp_path / "fresh"))
         for env in (tuner, fresh):

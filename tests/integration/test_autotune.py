@@ -197,6 +197,9 @@ FLEET = """
                       "maxnreg": None}
             return "hit", ConfigRecord(key=key, config=values, median_ms=1.0, source="worker")
 
+        def announce(self, key, holder, seconds=60.0):
+            return None  # as a service older than announcements answers: the host tunes alone
+
         def publish(self, rec, trials=(), tune_seconds=None):
             from tunecache.fleet.protocol import Published
 

@@ -116,8 +116,10 @@ class Op:
                 if on_gpu and not forced:
                     _runner_ahead(every[0], problem, device, where)
                 looked_up = None if forced else _look_up_first(every[0], problem, device)
-                if forced or _tune_checks_first(every[0], device, looked_up):
-                    mods = every  # its tune checks each candidate: the verdict follows from it (_decide)
+                if forced or _tune_checks_first(every[0], device, looked_up) or _vendor_won(looked_up):
+                    # its tune checks each candidate, and the verdict follows from it (_decide); or
+                    # torch's own op won the key, which runs no kernel of the backend to check
+                    mods = every
                 else:
                     mods = selfcheck.trusted(every, device, where)
                 if mods and mods[0] is not every[0]:
@@ -418,6 +420,10 @@ def _tune_checks_first(mod: ModuleType, device: DeviceClass, looked_up: "list[Co
         and selfcheck.applies(device)
         and selfcheck.unknown(mod, device)
     )
+
+
+def _vendor_won(looked_up: "list[ConfigRecord | None] | None") -> bool:
+    return bool(looked_up) and looked_up[0] is not None and is_vendor(looked_up[0].config)
 
 
 def _decide(
