@@ -344,6 +344,42 @@ def _packed_a_load(use, n, k_from, co0, g_desc, a_bufs, ready, done):
     tma.async_load(g_desc, [row, co0], ready.index(slot), a_bufs.index(slot), pred)
 
 
+@gluon.jit
+def _gathered_mainloop(
+    a_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    done,
+    acc,
+    acc_bar,
+    a0,
+    k_from,
+    n,
+    gather,
+    FEW_CO: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The packed-taps and few-Co kernels' main loop: A tiles (columns a0...) by TMA through
+    the ring, B gathered one pixel step ahead (gluon_wgrad.gathered_b) into the B ring as it
+    lies; returns once every MMA into `acc` has completed."""
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _packed_a_load(i, n, k_from, a0, a_desc, a_bufs, ready, done)
+    m0 = k_from * BLOCK_K
+    b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+    for i in range(n):
+        slot, phase = store_gathered(b, b_bufs, done, i)
+        m0 += BLOCK_K
+        b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, i, True, False)
+        _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, a0, a_desc, a_bufs, ready, done)
+    wait_acc(acc_bar)
+
+
 @gluon.jit(do_not_specialize=list(gwg.PACKED_WGRAD_INTS))
 def conv2d_wgrad_packed_kernel(
     g_desc,
@@ -377,7 +413,6 @@ def conv2d_wgrad_packed_kernel(
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     dtype: gl.constexpr = g_desc.dtype
-    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + g_desc.block_type.shape, g_desc.layout)
     b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
@@ -391,19 +426,8 @@ def conv2d_wgrad_packed_kernel(
     n0 = (pid % tiles // co_blocks) * BLOCK_N
     k_from = split * per
     n = gl.minimum(per, k_steps - k_from)
-    for i in gl.static_range(NUM_BUFFERS - 1):
-        _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, done)
-    m0 = k_from * BLOCK_K
-    base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-    b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
-    for i in range(n):
-        slot, phase = store_gathered(b, b_bufs, done, i)
-        m0 += BLOCK_K
-        base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-        b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
-        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, i, True, False)
-        _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, co0, g_desc, a_bufs, ready, done)
-    wait_acc(acc_bar)
+    gather = (x_ptr, n0, K, SCi, Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)
+    _gathered_mainloop(g_desc, a_bufs, b_bufs, ready, done, acc, acc_bar, co0, k_from, n, gather, False, num_warps)
     # every split has at least one step (gluon_split_k.split_k_plan)
     store_acc_masked(acc, acc_bar.index(1), out_ptr + split.to(gl.int64) * Co * K, co0, Co, K, n0, K)
     gdev.invalidate_rings(ready, done, acc_bar)
@@ -443,7 +467,6 @@ def conv2d_wgrad_few_co_kernel(
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
-    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + x_desc.block_type.shape, x_desc.layout)
     b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
@@ -455,23 +478,8 @@ def conv2d_wgrad_few_co_kernel(
     ci0 = (pid % ci_blocks) * BLOCK_M
     k_from = split * per
     n = gl.minimum(per, k_steps - k_from)
-    for i in gl.static_range(NUM_BUFFERS - 1):
-        _packed_a_load(i, n, k_from, ci0, x_desc, a_bufs, ready, done)
-    m0 = k_from * BLOCK_K
-    img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-    b = gwg.few_co_gather(
-        g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
-    )
-    for i in range(n):
-        slot, phase = store_gathered(b, b_bufs, done, i)
-        m0 += BLOCK_K
-        img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-        b = gwg.few_co_gather(
-            g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
-        )
-        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, i, True, False)
-        _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, ci0, x_desc, a_bufs, ready, done)
-    wait_acc(acc_bar)
+    gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED)
+    _gathered_mainloop(x_desc, a_bufs, b_bufs, ready, done, acc, acc_bar, ci0, k_from, n, gather, True, num_warps)
     EPI_N: gl.constexpr = epilogue_width(BLOCK_N)
     slice_layout: gl.constexpr = acc.slice(0, EPI_N).get_reg_layout()
     for j in gl.static_range(BLOCK_N // EPI_N):

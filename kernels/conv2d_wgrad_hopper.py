@@ -356,6 +356,39 @@ def _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES: gl.constexp
     )
 
 
+@gluon.jit
+def _gathered_mainloop(
+    a_desc, a_bufs, b_bufs, ready, a0, k_from, n, gather, FEW_CO: gl.constexpr, num_warps: gl.constexpr
+):
+    """The packed-taps and few-Co kernels' main loop: A tiles (columns a0...) by TMA through
+    the ring, B gathered one pixel step ahead (gluon_wgrad.gathered_b) into a double buffer
+    that is the WGMMA's B as it lies. Returns the retired accumulator."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
+    for i in gl.static_range(STAGES - 1):
+        _packed_a_load(i, n, k_from, a0, a_desc, a_bufs, ready, STAGES)
+
+    m0 = k_from * BLOCK_K
+    b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    for i in range(n):
+        slot = i % STAGES
+        # the WGMMA that last read this B buffer (i - 2) has retired: at most one is in flight
+        b_bufs.index(i % 2).store(b)
+        fence_async_shared()
+        m0 += BLOCK_K
+        b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _packed_a_load(i + STAGES - 1, n, k_from, a0, a_desc, a_bufs, ready, STAGES)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
 @gluon.jit(do_not_specialize=list(gwg.PACKED_WGRAD_INTS))
 def conv2d_wgrad_packed_kernel(
     g_desc,
@@ -389,7 +422,6 @@ def conv2d_wgrad_packed_kernel(
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     dtype: gl.constexpr = g_desc.dtype
-    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
     ready = gdev.barrier_ring(STAGES)
@@ -402,27 +434,9 @@ def conv2d_wgrad_packed_kernel(
     n0 = (pid % tiles // co_blocks) * BLOCK_N
     k_from = split * per
     n = gl.minimum(per, k_steps - k_from)
-    for i in gl.static_range(STAGES - 1):
-        _packed_a_load(i, n, k_from, co0, g_desc, a_bufs, ready, STAGES)
-
-    m0 = k_from * BLOCK_K
-    base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-    b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
+    gather = (x_ptr, n0, K, SCi, Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)
+    acc = _gathered_mainloop(g_desc, a_bufs, b_bufs, ready, co0, k_from, n, gather, False, num_warps)
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-    for i in range(n):
-        slot = i % STAGES
-        # the WGMMA that last read this B buffer (i - 2) has retired: at most one is in flight
-        b_bufs.index(i % 2).store(b)
-        fence_async_shared()
-        m0 += BLOCK_K
-        base, h0, w0 = gpt.packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, g_layout)
-        b = gpt.packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, g_layout)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        _packed_a_load(i + STAGES - 1, n, k_from, co0, g_desc, a_bufs, ready, STAGES)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     rows = co0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     mask = (rows < Co)[:, None] & (cols < K)[None, :]
@@ -466,7 +480,6 @@ def conv2d_wgrad_few_co_kernel(
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
-    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
     ready = gdev.barrier_ring(STAGES)
@@ -477,31 +490,8 @@ def conv2d_wgrad_few_co_kernel(
     ci0 = (pid % ci_blocks) * BLOCK_M
     k_from = split * per
     n = gl.minimum(per, k_steps - k_from)
-    for i in gl.static_range(STAGES - 1):
-        _packed_a_load(i, n, k_from, ci0, x_desc, a_bufs, ready, STAGES)
-
-    m0 = k_from * BLOCK_K
-    img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-    b = gwg.few_co_gather(
-        g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
-    )
-    acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-    for i in range(n):
-        slot = i % STAGES
-        # the WGMMA that last read this B buffer (i - 2) has retired: at most one is in flight
-        b_bufs.index(i % 2).store(b)
-        fence_async_shared()
-        m0 += BLOCK_K
-        img, ih, iw = gwg.few_co_rows(m0, NHW, HW, W, BLOCK_K, g_layout)
-        b = gwg.few_co_gather(
-            g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, g_layout, STRIDED
-        )
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        _packed_a_load(i + STAGES - 1, n, k_from, ci0, x_desc, a_bufs, ready, STAGES)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED)
+    acc = _gathered_mainloop(x_desc, a_bufs, b_bufs, ready, ci0, k_from, n, gather, True, num_warps)
     gwg.few_co_store(out_ptr, split, acc, ci0, 0, Co, RS, Ci, num_warps)
     gdev.invalidate_ring(ready)
 

@@ -10,7 +10,7 @@ from triton.experimental.gluon import language as gl
 
 from . import KernelSpec
 from .gluon_host import cdiv, desc_sig, padded_channels, persistent_grid, pow2_at_least, ptr_sig, sm_count_of
-from .gluon_packed_taps import packs_taps
+from .gluon_packed_taps import packed_gather, packed_rows, packs_taps
 from .gluon_split_k import auto_splits, split_k_plan, split_k_reduce_spec
 
 # ---- split-K and stream-K --------------------------------------------------------------------
@@ -344,6 +344,25 @@ def few_co_gather(
     ok = ok & (oh < P) & (ow < Q)
     off = ((img[:, None] * P + oh) * Q + ow) * Co + co[None, :]
     return gl.load(g_ptr + off, mask=ok, other=0.0)
+
+
+@gluon.jit
+def gathered_b(m0, gather, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr, FEW_CO: gl.constexpr):
+    """The gathered B tile of pixel step m0... of both architectures' gathering wgrad kernels,
+    whose main loops differ only in this: x's packed-taps im2col (gather = (x_ptr, n0, K, SCi,
+    Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)) or, FEW_CO, grad_out's taps
+    (gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED))."""
+    if FEW_CO:
+        g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED = gather
+        img, ih, iw = few_co_rows(m0, NHW, HW, W, BLOCK_K, layout)
+        b = few_co_gather(
+            g_ptr, img, ih, iw, Co, RS * Co, S, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_N, layout, STRIDED
+        )
+    else:
+        x_ptr, n0, K, SCi, Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w = gather
+        base, h0, w0 = packed_rows(m0, NPQ, PQ, Q, H, W, Ci, stride_h, stride_w, pad_h, pad_w, BLOCK_K, layout)
+        b = packed_gather(x_ptr, base, h0, w0, n0, K, SCi, Ci, H, W, BLOCK_N, layout)
+    return b
 
 
 @gluon.constexpr_function
