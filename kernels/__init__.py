@@ -6,7 +6,8 @@ tuner rely on and tests/unit/test_kernel_backend_protocol.py checks.
 
 Beside the backends: problems.py and geometry.py (each op's arguments, problem dict and
 reference, for every backend), hardware.py (each architecture's limits: shared and tensor
-memory, registers, SM counts), portable_rules.py (the portable backends' pruning), and the
+memory, registers, SM counts), portable_rules.py and portable_tiles.py (the portable backends'
+pruning and tile order), dgrad_phases.py (every dgrad kernel's phase arithmetic), and the
 modules the Gluon backends share, named for what they hold: gluon_host (descriptors, padding,
 grids), gluon_device (device helpers), gluon_split_k, gluon_matmul, gluon_dgrad, gluon_wgrad,
 gluon_packed_taps; gluon_hopper and gluon_launch (Hopper only), gluon_blackwell (Blackwell only).

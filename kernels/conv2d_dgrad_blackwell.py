@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
+from . import dgrad_phases as dph
 from . import gluon_device as gdev
 from . import gluon_dgrad as gdg
 from . import gluon_host as gh
@@ -121,7 +122,7 @@ def _load_partition(
             work_id, tiles_per_phase, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K
         )
         phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gdg.dgrad_phase(
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = dph.gl_dgrad_phase(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
         )
         img = m0 // PQ2
@@ -226,7 +227,7 @@ def _phase_store_epilogue(
     acc_use = 0
     for tile_id in range(gl.program_id(0), n_phases * tiles_per_phase, gl.num_programs(0)):
         phase, m0, n0 = _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M, BLOCK_N)
-        _, _, a, b, _, _, _, _, rows, cols = gdg.dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
+        _, _, a, b, _, _, _, _, rows, cols = dph.gl_dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w)
         m = m0 + r
         img = m // PQ2
         i = (m % PQ2) // Q2

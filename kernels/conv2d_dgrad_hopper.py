@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
+from . import dgrad_phases as dph
 from . import gluon_device as gdev
 from . import gluon_dgrad as gdg
 from . import gluon_hopper as ghop
@@ -139,7 +140,7 @@ def _producer_at(
     phase, m0, n0, split = _unit(
         t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
     )
-    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gdg.dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
+    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = dph.gl_dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
     cnt, c0, tap, u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
     pq = m0 % PQ2
     return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u
@@ -365,7 +366,7 @@ def _mma_partition(
         phase, m0, n0, split = _unit(
             t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
         )
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = gdg.dgrad_phase(
+        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = dph.gl_dgrad_phase(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
         )
         cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)

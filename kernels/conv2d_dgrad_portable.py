@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import dgrad_phases as dph
 from . import portable_rules as rules
+from . import portable_tiles as tiles
 from . import problems
 
 OP, BACKEND = "conv2d_dgrad", "portable"
@@ -51,29 +53,14 @@ def conv2d_dgrad_kernel(
 ):
     pid = tl.program_id(0)
     M2 = N * P2 * Q2
-    # plain arithmetic, not tl.cdiv (see conv2d_fprop_portable)
-    num_pid_m = (M2 + BLOCK_M - 1) // BLOCK_M
-    num_pid_n = (Ci + BLOCK_N - 1) // BLOCK_N
+    num_pid_m = tl.cdiv(M2, BLOCK_M)
+    num_pid_n = tl.cdiv(Ci, BLOCK_N)
     per_phase = num_pid_m * num_pid_n
     phase = pid // per_phase
-    tile = pid % per_phase
-    group = GROUP_M * num_pid_n
-    first_m = (tile // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % group_m
-    pid_n = (tile % group) // group_m
-
-    # the phase: first taps (kr0, ks0), the grad_x row and column it starts at, its tap counts
-    kr0 = phase // PS
-    ks0 = phase % PS
-    a = ((kr0 - pad_h) % stride_h + stride_h) % stride_h
-    b = ((ks0 - pad_w) % stride_w + stride_w) % stride_w
-    kr = (R - kr0 + stride_h - 1) // stride_h
-    ks = (S - ks0 + stride_w - 1) // stride_w
-    ca = (a + pad_h - kr0) // stride_h
-    cb = (b + pad_w - ks0) // stride_w
-    rows = (H - a + stride_h - 1) // stride_h
-    cols = (W - b + stride_w - 1) // stride_w
+    pid_m, pid_n = tiles.grouped_tile(pid % per_phase, num_pid_m, num_pid_n, GROUP_M)
+    kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = dph.tl_dgrad_phase(
+        phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
+    )
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

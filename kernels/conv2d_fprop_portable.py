@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import portable_rules as rules
+from . import portable_tiles as tiles
 from . import problems
 
 OP, BACKEND = "conv2d_fprop", "portable"
@@ -42,15 +43,7 @@ def conv2d_fprop_kernel(
 ):
     pid = tl.program_id(0)
     M = N * P * Q
-    # plain arithmetic, not tl.cdiv: an interpreted call of a @jit helper leaves
-    # triton.language patched for the rest of the process (a Triton interpreter bug)
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_pid_n = (Co + BLOCK_N - 1) // BLOCK_N
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = tiles.grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(Co, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,9 +1,6 @@
-"""Conv dgrad by output phase: the geometry both Gluon dgrad kernels walk (dgrad_phase on the
-device; the phases' shared im2col walk, its halo, the epilogue's rules and the kernel's
-integers on the host, DgradGeometry) and the dgrad's split rule.
-
-At stride sh x sw, grad_x's rows a::sh, columns b::sw (one output phase) are reached only by
-the filter taps r0::sh, s0::sw; a phase is named by its first taps (kr0, ks0), kr0 < min(R, sh).
+"""Conv dgrad by output phase (dgrad_phases.py): the geometry both Gluon dgrad kernels walk on
+the host (the phases' shared im2col walk, its halo, the epilogue's rules and the kernel's
+integers, DgradGeometry) and the dgrad's split rule.
 """
 
 from __future__ import annotations
@@ -11,29 +8,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from triton.experimental import gluon
 
 from .gluon_host import cdiv, im2col_desc, padded_channels, tiled_desc, tma_multiple
 from .gluon_split_k import modeled_splits
 from .problems import dtype_name
-
-
-@gluon.jit
-def dgrad_phase(phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w):
-    """Phase `phase` (its first taps (kr0, ks0) = divmod(phase, PS)) -> (kr0, ks0, the grad_x row
-    and column it starts at (a, b), its taps (kr, ks), the grad_out row and column its first tap
-    reads for output (0, 0) (ca, cb), its rows and columns of grad_x)."""
-    kr0 = phase // PS
-    ks0 = phase % PS
-    a = ((kr0 - pad_h) % stride_h + stride_h) % stride_h
-    b = ((ks0 - pad_w) % stride_w + stride_w) % stride_w
-    kr = (R - kr0 + stride_h - 1) // stride_h
-    ks = (S - ks0 + stride_w - 1) // stride_w
-    ca = (a + pad_h - kr0) // stride_h
-    cb = (b + pad_w - ks0) // stride_w
-    rows = (H - a + stride_h - 1) // stride_h
-    cols = (W - b + stride_w - 1) // stride_w
-    return kr0, ks0, a, b, kr, ks, ca, cb, rows, cols
 
 
 def dgrad_halo(taps: int, stride: int, pad: int) -> int:

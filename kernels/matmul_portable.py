@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import portable_rules as rules
+from . import portable_tiles as tiles
 from . import problems
 
 OP, BACKEND = "matmul", "portable"
@@ -37,16 +38,7 @@ def matmul_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # plain arithmetic, not tl.cdiv: an interpreted call of a @jit helper leaves
-    # triton.language patched for the rest of the process (a Triton interpreter bug)
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
-    # grouped order: GROUP_M row-tiles share their B columns while they are hot in L2
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = tiles.grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,7 +46,7 @@ def matmul_kernel(
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)

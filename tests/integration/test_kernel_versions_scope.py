@@ -3,8 +3,9 @@
 A kernel version hashes the backend's file and the kernels modules its globals reference
 (tunecache's `_kernel_sources`, one level). So the modules the Gluon backends share are cut
 by what they hold: one architecture's code (gluon_hopper, gluon_launch; gluon_blackwell), one
-op's (gluon_matmul, gluon_dgrad, gluon_wgrad, gluon_packed_taps), and the code every Gluon
-backend runs (gluon_host, gluon_device, gluon_split_k). Here: each module is in exactly the
+op's (gluon_matmul, gluon_dgrad, gluon_wgrad, gluon_packed_taps; dgrad_phases, which the portable
+dgrad runs too), the code every Gluon backend runs (gluon_host, gluon_device, gluon_split_k),
+and the portable backends' (portable_rules, portable_tiles). Here: each module is in exactly the
 source sets it should be; every module a backend's code imports, directly or not, is in its
 set (or is one that shapes the key rather than the kernel); and a real edit to a copy of the
 kernels moves exactly the expected versions.
@@ -41,6 +42,8 @@ SCOPE = {
     "gluon_wgrad.py": {k for k in GLUON if k.startswith("conv2d_wgrad.")},
     "gluon_packed_taps.py": {k for k in GLUON if k.startswith(("conv2d_fprop.", "conv2d_wgrad."))},
     "portable_rules.py": {k for k in ALL if k.endswith(".portable")},
+    "portable_tiles.py": {f"{op}.portable" for op in ("matmul", "conv2d_fprop", "conv2d_dgrad")},
+    "dgrad_phases.py": {k for k in ALL if k.startswith("conv2d_dgrad.")},
 }
 
 # Modules a backend may import without its version covering them: they shape the key's problem
