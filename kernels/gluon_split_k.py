@@ -77,7 +77,7 @@ def no_split_workspace(device) -> torch.Tensor:
     device, so the unsplit binary's signature is the split one's."""
     ws = _NO_SPLIT_WS.get(device)
     if ws is None:
-        ws = _NO_SPLIT_WS[device] = torch.empty(4, device=device, dtype=torch.float32)
+        ws = _NO_SPLIT_WS[device] = gh.kept_buffer(lambda: torch.empty(4, device=device, dtype=torch.float32))
     return ws
 
 
@@ -166,13 +166,13 @@ def per_stream(kept: dict, device, stream: int, numel: int, make: Callable[[int]
     """The buffer `kept` holds for (device, stream), of at least `numel` elements; `make(numel)`
     makes one where it is missing or too small. Shared by the launches on one stream (they run
     in order). At most KEPT_STREAMS streams' buffers are kept (a program making streams as it
-    goes keeps only the recent ones)."""
+    goes keeps only the recent ones). Made outside CUDA-graph pools (gluon_host.kept_buffer)."""
     key = (device, stream)
     buf = kept.get(key)
     if buf is None or buf.numel() < numel:
         if buf is None and len(kept) >= KEPT_STREAMS:
             kept.clear()
-        buf = kept[key] = make(numel)
+        buf = kept[key] = gh.kept_buffer(lambda: make(numel))
     return buf
 
 

@@ -84,3 +84,59 @@ def test_a_vit_patch_embedding_runs_as_a_matmul_and_its_first_call_is_quick(db_u
     assert err < 2e-2, err
     assert not ops.OP_LAUNCHERS["conv2d_fprop"].memo, "no conv kernel is tuned for a patch embedding"
     assert first < 15, f"first call {first:.1f} s"
+
+
+@pytest.mark.gpu
+def test_a_converted_model_trains_under_torch_compile_with_cuda_graphs(db_url):
+    """torch.compile(mode="reduce-overhead"): the tunecache layers' steps are captured in CUDA
+    graphs (none skipped) and replayed, and compute what the eager steps do. The buffers the
+    kernels keep across calls are made outside the graphs' memory pool, which a graph's warm-up
+    would otherwise find holding tensors that are no output of it."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import tunecache.nn
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1, bias=False),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(64, 10),
+        )
+        return tunecache.nn.convert(m).to("cuda", torch.bfloat16, memory_format=torch.channels_last)
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = [
+        (
+            torch.randn(16, 3, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g).contiguous(
+                memory_format=torch.channels_last
+            ),
+            torch.randint(0, 10, (16,), device="cuda", generator=g),
+        )
+        for _ in range(5)
+    ]
+
+    def train(m: torch.nn.Module, run) -> list[float]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        losses = []
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(run(x).float(), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    eager_model = model()
+    eager = train(eager_model, eager_model)
+    torch._dynamo.reset()
+    counters.clear()
+    graphed_model = model()
+    graphed = train(graphed_model, torch.compile(graphed_model, mode="reduce-overhead"))
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=5e-2, atol=5e-2)
