@@ -131,6 +131,22 @@ def test_a_worker_holding_the_keys_job_is_who_tunes_it(clean_fleet):
     assert said.state == "tuning" and said.holder == "worker worker-1" and 0 < said.seconds_left <= 30
 
 
+def test_a_worker_does_not_claim_a_key_a_host_is_tuning_until_it_is_done(clean_fleet):
+    """One tune per key per fleet, workers included: the key's queued job waits while a host's
+    announcement holds, and is claimed once the host withdraws it (its result submitted)."""
+    from tunecache.fleet.client import FleetClient
+    from tunecache.key import DeviceClass, TuneKey
+
+    key = TuneKey("matmul.portable", "v1", "3.9.0", "cpu", 0, {"M": 16, "N": 16, "K": 8, "dtype": "float32"})
+    host = FleetClient(clean_fleet.url, clean_fleet.tokens["publish"])
+    worker = FleetClient(clean_fleet.url, clean_fleet.tokens["worker"])
+    assert host.enqueue(key) and host.announce(key, "host-a").mine
+    assert worker.claim("worker-1", DeviceClass("cpu", 0), lease_s=30) is None, "a worker took a key a host tunes"
+    assert host.announce(key, "host-a", seconds=0.0).mine  # done: withdrawn
+    job = worker.claim("worker-1", DeviceClass("cpu", 0), lease_s=30)
+    assert job is not None and job.digest == key.digest
+
+
 def test_the_announcements_revision_upgrades_and_downgrades(empty_db_url):
     """Revision 0009 adds the table of announcements and drops it again; the rows of the other
     tables stay."""

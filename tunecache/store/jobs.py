@@ -166,6 +166,8 @@ class JobStore(StoreBase):
         version}) and `triton_version` restrict the claim to jobs whose key this worker
         reproduces: a worker on other code would tune another digest.
 
+        A job whose key a host announced it tunes (`announce`) waits until that host is done.
+
         On the way, in the same call: a job whose last attempt's lease ran out is marked failed
         (its worker died on every attempt), and a row that cannot be read is quarantined; the
         claim goes on to the next job.
@@ -175,6 +177,11 @@ class JobStore(StoreBase):
         with self._write() as s:
             self._fail_lapsed_last_attempts(s, arch, sm_count)
             self._expire_queued(s)  # a job nobody took for TUNECACHE_JOB_TTL_S is not handed out
+            announced = (  # a host of the fleet tunes the key now (announce): its result comes first
+                select(AnnouncementRow.id)
+                .where(AnnouncementRow.digest == TuningJobRow.digest, AnnouncementRow.expires_at > now)
+                .exists()
+            )
             q = self._device_class_filter(
                 select(TuningJobRow).where(
                     ((TuningJobRow.status == "queued") & (TuningJobRow.not_before <= now))
@@ -182,7 +189,8 @@ class JobStore(StoreBase):
                         (TuningJobRow.status == "running")
                         & (TuningJobRow.lease_expires_at < now)
                         & (TuningJobRow.attempts < TuningJobRow.max_attempts)
-                    )
+                    ),
+                    ~announced,
                 ),
                 arch,
                 sm_count,
