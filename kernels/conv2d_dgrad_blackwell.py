@@ -32,7 +32,6 @@ from . import gluon_device as gdev
 from . import gluon_dgrad as gdg
 from . import gluon_host as gh
 from . import gluon_split_k as sk
-from .geometry import is_pointwise
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
@@ -484,22 +483,4 @@ def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
-    g_blk, w_blk, y_blk = _blocks(config)
-    im2col = not is_pointwise(p)
-    split = gdg.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
-    ce = _constexprs(config, im2col, gdg.dgrad_tma_store_ok(p), gdg.dgrad_store_vec(p["Ci"], dt), split)
-    sig = {
-        "g_desc": gh.im2col_desc_sig(dt, g_blk) if im2col else gh.desc_sig(dt, g_blk),
-        "w_desc": gh.desc_sig(dt, w_blk),
-        "y_desc": gh.desc_sig(dt, y_blk),
-        "gx_ptr": gh.ptr_sig(dt),
-        "ws_ptr": "*fp32",
-    }
-    sig.update({k: "i32" for k in (*gdg.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER")})
-    sig.update({k: "constexpr" for k in ce})
-    spec = KernelSpec(
-        fn=conv2d_dgrad_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_dgrad_kernel"
-    )
-    numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
-    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    return gdg.dgrad_specs(conv2d_dgrad_kernel, p, config, _blocks(config), _constexprs, device)

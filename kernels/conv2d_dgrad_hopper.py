@@ -50,7 +50,6 @@ from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
 from . import gluon_split_k as sk
-from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .hardware import HOPPER
 from .spaces.hopper import SPACES
@@ -698,27 +697,6 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    im2col = not is_pointwise(p)
-    split = gdg.dgrad_problem_splits(p, config, gh.sm_count_of(device))[0] > 1
-    ce = _constexprs(config, im2col, gdg.dgrad_tma_store_ok(p), gdg.dgrad_store_vec(p["Ci"], dt), split)
-    sig = {
-        "g_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
-        "w_desc": gh.desc_sig(dt, [bk, bn]),
-        "y_desc": gh.desc_sig(dt, [bm, bn]),
-        "gx_ptr": gh.ptr_sig(dt),
-        "ws_ptr": "*fp32",
-    }
-    sig.update({k: "i32" for k in (*gdg.DGRAD_INT_ARGS, "GROUP_M", "SPLITS", "K_PER")})
-    sig.update({k: "constexpr" for k in ce})
-    spec = KernelSpec(
-        fn=conv2d_dgrad_kernel,
-        signature=sig,
-        constexprs=ce,
-        num_warps=config["num_warps"],
-        options=launch_options(config),
-        name="conv2d_dgrad_kernel",
-    )
-    numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
-    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    blocks = [bm, bk], [bk, bn], [bm, bn]
+    return gdg.dgrad_specs(conv2d_dgrad_kernel, p, config, blocks, _constexprs, device, launch_options(config))

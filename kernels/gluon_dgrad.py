@@ -9,8 +9,20 @@ from typing import Sequence
 
 import torch
 
-from .gluon_host import cdiv, im2col_desc, padded_channels, tiled_desc, tma_multiple
-from .gluon_split_k import modeled_splits
+from . import KernelSpec
+from .geometry import is_pointwise
+from .gluon_host import (
+    cdiv,
+    desc_sig,
+    im2col_desc,
+    im2col_desc_sig,
+    padded_channels,
+    ptr_sig,
+    sm_count_of,
+    tiled_desc,
+    tma_multiple,
+)
+from .gluon_split_k import modeled_splits, split_k_reduce_spec
 from .problems import dtype_name
 
 
@@ -134,3 +146,27 @@ def dgrad_problem_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
     tiles = cdiv(p["N"] * p2 * q2, c["BLOCK_M"]) * cdiv(p["Ci"], c["BLOCK_N"])
     st = (p["stride_h"], p["stride_w"])
     return dgrad_splits(c, st, tiles, k_steps, p["N"] * p["H"] * p["W"] * p["Ci"], sms)
+
+
+def dgrad_specs(fn, p: dict, c: dict, blocks, constexprs, device, options=None) -> list[KernelSpec]:
+    """Both Gluon dgrad backends' compile specs: kernel fn (descriptors g, w, y in `blocks`, then
+    grad_x and the split workspace; every other non-constexpr parameter an i32) with
+    constexprs(c, im2col, tma_store, vec, split), and the split reduction where p splits."""
+    dt = p["dtype"]
+    g_blk, w_blk, y_blk = blocks
+    im2col = not is_pointwise(p)
+    sms = sm_count_of(device)
+    split = dgrad_problem_splits(p, c, sms)[0] > 1
+    ce = constexprs(c, im2col, dgrad_tma_store_ok(p), dgrad_store_vec(p["Ci"], dt), split)
+    sig = {
+        "g_desc": im2col_desc_sig(dt, g_blk) if im2col else desc_sig(dt, g_blk),
+        "w_desc": desc_sig(dt, w_blk),
+        "y_desc": desc_sig(dt, y_blk),
+        "gx_ptr": ptr_sig(dt),
+        "ws_ptr": "*fp32",
+    }
+    sig.update({k: "i32" for k in fn.arg_names if k not in sig and k not in ce})
+    sig.update({k: "constexpr" for k in ce})
+    spec = KernelSpec(fn, sig, ce, num_warps=c["num_warps"], options=options or {}, name=fn.__name__)
+    numel = p["N"] * p["H"] * p["W"] * p["Ci"]  # grad_x, the reduction's outputs
+    return [spec, split_k_reduce_spec(dt, numel, sms)] if split else [spec]
