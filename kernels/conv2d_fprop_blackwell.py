@@ -40,7 +40,6 @@ from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
-from .geometry import is_pointwise
 from .gluon_blackwell import (
     WORKER_REGS,
     gather_rings,
@@ -451,28 +450,5 @@ def _packed_constexprs(c: dict) -> dict:
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
-    x_blk, w_blk, y_blk = _blocks(config)
-    if gpt.packs_taps(p):
-        ce = _packed_constexprs(config)
-        sig = {"x_ptr": gh.ptr_sig(dt), "w_desc": gh.desc_sig(dt, w_blk), "y_desc": gh.desc_sig(dt, y_blk)}
-        sig.update({k: "i32" for k in gpt.PACKED_FPROP_INTS})
-        sig.update({k: "constexpr" for k in ce})
-        fn = conv2d_fprop_packed_kernel
-        return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-    im2col = not is_pointwise(p)
-    split = gpt.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
-    ce = _constexprs(config, im2col, split)
-    sig = {
-        "x_desc": gh.im2col_desc_sig(dt, x_blk) if im2col else gh.desc_sig(dt, x_blk),
-        "w_desc": gh.desc_sig(dt, w_blk),
-        "y_desc": gh.desc_sig(dt, y_blk),
-        "ws_ptr": "*fp32",
-    }
-    sig.update({k: "i32" for k in (*_SHAPE_ARGS, "SPLITS", "K_PER", "LDW")})
-    sig.update({k: "constexpr" for k in ce})
-    spec = KernelSpec(
-        fn=conv2d_fprop_kernel, signature=sig, constexprs=ce, num_warps=config["num_warps"], name="conv2d_fprop_kernel"
-    )
-    numel = p["gemm_M"] * gh.padded_channels(p["Co"], dt)  # y, the reduction's outputs
-    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]
+    kernels = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
+    return gpt.fprop_specs(kernels, p, config, _blocks(config), (_constexprs, _packed_constexprs), device)

@@ -36,7 +36,6 @@ from . import gluon_host as gh
 from . import gluon_launch as direct
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
-from .geometry import is_pointwise
 from .gluon_hopper import grouped_tile, wgmma_acc_layout
 from .spaces.hopper import SPACES
 
@@ -731,34 +730,9 @@ def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, p
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    dt = p["dtype"]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gpt.packs_taps(p):
-        ce = _packed_constexprs(config)
-        sig = {"x_ptr": gh.ptr_sig(dt), "w_desc": gh.desc_sig(dt, [bn, bk]), "y_desc": gh.desc_sig(dt, [bm, bn])}
-        sig.update({k: "i32" for k in gpt.PACKED_FPROP_INTS})
-        sig.update({k: "constexpr" for k in ce})
-        fn = conv2d_fprop_packed_kernel
-        return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
-    im2col = not is_pointwise(p)
-    split = gpt.fprop_splits(p, config, gh.sm_count_of(device))[0] > 1
-    ce = _constexprs(config, im2col, split)
-    sig = {
-        "x_desc": gh.im2col_desc_sig(dt, [bm, bk]) if im2col else gh.desc_sig(dt, [bm, bk]),
-        "w_desc": gh.desc_sig(dt, [bn, bk]),
-        "y_desc": gh.desc_sig(dt, [bm, bn]),
-        "ws_ptr": "*fp32",
-    }
-    ints = ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "GROUP_M")
-    sig.update({k: "i32" for k in (*ints, "SPLITS", "K_PER", "LDW")})
-    sig.update({k: "constexpr" for k in ce})
-    spec = KernelSpec(
-        fn=conv2d_fprop_kernel,
-        signature=sig,
-        constexprs=ce,
-        num_warps=config["num_warps"],
-        options=ghop.warp_specialized_options(config["num_warps"]),
-        name="conv2d_fprop_kernel",
+    kernels = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
+    options = ghop.warp_specialized_options(config["num_warps"])
+    return gpt.fprop_specs(
+        kernels, p, config, ([bm, bk], [bn, bk], [bm, bn]), (_constexprs, _packed_constexprs), device, options
     )
-    numel = p["gemm_M"] * gh.padded_channels(p["Co"], dt)  # y, the reduction's outputs
-    return [spec, sk.split_k_reduce_spec(dt, numel, gh.sm_count_of(device))] if split else [spec]

@@ -6,6 +6,9 @@ so a k-loop over taps multiplies mostly zeros (the 7x7 stem, Ci = 3 padded to 8 
 BLOCK_K = 16, does 5.3x the work). Packing the taps makes K = R*S*Ci one dense dimension,
 k = (r*S + s)*Ci + c; TMA cannot gather such a tile, so it is loaded through pointers (for a
 given r, the (s, c) run is contiguous in x) and stored to shared memory for the MMA.
+
+Beside them, what both fprop backends decide alike: their splits (fprop_splits) and their
+compile specs (fprop_specs), the packed kernel's among them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,20 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .gluon_host import cdiv, pad_last_dim, padded_channels, round_up, tma_multiple
-from .gluon_split_k import modeled_splits
+from . import KernelSpec
+from .geometry import is_pointwise
+from .gluon_host import (
+    cdiv,
+    desc_sig,
+    im2col_desc_sig,
+    pad_last_dim,
+    padded_channels,
+    ptr_sig,
+    round_up,
+    sm_count_of,
+    tma_multiple,
+)
+from .gluon_split_k import modeled_splits, split_k_reduce_spec
 
 PACKED_MAX_CI = 8
 
@@ -94,3 +109,27 @@ def fprop_splits(p: dict, c: dict, sms: int) -> tuple[int, int]:
         return 1, k_steps
     tiles = cdiv(p["gemm_M"], c["BLOCK_M"]) * cdiv(p["Co"], c["BLOCK_N"])
     return modeled_splits(c, tiles, k_steps, p["gemm_M"] * padded_channels(p["Co"], p["dtype"]), sms)
+
+
+def fprop_specs(kernels: tuple, p: dict, c: dict, blocks, constexprs: tuple, device, options=None) -> list[KernelSpec]:
+    """Both Gluon fprop backends' compile specs. kernels = (the TMA kernel, the packed-taps one),
+    constexprs = their constexpr functions ((c, im2col, split) and (c)); blocks = the x, w and y
+    descriptors' blocks; every other non-constexpr parameter is an i32. The TMA kernel takes
+    `options` and, where p splits, is followed by the split reduction."""
+    dt = p["dtype"]
+    x_blk, w_blk, y_blk = blocks
+    fn, packed_fn = kernels
+    sig = {"w_desc": desc_sig(dt, w_blk), "y_desc": desc_sig(dt, y_blk)}
+    if packs_taps(p):
+        fn, ce, options, split = packed_fn, constexprs[1](c), None, False
+        sig = {"x_ptr": ptr_sig(dt), **sig}
+    else:
+        im2col = not is_pointwise(p)
+        split = fprop_splits(p, c, sm_count_of(device))[0] > 1
+        ce = constexprs[0](c, im2col, split)
+        sig = {"x_desc": im2col_desc_sig(dt, x_blk) if im2col else desc_sig(dt, x_blk), **sig, "ws_ptr": "*fp32"}
+    sig.update({k: "i32" for k in fn.arg_names if k not in sig and k not in ce})
+    sig.update({k: "constexpr" for k in ce})
+    spec = KernelSpec(fn, sig, ce, num_warps=c["num_warps"], options=options or {}, name=fn.__name__)
+    numel = p["gemm_M"] * padded_channels(p["Co"], dt)  # y, the reduction's outputs
+    return [spec, split_k_reduce_spec(dt, numel, sm_count_of(device))] if split else [spec]
