@@ -45,7 +45,6 @@ from . import gluon_host as gh
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
 from . import gluon_wgrad as gwg
-from .geometry import is_pointwise
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
@@ -689,17 +688,6 @@ def _few_co_constexprs(c: dict, stride) -> dict:
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
-    if gwg.runs_few_co(p, config, FEW_CO_NARROWEST):
-        ce = _few_co_constexprs(config, (p["stride_h"], p["stride_w"]))
-        return gwg.gather_wgrad_specs(conv2d_wgrad_few_co_kernel, p, config, ce, device, few_co=True)
-    if gpt.packs_taps(p):
-        ce = _packed_constexprs(config)
-        return gwg.gather_wgrad_specs(conv2d_wgrad_packed_kernel, p, config, ce, device, few_co=False)
-    dt = p["dtype"]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    im2col = not is_pointwise(p)
-    descs = {
-        "g_desc": gh.desc_sig(dt, [bk, bm]),
-        "x_desc": gh.im2col_desc_sig(dt, [bk, bn]) if im2col else gh.desc_sig(dt, [bk, bn]),
-    }
-    return gwg.wgrad_specs(conv2d_wgrad_kernel, descs, p, config, _constexprs(config, im2col), device)
+    kernels = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, conv2d_wgrad_few_co_kernel)
+    constexprs = (_constexprs, _packed_constexprs, _few_co_constexprs)
+    return gwg.wgrad_specs(kernels, constexprs, p, config, device, FEW_CO_NARROWEST, c_desc=False)

@@ -9,7 +9,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from . import KernelSpec
-from .gluon_host import cdiv, desc_sig, padded_channels, persistent_grid, pow2_at_least, ptr_sig, sm_count_of
+from .geometry import is_pointwise
+from .gluon_host import (
+    cdiv,
+    desc_sig,
+    im2col_desc_sig,
+    padded_channels,
+    persistent_grid,
+    pow2_at_least,
+    ptr_sig,
+    sm_count_of,
+)
 from .gluon_packed_taps import packed_gather, packed_rows, packs_taps
 from .gluon_split_k import auto_splits, split_k_plan, split_k_reduce_spec
 
@@ -72,7 +82,33 @@ WGRAD_INTS = (
 )
 
 
-def wgrad_specs(fn, descs: dict, p: dict, c: dict, constexprs: dict, device) -> list[KernelSpec]:
+def wgrad_specs(
+    kernels: tuple, constexprs: tuple, p: dict, c: dict, device, narrowest: int, c_desc: bool
+) -> list[KernelSpec]:
+    """Both Gluon wgrad backends' compile_specs. kernels = (the TMA kernel, the packed-taps one,
+    the few-Co one), constexprs = their constexpr functions ((c, im2col), (c), (c, stride));
+    narrowest: the backend's FEW_CO_NARROWEST; c_desc: the TMA kernel stores grad_w tiles
+    through a descriptor (its third)."""
+    fn, packed_fn, few_co_fn = kernels
+    ce_of, packed_ce_of, few_co_ce_of = constexprs
+    if runs_few_co(p, c, narrowest):
+        ce = few_co_ce_of(c, (p["stride_h"], p["stride_w"]))
+        return _gather_wgrad_specs(few_co_fn, p, c, ce, device, few_co=True)
+    if packs_taps(p):
+        return _gather_wgrad_specs(packed_fn, p, c, packed_ce_of(c), device, few_co=False)
+    dt = p["dtype"]
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    im2col = not is_pointwise(p)
+    descs = {
+        "g_desc": desc_sig(dt, [bk, bm]),
+        "x_desc": im2col_desc_sig(dt, [bk, bn]) if im2col else desc_sig(dt, [bk, bn]),
+    }
+    if c_desc:
+        descs["c_desc"] = desc_sig(dt, [bm, 1, bn])
+    return _tma_wgrad_specs(fn, descs, p, c, ce_of(c, im2col), device)
+
+
+def _tma_wgrad_specs(fn, descs: dict, p: dict, c: dict, constexprs: dict, device) -> list[KernelSpec]:
     """compile_specs of a backend's TMA wgrad kernel `fn` (its descriptors `descs`, name ->
     signature, then out_ptr, ws_ptr, flags_ptr, WGRAD_INTS and `constexprs`) and of its
     reduction where it writes partials."""
@@ -276,7 +312,7 @@ def few_co_wgrad_ints(x_shape, g_shape, R: int, S: int, stride, padding, c: dict
     return ints, tiles * splits, splits
 
 
-def gather_wgrad_specs(fn, p: dict, c: dict, constexprs: dict, device, few_co: bool) -> list[KernelSpec]:
+def _gather_wgrad_specs(fn, p: dict, c: dict, constexprs: dict, device, few_co: bool) -> list[KernelSpec]:
     """compile_specs of a backend's packed-taps kernel `fn`, or with few_co its few-Co kernel
     (one operand read by TMA, the other gathered through its pointer), and of its reduction
     where it splits."""
