@@ -35,7 +35,6 @@ from . import gluon_split_k as sk
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
-    grouped_tile,
     likeliest_first,
     mma_into_next_acc,
     partial_epilogue,
@@ -57,7 +56,7 @@ problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
 @gluon.jit
 def _tile(tile_id, tiles_per_phase, num_pid_m, num_pid_n, group_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile id (phase-major) -> (its phase, first pixel of the phase's walk, first channel)."""
-    pid_m, pid_n = grouped_tile(tile_id % tiles_per_phase, num_pid_m, num_pid_n, group_m)
+    pid_m, pid_n = gdev.grouped_tile(tile_id % tiles_per_phase, num_pid_m, num_pid_n, group_m)
     return tile_id // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N
 
 

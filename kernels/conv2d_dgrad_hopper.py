@@ -50,7 +50,7 @@ from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
 from . import gluon_split_k as sk
-from .gluon_hopper import grouped_tile, wgmma_acc_layout
+from .gluon_hopper import wgmma_acc_layout
 from .hardware import HOPPER
 from .spaces.hopper import SPACES
 
@@ -85,7 +85,7 @@ def _unit(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS,
     else:
         tile = u
         split = u * 0
-    pid_m, pid_n = grouped_tile(tile % tiles_per_phase, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = gdev.grouped_tile(tile % tiles_per_phase, num_pid_m, num_pid_n, GROUP_M)
     return tile // tiles_per_phase, pid_m * BLOCK_M, pid_n * BLOCK_N, split
 
 

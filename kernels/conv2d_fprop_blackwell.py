@@ -43,7 +43,6 @@ from . import gluon_split_k as sk
 from .gluon_blackwell import (
     WORKER_REGS,
     gather_rings,
-    grouped_tile,
     likeliest_first,
     mma_partition,
     mma_when_loaded,
@@ -102,7 +101,7 @@ def _load_partition(
     use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         split, k_start, k_count = split_k_range(work_id, tiles, R * S * ci_blocks, k_per_split)
-        pid_m, pid_n = grouped_tile(work_id - split * tiles, num_pid_m, num_pid_n, group_m)
+        pid_m, pid_n = gdev.grouped_tile(work_id - split * tiles, num_pid_m, num_pid_n, group_m)
         # first output pixel of the tile -> the top-left corner of its window in the input
         m0 = pid_m * BLOCK_M
         n = m0 // PQ
@@ -267,7 +266,7 @@ def conv2d_fprop_packed_kernel(
     c_smem = gl.allocate_shared_memory(dtype, [2] + y_desc.block_type.shape, y_desc.layout)
     ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 1, BLOCK_M, BLOCK_N)
 
-    pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
+    pid_m, pid_n = gdev.grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     k_tiles = gl.cdiv(K, BLOCK_K)

@@ -36,7 +36,7 @@ from . import gluon_host as gh
 from . import gluon_launch as direct
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
-from .gluon_hopper import grouped_tile, wgmma_acc_layout
+from .gluon_hopper import wgmma_acc_layout
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "conv2d_fprop", "hopper"
@@ -92,7 +92,7 @@ def _unit_origin(
         c0 = split
         r = split
         s = split
-    pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = gdev.grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
     m0 = pid_m * BLOCK_M
     pq = m0 % PQ
     h0 = (pq // Q) * stride_h - pad_h
@@ -398,7 +398,7 @@ def conv2d_fprop_packed_kernel(
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gdev.barrier_ring(STAGES)
 
-    pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
+    pid_m, pid_n = gdev.grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     k_tiles = gl.cdiv(K, BLOCK_K)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
-from .gluon_device import barrier_ring
+from .gluon_device import barrier_ring, grouped_tile
 from .gluon_host import ring_shortfall
 
 # Registers per thread the one-warp load and MMA partitions keep (setmaxnreg); the epilogue
@@ -112,17 +112,6 @@ def wait_acc(acc_bar):
     """Every MMA issued so far has completed: the accumulator holds its final value."""
     tcgen05_commit(acc_bar.index(0))
     mbarrier.wait(acc_bar.index(0), 0)
-
-
-@gluon.jit
-def grouped_tile(tile_id, num_pid_m, num_pid_n, group_m):
-    """Tile id -> (pid_m, pid_n), walking `group_m` row-tiles at a time so that they
-    share their B columns in L2 while all SMs work on the same band."""
-    tiles_per_group = group_m * num_pid_n
-    first_m = (tile_id // tiles_per_group) * group_m
-    rows = gl.minimum(num_pid_m - first_m, group_m)
-    in_group = tile_id % tiles_per_group
-    return first_m + in_group % rows, in_group // rows
 
 
 @gluon.jit

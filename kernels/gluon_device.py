@@ -1,5 +1,6 @@
 """Device helpers both Gluon architectures' kernels call: a ring of mbarriers set up and torn
-down, and an implicit-GEMM conv's walk over (channel block, filter tap) k-steps.
+down, the grouped tile order, and an implicit-GEMM conv's walk over (channel block, filter
+tap) k-steps.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def invalidate_rings(first, second, third=None, fourth=None):
         invalidate_ring(third)
     if fourth is not None:
         invalidate_ring(fourth)
+
+
+@gluon.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, group_m):
+    """Tile id -> (pid_m, pid_n), walking `group_m` row-tiles at a time so that they
+    share their B columns in L2 while all SMs work on the same band."""
+    tiles_per_group = group_m * num_pid_n
+    first_m = (tile_id // tiles_per_group) * group_m
+    rows = gl.minimum(num_pid_m - first_m, group_m)
+    in_group = tile_id % tiles_per_group
+    return first_m + in_group % rows, in_group // rows
 
 
 @gluon.jit

@@ -35,16 +35,6 @@ def wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
 
 
-@gluon.jit
-def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M):
-    """Tile id -> (pid_m, pid_n), GROUP_M row-tiles at a time so their B columns stay in L2."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile_id // per_group) * GROUP_M
-    rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    in_group = tile_id % per_group
-    return first_m + in_group % rows, in_group // rows
-
-
 # ---- candidates ------------------------------------------------------------------------------
 
 

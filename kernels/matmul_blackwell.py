@@ -38,7 +38,6 @@ from . import gluon_matmul as gmm
 from . import gluon_split_k as sk
 from .gluon_blackwell import (
     WORKER_REGS,
-    grouped_tile,
     likeliest_first,
     mma_partition,
     pipeline_rings,
@@ -85,7 +84,7 @@ def _load_partition(
     use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         _, k_start, k_count = split_k_range(work_id, tiles, total_k, k_per_split)
-        pid_m, pid_n = grouped_tile(work_id % tiles, num_pid_m, num_pid_n, group_m)
+        pid_m, pid_n = gdev.grouped_tile(work_id % tiles, num_pid_m, num_pid_n, group_m)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         for ki in range(k_count):
@@ -135,7 +134,7 @@ def _register_epilogue(
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile = work_id % tiles
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, group_m)
+        pid_m, pid_n = gdev.grouped_tile(tile, num_pid_m, num_pid_n, group_m)
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
         acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)

@@ -34,12 +34,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import KernelSpec, problems
+from . import gluon_device as gdev
 from . import gluon_hopper as ghop
 from . import gluon_host as gh
 from . import gluon_launch as direct
 from . import gluon_matmul as gmm
 from . import gluon_split_k as sk
-from .gluon_hopper import grouped_tile, wgmma_acc_layout
+from .gluon_hopper import wgmma_acc_layout
 from .spaces.hopper import SPACES
 
 OP, BACKEND = "matmul", "hopper"
@@ -87,10 +88,10 @@ def _unit(
 ):
     """Work unit u -> (first row, first column, first k-step) of its tile and split."""
     if SPLIT:
-        pid_m, pid_n = grouped_tile(u // SPLITS, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = gdev.grouped_tile(u // SPLITS, num_pid_m, num_pid_n, GROUP_M)
         k0 = (u % SPLITS) * K_PER
     else:
-        pid_m, pid_n = grouped_tile(u, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = gdev.grouped_tile(u, num_pid_m, num_pid_n, GROUP_M)
         k0 = 0
     return pid_m * BLOCK_M, pid_n * BLOCK_N, k0
 

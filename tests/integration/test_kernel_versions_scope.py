@@ -35,7 +35,7 @@ SCOPE = {
     "gluon_launch.py": {k for k in ALL if k.endswith(".hopper")},
     "gluon_blackwell.py": {k for k in ALL if k.endswith(".blackwell")},
     "gluon_host.py": set(GLUON),
-    "gluon_device.py": set(GLUON) - {"matmul.hopper"},  # its rings are its own (mbarrier.init)
+    "gluon_device.py": set(GLUON),
     "gluon_split_k.py": set(GLUON),
     "gluon_matmul.py": {k for k in GLUON if k.startswith("matmul.")},
     "gluon_dgrad.py": {k for k in GLUON if k.startswith("conv2d_dgrad.")},
