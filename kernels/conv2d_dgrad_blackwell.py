@@ -352,10 +352,7 @@ JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
 
 def supports(p: dict, device) -> bool:
     cap = getattr(device, "capability", None)
-    if cap is None or cap[0] != 10 or p.get("dtype") not in gh.MMA_DTYPES:
-        return False
-    p2, q2, ph, pw = gdg.dgrad_walk(p)
-    return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
+    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES and gdg.dgrad_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:

@@ -490,10 +490,7 @@ JIT_FUNCTIONS = (conv2d_dgrad_kernel, sk.split_k_reduce_kernel)
 
 
 def supports(p: dict, device) -> bool:
-    if device.capability != (9, 0) or p.get("dtype") not in gh.MMA_DTYPES:
-        return False
-    p2, q2, ph, pw = gdg.dgrad_walk(p)
-    return gh.im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
+    return device.capability == (9, 0) and p.get("dtype") in gh.MMA_DTYPES and gdg.dgrad_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:

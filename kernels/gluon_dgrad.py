@@ -16,6 +16,7 @@ from .gluon_host import (
     desc_sig,
     im2col_desc,
     im2col_desc_sig,
+    im2col_ok,
     padded_channels,
     ptr_sig,
     sm_count_of,
@@ -41,6 +42,12 @@ def dgrad_walk(p: dict) -> tuple[int, int, int, int]:
     """(rows, columns) of the walk every phase shares (the largest phase's), and its halo."""
     sh, sw = p["stride_h"], p["stride_w"]
     return -(-p["H"] // sh), -(-p["W"] // sw), dgrad_halo(p["R"], sh, p["pad_h"]), dgrad_halo(p["S"], sw, p["pad_w"])
+
+
+def dgrad_geometry_ok(p: dict) -> bool:
+    """im2col_ok() for a dgrad problem dict: can TMA im2col walk grad_out by the shared walk?"""
+    p2, q2, ph, pw = dgrad_walk(p)
+    return im2col_ok(p["P"], p["Q"], p2, q2, (1, 1), (ph, pw))
 
 
 def dgrad_phases(p: dict, zero_phases: bool = False) -> int:
