@@ -131,18 +131,11 @@ def mma_chain(a_bufs, b_bufs, ready, empty, acc, k_count, use, A_TRANS: gl.const
     """k_count tcgen05 MMAs into `acc` from the operand ring's stages `use`.. on; returns the
     ring's new use count. Every MMA releases its operand stage (arrives on `empty`) when the
     tensor core is done with it. An operand stored K-outer ([BLOCK_K, rows]) is fed through a
-    permuted view."""
+    permuted view (mma_when_loaded)."""
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     for ki in range(k_count):
         slot, phase = ring_slot(use, NUM_BUFFERS)
-        mbarrier.wait(ready.index(slot), phase)
-        a = a_bufs.index(slot)
-        b = b_bufs.index(slot)
-        if A_TRANS:
-            a = a.permute((1, 0))
-        if B_TRANS:
-            b = b.permute((1, 0))
-        tcgen05_mma(a, b, acc, use_acc=ki > 0, mbarriers=[empty.index(slot)])
+        mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, empty, ki, A_TRANS, B_TRANS)
         use += 1
     return use
 
