@@ -417,14 +417,7 @@ def conv2d_wgrad_packed_kernel(
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
     ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 2, BLOCK_M, BLOCK_N)
 
-    pid = gl.program_id(0)
-    co_blocks = gl.cdiv(Co, BLOCK_M)
-    tiles = co_blocks * gl.cdiv(K, BLOCK_N)
-    split = pid // tiles
-    co0 = (pid % co_blocks) * BLOCK_M
-    n0 = (pid % tiles // co_blocks) * BLOCK_N
-    k_from = split * per
-    n = gl.minimum(per, k_steps - k_from)
+    split, co0, n0, k_from, n = gwg.gather_unit(Co, K, k_steps, per, BLOCK_M, BLOCK_N)
     gather = (x_ptr, n0, K, SCi, Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)
     _gathered_mainloop(g_desc, a_bufs, b_bufs, ready, done, acc, acc_bar, co0, k_from, n, gather, False, num_warps)
     # every split has at least one step (gluon_split_k.split_k_plan)
@@ -471,12 +464,8 @@ def conv2d_wgrad_few_co_kernel(
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
     ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 1, BLOCK_M, BLOCK_N)
 
-    pid = gl.program_id(0)
-    ci_blocks = gl.cdiv(Ci, BLOCK_M)
-    split = pid // ci_blocks
-    ci0 = (pid % ci_blocks) * BLOCK_M
-    k_from = split * per
-    n = gl.minimum(per, k_steps - k_from)
+    # one column block: BLOCK_N spans every tap
+    split, ci0, _, k_from, n = gwg.gather_unit(Ci, BLOCK_N, k_steps, per, BLOCK_M, BLOCK_N)
     gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED)
     _gathered_mainloop(x_desc, a_bufs, b_bufs, ready, done, acc, acc_bar, ci0, k_from, n, gather, True, num_warps)
     EPI_N: gl.constexpr = epilogue_width(BLOCK_N)

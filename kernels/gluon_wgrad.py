@@ -383,6 +383,21 @@ def few_co_gather(
 
 
 @gluon.jit
+def gather_unit(rows, cols, k_steps, per, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This CTA's unit of both architectures' packed-taps and few-Co kernels: one (split, tile)
+    of the [rows, cols] output, numbered split-major so that the CTAs running together read the
+    same pixels -> (split, first row, first column, first pixel step, steps)."""
+    pid = gl.program_id(0)
+    row_blocks = gl.cdiv(rows, BLOCK_M)
+    tiles = row_blocks * gl.cdiv(cols, BLOCK_N)
+    split = pid // tiles
+    row0 = (pid % row_blocks) * BLOCK_M
+    col0 = (pid % tiles // row_blocks) * BLOCK_N
+    k_from = split * per
+    return split, row0, col0, k_from, gl.minimum(per, k_steps - k_from)
+
+
+@gluon.jit
 def gathered_b(m0, gather, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr, FEW_CO: gl.constexpr):
     """The gathered B tile of pixel step m0... of both architectures' gathering wgrad kernels,
     whose main loops differ only in this: x's packed-taps im2col (gather = (x_ptr, n0, K, SCi,
