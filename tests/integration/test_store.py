@@ -51,6 +51,22 @@ def test_put_get_roundtrip_with_trials(store):
     assert store.get_config(key(65).digest) is None
 
 
+def test_a_runs_many_trials_are_kept_as_given(store):
+    """Many trials at once (Postgres takes them by COPY): every field read back as written."""
+    k = key(96)
+    trials = [
+        TrialRecord(dict(CFG, BLOCK_K=16 + i % 3, name='tab\tquote"\\'), "ok", 1.0 + i / 7)
+        if i % 2
+        else TrialRecord(dict(CFG, GROUP_M=i), "failed", error=f"line\nbreak \u00e9 {i}")
+        for i in range(120)
+    ]
+    store.add_trials(k, trials, run_id="many")
+    got = store.trials(k.digest)
+    assert sorted((t.status, t.median_ms, t.error, tuple(sorted(t.config.items()))) for t in got) == sorted(
+        (t.status, t.median_ms, t.error, tuple(sorted(t.config.items()))) for t in trials
+    )
+
+
 def test_faster_result_wins_with_a_noise_margin(store):
     k = key()
     store.put_config(ConfigRecord(k, CFG, 1.0))

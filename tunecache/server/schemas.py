@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Optional, Self, Union
+from typing import Annotated, Any, Iterable, Literal, Optional, Self, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
@@ -45,37 +45,55 @@ def _clean_str(s: str) -> str:
 
 
 def _clean_json(value: Any, depth: int = 0) -> Any:
-    """A JSON value the store can keep: finite numbers, clean strings, bounded nesting."""
+    """A JSON value the store can keep: finite numbers, clean strings, bounded nesting. The
+    scalars of an object or array are checked in one loop (`_clean_values`), not by a call
+    each: a 2,000-trial publish holds some 14,000 of them, and a call per value was two thirds
+    of its validation."""
     if depth > JSON_MAX_DEPTH:
         raise ValueError(f"JSON nested deeper than {JSON_MAX_DEPTH} levels")
-    if isinstance(value, str):
-        if len(value) > JSON_MAX_STRING:
-            raise ValueError(f"strings may have at most {JSON_MAX_STRING} characters")
-        _clean_str(value)
-    elif isinstance(value, bool) or value is None:
-        pass
-    elif isinstance(value, int):
-        if abs(value) >= 2**63:
-            raise ValueError("integers must fit in 64 bits")
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError("numbers must be finite (no NaN or Infinity)")
-    elif isinstance(value, dict):
+    if isinstance(value, dict):
         if len(value) > JSON_MAX_ITEMS:
             raise ValueError(f"objects may have at most {JSON_MAX_ITEMS} entries")
-        for k, v in value.items():
+        for k in value:
             if len(k) > JSON_MAX_STRING:
                 raise ValueError(f"keys may have at most {JSON_MAX_STRING} characters")
-            _clean_str(k)
-            _clean_json(v, depth + 1)
+            if not k.isascii() or "\x00" in k:
+                _clean_str(k)
+        _clean_values(value.values(), depth)
     elif isinstance(value, list):
         if len(value) > JSON_MAX_ITEMS:
             raise ValueError(f"arrays may have at most {JSON_MAX_ITEMS} items")
-        for v in value:
-            _clean_json(v, depth + 1)
+        _clean_values(value, depth)
     else:
-        raise ValueError(f"unsupported JSON value of type {type(value).__name__}")
+        _clean_values((value,), depth - 1)
     return value
+
+
+def _clean_values(values: Iterable[Any], depth: int) -> None:
+    """The values of a container at `depth`: scalars here, containers one level deeper."""
+    for v in values:
+        t = type(v)
+        if t is int:
+            if not -(2**63) < v < 2**63:
+                raise ValueError("integers must fit in 64 bits")
+        elif t is float:
+            if not math.isfinite(v):
+                raise ValueError("numbers must be finite (no NaN or Infinity)")
+        elif t is str:
+            if len(v) > JSON_MAX_STRING:
+                raise ValueError(f"strings may have at most {JSON_MAX_STRING} characters")
+            if not v.isascii() or "\x00" in v:
+                _clean_str(v)
+        elif t is bool or v is None:
+            pass
+        elif isinstance(v, (dict, list)):
+            _clean_json(v, depth + 1)
+        elif isinstance(v, bool):
+            pass
+        elif isinstance(v, (int, float, str)):  # a subclass (an enum): checked as its base type
+            _clean_values((next(b for b in (int, float, str) if isinstance(v, b))(v),), depth)
+        else:
+            raise ValueError(f"unsupported JSON value of type {t.__name__}")
 
 
 def _text(max_length: int, min_length: int = 0, pattern: str | None = None):

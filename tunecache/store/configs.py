@@ -29,6 +29,21 @@ from tunecache.store.rows import (
 )
 from tunecache.tuning.binaries import Binary
 
+# from this many trials on, Postgres takes them by COPY: a publish's 500 trials by executemany
+# were a third of the service's time on it (the driver's per-row pipeline)
+COPY_ROWS = 50
+_TRIAL_COLUMNS = ("digest", "run_id", "kernel", "config", "status", "median_ms", "error", "created_at")
+
+
+def _copy_trials(s: Session, rows: list[dict]) -> None:
+    """`rows` into trials with one COPY, on the session's own connection (its transaction)."""
+    from psycopg.types.json import Json
+
+    raw = s.connection().connection.driver_connection
+    with raw.cursor() as cur, cur.copy(f"COPY trials ({', '.join(_TRIAL_COLUMNS)}) FROM STDIN") as copy:
+        for r in rows:
+            copy.write_row(tuple(Json(r[c]) if c == "config" else r[c] for c in _TRIAL_COLUMNS))
+
 
 class ConfigStore(StoreBase):
     """Tuned configs, their trials and binaries, fleet copies and self-checks: what a store keeps."""
@@ -214,7 +229,9 @@ class ConfigStore(StoreBase):
             )
             for t in trials
         ]
-        if rows:  # one executemany, not the ORM's unit of work: 500 trials cost 10 ms, not 50
+        if len(rows) >= COPY_ROWS and self.dialect == "postgresql":
+            _copy_trials(s, rows)
+        elif rows:  # one executemany, not the ORM's unit of work: 500 trials cost 10 ms, not 50
             s.execute(TrialRow.__table__.insert(), rows)
 
     def add_trials(self, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None = None) -> None:
