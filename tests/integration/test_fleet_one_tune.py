@@ -216,3 +216,23 @@ def test_the_announcements_revision_upgrades_and_downgrades(empty_db_url):
         assert store.announce(key, "host-a", "lib:a").mine
     finally:
         store.close()
+
+
+def test_a_hint_is_timed_with_the_default_and_a_hint_that_cannot_run_here_gets_a_whole_tune(db_url):
+    import torch
+
+    from tunecache.key import interpreter_device
+    from tunecache.tuning.tuner import tune
+    from tunecache_kernels import matmul_portable as mod
+
+    problem = mod.problem(torch.randn(40, 24), torch.randn(24, 36))
+    device = interpreter_device()
+    default = mod.default_config(problem, device)
+    space = mod.prune(mod.config_space(problem, device), problem, device)
+    hint = next(c for c in space if c != default)
+    held = tune(mod, problem, device, hint=hint)
+    assert held.config == hint and held.candidates <= 2, (held.config, held.candidates)
+    unfit = dict(hint, BLOCK_M=7)  # outside the space: pruned, so only the default would run
+    whole = tune(mod, problem, device, hint=unfit)
+    assert len(space) > 2 and whole.candidates >= len(space), "a hint that cannot run here: the whole space"
+    assert whole.config != unfit

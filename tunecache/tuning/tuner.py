@@ -128,11 +128,14 @@ def tune(
     """
     if hint is not None and configs is None:
         t0 = time.perf_counter()
-        checked = _tune(mod, problem, device, torch_device, source, progress, None, hint)
-        ran = next((t for t in checked.trials if t.config == hint and t.status == "ok"), None)
-        if device.arch == "cpu" and ran is not None:  # the interpreter's times are not speeds (as for the vendor)
+        try:
+            checked = _tune(mod, problem, device, torch_device, source, progress, None, hint)
+        except TuneError:  # neither it nor the default ran right here: the whole space decides
+            checked = None
+        ran = checked and next((t for t in checked.trials if t.config == hint and t.status == "ok"), None)
+        if device.arch == "cpu" and ran:  # the interpreter's times are not speeds (as for the vendor)
             checked = replace(checked, config=hint, median_ms=ran.median_ms)
-        if checked.config == hint:
+        if checked is not None and checked.config == hint:
             log.info("tunecache: %s %s: the fleet's submitted config holds here (%s)", mod.KERNEL, problem, hint)
             return checked
         log.warning(
