@@ -45,6 +45,7 @@ from . import gluon_host as gh
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
 from . import gluon_wgrad as gwg
+from .geometry import is_pointwise  # noqa: F401 (its specs pick their kernel by it: in the version)
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,

@@ -39,6 +39,7 @@ from . import gluon_launch as direct
 from . import gluon_packed_taps as gpt
 from . import gluon_split_k as sk
 from . import gluon_wgrad as gwg
+from .geometry import is_pointwise  # noqa: F401 (its specs pick their kernel by it: in the version)
 from .gluon_hopper import wgmma_acc_layout
 from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
 from .spaces.hopper import SPACES

@@ -9,6 +9,7 @@ the filter taps r0::sh, s0::sw; a phase is named by its first taps (kr0, ks0), k
 from __future__ import annotations
 
 import triton
+from triton import language as tl  # noqa: F401 (the interpreter looks for it among a jit function's globals)
 from triton.experimental import gluon
 
 

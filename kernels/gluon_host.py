@@ -81,7 +81,9 @@ def pad_last_dim(t: torch.Tensor, size: int) -> torch.Tensor:
     if size > t.shape[-1]:  # one launch (cat), not a fill and a copy: a small layer's padding is launch-bound
         zero = _ZERO.get((t.device, t.dtype))
         if zero is None:
-            zero = _ZERO[(t.device, t.dtype)] = kept_buffer(lambda: torch.zeros((), device=t.device, dtype=t.dtype))
+            zero = _ZERO[(t.device, t.dtype)] = kept_buffer(
+                t.device, lambda: torch.zeros((), device=t.device, dtype=t.dtype)
+            )
         return torch.cat([t, zero.expand(*t.shape[:-1], size - t.shape[-1])], dim=-1)
     out = t.new_zeros((*t.shape[:-1], size))
     out[..., : t.shape[-1]] = t
@@ -94,15 +96,16 @@ _ZERO: dict = {}
 _MAKER: list = []  # the thread kept buffers are made on (one, made at the first)
 
 
-def kept_buffer(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+def kept_buffer(device: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`make()`, for a CUDA buffer kept across calls, allocated outside any CUDA-graph memory
     pool. While torch.compile's CUDA graphs (mode="reduce-overhead") warm a graph up, they route
     the thread's allocations into the graph's pool, and a tensor of that pool that outlives the
     call without being an output fails their check ("tensors in the cudagraph pool not tracked
     as outputs"); another thread's allocations are the ordinary allocator's. Made there and
-    waited for (once per buffer), then marked as used by the caller's stream. Under capture
-    (never for a buffer kept across calls of an eager program), made here."""
-    if torch.cuda.is_current_stream_capturing():
+    waited for (once per buffer), then marked as used by the caller's stream. Made here on
+    another device (`device`: where it will live), and under capture (never for a buffer kept
+    across calls of an eager program)."""
+    if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
         return make()
     if not _MAKER:
         from concurrent.futures import ThreadPoolExecutor
@@ -111,13 +114,11 @@ def kept_buffer(make: Callable[[], torch.Tensor]) -> torch.Tensor:
 
     def made() -> torch.Tensor:
         t = make()
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
+        torch.cuda.current_stream(t.device).synchronize()
         return t
 
     t = _MAKER[0].submit(made).result()
-    if t.is_cuda:
-        t.record_stream(torch.cuda.current_stream(t.device))
+    t.record_stream(torch.cuda.current_stream(t.device))
     return t
 
 

@@ -77,7 +77,7 @@ def no_split_workspace(device) -> torch.Tensor:
     device, so the unsplit binary's signature is the split one's."""
     ws = _NO_SPLIT_WS.get(device)
     if ws is None:
-        ws = _NO_SPLIT_WS[device] = gh.kept_buffer(lambda: torch.empty(4, device=device, dtype=torch.float32))
+        ws = _NO_SPLIT_WS[device] = gh.kept_buffer(device, lambda: torch.empty(4, device=device, dtype=torch.float32))
     return ws
 
 
@@ -172,7 +172,7 @@ def per_stream(kept: dict, device, stream: int, numel: int, make: Callable[[int]
     if buf is None or buf.numel() < numel:
         if buf is None and len(kept) >= KEPT_STREAMS:
             kept.clear()
-        buf = kept[key] = gh.kept_buffer(lambda: make(numel))
+        buf = kept[key] = gh.kept_buffer(device, lambda: make(numel))
     return buf
 
 
