@@ -93,7 +93,12 @@ def pad_last_dim(t: torch.Tensor, size: int) -> torch.Tensor:
 _ZERO: dict = {}
 
 
-_MAKER: list = []  # the thread kept buffers are made on (one, made at the first)
+@functools.cache
+def _maker() -> Any:
+    """The thread kept buffers are made on (one, started at the first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="tunecache-kept-buffers")
 
 
 def kept_buffer(device: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -107,17 +112,13 @@ def kept_buffer(device: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     across calls of an eager program)."""
     if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
         return make()
-    if not _MAKER:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _MAKER.append(ThreadPoolExecutor(1, thread_name_prefix="tunecache-kept-buffers"))
 
     def made() -> torch.Tensor:
         t = make()
         torch.cuda.current_stream(t.device).synchronize()
         return t
 
-    t = _MAKER[0].submit(made).result()
+    t = _maker().submit(made).result()
     t.record_stream(torch.cuda.current_stream(t.device))
     return t
 
