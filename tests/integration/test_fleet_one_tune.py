@@ -30,11 +30,16 @@ print(json.dumps({"config": entry.config, "seconds": time.perf_counter() - t0}))
 """
 
 
-def _host(tmp_path, name, fleet, token="publish", **extra) -> subprocess.Popen:
-    env = host_env(tmp_path, name, fleet.url, fleet.tokens[token], TUNECACHE_LOCK_DIR=str(tmp_path / name), **extra)
+def _env(tmp_path, name, fleet) -> dict:
+    """A host of its own: its store and lock folder, and the fleet with a publish token."""
+    return host_env(tmp_path, name, fleet.url, fleet.tokens["publish"], TUNECACHE_LOCK_DIR=str(tmp_path / name))
+
+
+def _host(tmp_path, name, fleet, stderr=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", HOST], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        [sys.executable, "-c", HOST], env=_env(tmp_path, name, fleet), cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr,
+        text=True,
+    )  # fmt: skip
 
 
 def _done(proc: subprocess.Popen) -> tuple[dict, str]:
@@ -62,8 +67,8 @@ def test_a_host_that_misses_a_key_another_host_tunes_waits_and_times_its_result_
     wait_for(lambda: _announced(clean_fleet.db_url), 300, what="the first host to announce the key")
     second = _host(tmp_path, "second", clean_fleet)
     (ran_first, _), (ran_second, _) = _done(first), _done(second)
-    tuned = local_counts(host_env(tmp_path, "first", None, None))["trials"]
-    checked = local_counts(host_env(tmp_path, "second", None, None))["trials"]
+    tuned = local_counts(_env(tmp_path, "first", clean_fleet))["trials"]
+    checked = local_counts(_env(tmp_path, "second", clean_fleet))["trials"]
     assert tuned >= 3, "the first host tuned the whole space"
     assert checked <= 2, f"the second host timed {checked} configs: the hint and its default are 2 at most"
     assert ran_second["config"] == ran_first["config"], "the hosts run different configs"
@@ -88,13 +93,8 @@ def test_a_host_waits_while_another_tunes_then_runs_its_submitted_config(clean_f
     tuning = FleetClient(clean_fleet.url, clean_fleet.tokens["publish"])
     assert tuning.announce(key, "node7 pid 4711").mine
     log = tmp_path / "host.err"
-    env = host_env(
-        tmp_path, "host", clean_fleet.url, clean_fleet.tokens["publish"], TUNECACHE_LOCK_DIR=str(tmp_path / "locks")
-    )
     with open(log, "w") as err:
-        host = subprocess.Popen(
-            [sys.executable, "-c", HOST], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True
-        )
+        host = _host(tmp_path, "host", clean_fleet, stderr=err)
 
     def waits() -> bool:
         assert host.poll() is None, log.read_text()[-3000:]
@@ -108,7 +108,9 @@ def test_a_host_waits_while_another_tunes_then_runs_its_submitted_config(clean_f
     assert host.returncode == 0, said[-3000:]
     assert "is being tuned by test-publish: node7 pid 4711 on the fleet" in said, said[-2000:]
     assert json.loads(out.strip().splitlines()[-1])["config"] == other, "the host did not run the submitted config"
-    assert local_counts(env)["trials"] <= 2, "the host tuned instead of timing the submitted config"
+    assert local_counts(_env(tmp_path, "host", clean_fleet))["trials"] <= 2, (
+        "the host tuned instead of timing the submitted config"
+    )
 
 
 def test_an_announcement_holds_while_renewed_and_lapses_when_its_host_is_gone(clean_fleet):
