@@ -430,19 +430,27 @@ class Trials:
             log.warning("tunecache: candidate %s of %s failed in isolation: %s", config, self.setup["module"], e.reason)
             return {"status": "failed", "error": e.reason}
 
-    def binaries(self, config: dict) -> list[Binary]:
-        """The compiled kernels a launch of `config` uses (read from this host's Triton cache),
-        for the fleet; none if they could not be found."""
-        from tunecache.tuning import binaries
+    def _ask(self, cmd: str, what: str, **fields: object) -> dict | None:
+        """The runner's answer to `cmd` on this problem's inputs; None, logged as "could not
+        `what`", if the set-up or the runner failed."""
         from tunecache.tuning.isolated import WorkerFailed
 
         try:
             self._ensure_setup()
-            res = self.worker.call(
-                {"cmd": "binaries", "digest": self.setup["digest"], "config": config}, settings.candidate_timeout_s()
+            return self.worker.call(
+                {"cmd": cmd, "digest": self.setup["digest"], **fields}, settings.candidate_timeout_s()
             )
         except (WorkerFailed, TuneError) as e:
-            log.info("tunecache: could not find the compiled kernels of %s: %s", self.setup["module"], e)
+            log.info("tunecache: could not %s of %s: %s", what, self.setup["module"], e)
+            return None
+
+    def binaries(self, config: dict) -> list[Binary]:
+        """The compiled kernels a launch of `config` uses (read from this host's Triton cache),
+        for the fleet; none if they could not be found."""
+        from tunecache.tuning import binaries
+
+        res = self._ask("binaries", "find the compiled kernels", config=config)
+        if res is None:
             return []
         if res.get("status") != "ok":
             log.info("tunecache: could not find the compiled kernels of %s: %s", self.setup["module"], res.get("error"))
@@ -452,14 +460,5 @@ class Trials:
     def vendor_ms(self, timing: dict) -> float | None:
         """The reference op's time on the same inputs (what the user would call without
         tunecache), for the record; None if it could not be timed."""
-        from tunecache.tuning.isolated import WorkerFailed
-
-        try:
-            self._ensure_setup()
-            res = self.worker.call(
-                {"cmd": "reference", "digest": self.setup["digest"], "timing": timing}, settings.candidate_timeout_s()
-            )
-        except (WorkerFailed, TuneError) as e:
-            log.info("tunecache: could not time the reference of %s: %s", self.setup["module"], e)
-            return None
-        return res.get("median_ms")
+        res = self._ask("reference", "time the reference", timing=timing)
+        return None if res is None else res.get("median_ms")
