@@ -1,8 +1,18 @@
-"""Columns that more than one revision creates alike: which backend on which device class a row
-is about, and a tuning result. A revision's schema is history and a change here would change
-the old revisions too: a new column set is a new function, never an edit of one of these."""
+"""Columns that more than one revision creates alike: a row's id and key digest, which backend
+on which device class a row is about, and a tuning result. A revision's schema is history and a
+change here would change the old revisions too: a new column set is a new function, never an
+edit of one of these."""
 
 import sqlalchemy as sa
+
+
+def digest_row_columns() -> list[sa.Column]:
+    """id (the primary key) and digest (a key's, NOT NULL), in that order: how every table of
+    rows about a key begins."""
+    return [
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("digest", sa.String(64), nullable=False),
+    ]
 
 
 def backend_columns() -> list[sa.Column]:

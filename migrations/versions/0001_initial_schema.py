@@ -7,7 +7,7 @@ Revises:
 import sqlalchemy as sa
 from alembic import op
 
-from tunecache_migrations.columns import backend_columns, result_columns
+from tunecache_migrations.columns import backend_columns, digest_row_columns, result_columns
 
 revision = "0001"
 down_revision = None
@@ -22,8 +22,7 @@ def _key_columns():
 def upgrade() -> None:
     op.create_table(
         "tuned_configs",
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("digest", sa.String(64), nullable=False),
+        *digest_row_columns(),
         *_key_columns(),
         sa.Column("device_name", sa.String(128), nullable=False, server_default=""),
         *result_columns(),
@@ -33,8 +32,7 @@ def upgrade() -> None:
 
     op.create_table(
         "tuning_jobs",
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("digest", sa.String(64), nullable=False),
+        *digest_row_columns(),
         *_key_columns(),
         sa.Column("status", sa.String(16), nullable=False, server_default="queued"),
         sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
@@ -53,8 +51,7 @@ def upgrade() -> None:
 
     op.create_table(
         "trials",
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("digest", sa.String(64), nullable=False),
+        *digest_row_columns(),
         sa.Column("run_id", sa.String(32), nullable=False),
         sa.Column("kernel", sa.String(128), nullable=False),
         sa.Column("config", sa.JSON, nullable=False),

@@ -7,7 +7,7 @@ Revises: 0001
 import sqlalchemy as sa
 from alembic import op
 
-from tunecache_migrations.columns import backend_columns, result_columns
+from tunecache_migrations.columns import backend_columns, digest_row_columns, result_columns
 
 revision = "0002"
 down_revision = "0001"
@@ -18,8 +18,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "submissions",
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("digest", sa.String(64), nullable=False),
+        *digest_row_columns(),
         *backend_columns(),
         sa.Column("device_name", sa.String(128), nullable=False, server_default=""),
         sa.Column("problem", sa.JSON, nullable=False),

@@ -8,6 +8,8 @@ Revises: 0005
 import sqlalchemy as sa
 from alembic import op
 
+from tunecache_migrations.columns import digest_row_columns
+
 revision = "0006"
 down_revision = "0005"
 branch_labels = None
@@ -17,8 +19,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "kernel_binaries",
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("digest", sa.String(64), nullable=False),
+        *digest_row_columns(),
         sa.Column("config", sa.JSON, nullable=False),
         sa.Column("triton_hash", sa.String(64), nullable=False),
         sa.Column("files", sa.JSON, nullable=False),

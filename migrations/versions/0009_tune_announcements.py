@@ -8,6 +8,8 @@ Revises: 0008
 import sqlalchemy as sa
 from alembic import op
 
+from tunecache_migrations.columns import digest_row_columns
+
 revision = "0009"
 down_revision = "0008"
 branch_labels = None
@@ -17,8 +19,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "tune_announcements",
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("digest", sa.String(64), nullable=False),
+        *digest_row_columns(),
         sa.Column("holder", sa.String(128), nullable=False),
         sa.Column("token_name", sa.String(128), nullable=False),
         sa.Column("created_at", sa.DateTime, nullable=False),
