@@ -45,9 +45,7 @@ from .gluon_blackwell import (
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
-OP, BACKEND = "conv2d_dgrad", "blackwell"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_dgrad", "blackwell")
 
 
 # ---- device code ---------------------------------------------------------------------------

@@ -54,9 +54,7 @@ from .gluon_hopper import wgmma_acc_layout
 from .hardware import HOPPER
 from .spaces.hopper import SPACES
 
-OP, BACKEND = "conv2d_dgrad", "hopper"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_dgrad", "hopper")
 ZERO_PHASES = True  # the epilogue stores the zeros of phases no tap reaches (gluon_dgrad.DgradGeometry)
 
 

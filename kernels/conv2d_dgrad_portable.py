@@ -18,9 +18,7 @@ from . import portable_rules as rules
 from . import portable_tiles as tiles
 from . import problems
 
-OP, BACKEND = "conv2d_dgrad", "portable"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_dgrad", "portable")
 
 
 @triton.jit

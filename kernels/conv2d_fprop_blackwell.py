@@ -58,9 +58,7 @@ from .gluon_blackwell import (
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
-OP, BACKEND = "conv2d_fprop", "blackwell"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_fprop", "blackwell")
 # the kernel's shape arguments: unspecialized i32, so one compile per config serves every shape
 _SHAPE_ARGS = ("M", "Co", "Ci", "R", "S", "PQ", "Q", "stride_h", "stride_w", "pad_h", "pad_w", "group_m")
 

@@ -40,9 +40,7 @@ from .geometry import is_pointwise  # noqa: F401 (its specs pick their kernel by
 from .gluon_hopper import wgmma_acc_layout
 from .spaces.hopper import SPACES
 
-OP, BACKEND = "conv2d_fprop", "hopper"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_fprop", "hopper")
 
 
 # ---- device code -------------------------------------------------------------------------------

@@ -63,9 +63,7 @@ from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
-OP, BACKEND = "conv2d_wgrad", "blackwell"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_wgrad", "blackwell")
 
 
 # ---- device code ---------------------------------------------------------------------------

@@ -44,9 +44,7 @@ from .gluon_hopper import wgmma_acc_layout
 from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
 from .spaces.hopper import SPACES
 
-OP, BACKEND = "conv2d_wgrad", "hopper"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_wgrad", "hopper")
 
 
 # ---- device code -------------------------------------------------------------------------------

@@ -12,9 +12,7 @@ from . import portable_rules as rules
 from . import problems
 from .spaces.portable import SPACES
 
-OP, BACKEND = "conv2d_wgrad", "portable"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_wgrad", "portable")
 
 
 @triton.jit

@@ -49,9 +49,7 @@ from .gluon_blackwell import (
 from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
-OP, BACKEND = "matmul", "blackwell"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("matmul", "blackwell")
 
 
 # ---- device code ---------------------------------------------------------------------------

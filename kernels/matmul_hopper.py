@@ -43,9 +43,7 @@ from . import gluon_split_k as sk
 from .gluon_hopper import wgmma_acc_layout
 from .spaces.hopper import SPACES
 
-OP, BACKEND = "matmul", "hopper"
-KERNEL = f"{OP}.{BACKEND}"
-problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]
+OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("matmul", "hopper")
 
 
 # ---- device code -------------------------------------------------------------------------------

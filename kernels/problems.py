@@ -337,7 +337,7 @@ def conv2d_dgrad_flops(p: dict) -> float:
 
 class OpFunctions(NamedTuple):
     """The backend contract's functions that are the op's, not the backend's (backend.Backend):
-    a backend module takes them as `problem, inputs, reference, flops = problems.OP_FUNCTIONS[OP]`."""
+    a backend module takes them with its names from backend_names()."""
 
     problem: Callable[..., dict]
     inputs: Callable[[dict, str], tuple]
@@ -351,3 +351,10 @@ OP_FUNCTIONS = {
     "conv2d_wgrad": OpFunctions(conv2d_wgrad_problem, conv2d_wgrad_inputs, conv2d_wgrad_reference, conv2d_flops),
     "conv2d_dgrad": OpFunctions(conv2d_dgrad_problem, conv2d_dgrad_inputs, conv2d_dgrad_reference, conv2d_dgrad_flops),
 }
+
+
+def backend_names(op: str, backend: str) -> tuple:
+    """What a backend module names first, in one line:
+    `OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names(op, backend)`,
+    KERNEL being "op.backend" and the four functions the op's OP_FUNCTIONS."""
+    return (op, backend, f"{op}.{backend}", *OP_FUNCTIONS[op])
