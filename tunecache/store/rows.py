@@ -24,17 +24,25 @@ class Base(DeclarativeBase):
     pass
 
 
-class ResultColumns:
-    """A tuning result: its key, its config and times, and who tuned it where. The winner's
-    row and every submission's row have these columns; each table declares its own indexes."""
+class BackendColumns:
+    """Which backend (its kernel, the kernel's version, Triton's) on which device class (arch,
+    SM count) a row is about: a result's, a job's and a self-check's rows have these columns
+    (each table declares its own indexes)."""
 
-    # the key (digest: sha256 of the other fields, see TuneKey)
-    digest: Mapped[str] = mapped_column(String(64))
     kernel: Mapped[str] = mapped_column(String(128))
     kernel_version: Mapped[str] = mapped_column(String(64))
     triton_version: Mapped[str] = mapped_column(String(32))
     arch: Mapped[str] = mapped_column(String(16))
     sm_count: Mapped[int] = mapped_column(Integer)
+
+
+class ResultColumns(BackendColumns):
+    """A tuning result: its key, its config and times, and who tuned it where. The winner's
+    row and every submission's row have these columns; each table declares its own indexes."""
+
+    # the key (digest: sha256 of the other fields, see TuneKey): its backend and device class
+    # (BackendColumns) and its problem
+    digest: Mapped[str] = mapped_column(String(64))
     problem: Mapped[Any] = mapped_column(JSON)
     # the result
     config: Mapped[Any] = mapped_column(JSON)
@@ -101,7 +109,7 @@ class FleetMetaRow(Base):
     value: Mapped[int] = mapped_column(Integer)
 
 
-class SelfCheckRow(Base):
+class SelfCheckRow(BackendColumns, Base):
     """A backend's first-contact verdict on a device class (see tunecache.ops.selfcheck)."""
 
     __tablename__ = "selfchecks"
@@ -112,11 +120,6 @@ class SelfCheckRow(Base):
         ),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kernel: Mapped[str] = mapped_column(String(128))
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    triton_version: Mapped[str] = mapped_column(String(32))
-    arch: Mapped[str] = mapped_column(String(16))
-    sm_count: Mapped[int] = mapped_column(Integer)
     ok: Mapped[bool] = mapped_column(Boolean)
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
     seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -124,15 +127,11 @@ class SelfCheckRow(Base):
     checked_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
-class TuningJobRow(Base):
+class TuningJobRow(BackendColumns, Base):
     __tablename__ = "tuning_jobs"
+    __table_args__ = (Index("ix_tuning_jobs_arch", "arch"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     digest: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    kernel: Mapped[str] = mapped_column(String(128))
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    triton_version: Mapped[str] = mapped_column(String(32))
-    arch: Mapped[str] = mapped_column(String(16), index=True)
-    sm_count: Mapped[int] = mapped_column(Integer)
     problem: Mapped[Any] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
@@ -245,21 +244,19 @@ def key_of(row: ResultColumns | TuningJobRow) -> TuneKey:
     return TuneKey(row.kernel, row.kernel_version, row.triton_version, row.arch, row.sm_count, problem)
 
 
+# the result columns a record and a row hold alike, copied as they are either way
+RESULT_AS_IS = ("median_ms", "tflops", "candidates", "default_ms", "vendor_ms", "device_name", "source")
+
+
 def result_values(rec: ConfigRecord) -> dict:
     """A result's columns (ResultColumns) for a winner's or a submission's row."""
     return dict(
         digest=rec.digest,
         **rec.key.fields(),
-        device_name=rec.device_name,
         config=rec.config,
-        median_ms=rec.median_ms,
-        tflops=rec.tflops,
-        candidates=rec.candidates,
-        default_ms=rec.default_ms,
-        vendor_ms=rec.vendor_ms,
+        **{name: getattr(rec, name) for name in RESULT_AS_IS},
         tuned_by=rec.tuned_by or whoami(),
         tuned_at=rec.tuned_at or utcnow(),
-        source=rec.source,
     )
 
 
@@ -271,17 +268,8 @@ def config_record(row: TunedConfigRow) -> ConfigRecord:
     if not isinstance(config, dict):
         raise ValueError(f"config is a {type(config).__name__}, not an object")
     return ConfigRecord(
-        key=key_of(row),
-        config=config,
-        median_ms=row.median_ms,
-        tflops=row.tflops,
-        candidates=row.candidates,
-        device_name=row.device_name,
-        tuned_by=row.tuned_by,
+        **result_fields(row, config),
         tuned_at=row.tuned_at,
-        source=row.source,
-        default_ms=row.default_ms,
-        vendor_ms=row.vendor_ms,
         fleet_checked_at=row.fleet_checked_at,
         fleet_generation=row.fleet_generation,
         tune_seconds=row.tune_seconds,
@@ -291,21 +279,20 @@ def config_record(row: TunedConfigRow) -> ConfigRecord:
 
 def submission_record(row: SubmissionRow) -> SubmissionRecord:
     return SubmissionRecord(
+        **result_fields(row, row.config),
         id=row.id,
-        key=key_of(row),
-        config=row.config,
-        median_ms=row.median_ms,
-        tflops=row.tflops,
-        candidates=row.candidates,
-        device_name=row.device_name,
-        tuned_by=row.tuned_by,
-        source=row.source,
         submitted_by=row.submitted_by,
         accepted=bool(row.accepted),
         tune_seconds=row.tune_seconds,
         created_at=row.created_at,
-        default_ms=row.default_ms,
-        vendor_ms=row.vendor_ms,
+    )
+
+
+def result_fields(row: ResultColumns, config: Any) -> dict:
+    """result_values backwards: the fields a winner's and a submission's record read alike from
+    the row's result columns (the key, the times, who tuned it where), with `config`."""
+    return dict(
+        key=key_of(row), config=config, **{name: getattr(row, name) for name in RESULT_AS_IS}, tuned_by=row.tuned_by
     )
 
 
