@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from support.fleet import start_fleet
+from support.fleet import pg_service
 
 pytestmark = pytest.mark.postgres
 
@@ -27,11 +27,7 @@ HEADER_TIMEOUT_S = 2.0
 RSS_BOUND_MIB = 512
 EDGES = {"TUNECACHE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "TUNECACHE_CONNECTIONS_PER_ADDRESS": str(PER_ADDRESS)}
 
-
-@pytest.fixture(scope="module")
-def svc(pg_url, tmp_path_factory):
-    with start_fleet(pg_url, tmp_path_factory.mktemp("edges"), prefix="edges", env=EDGES) as server:
-        yield server
+svc = pg_service("edges", EDGES)
 
 
 def rss_mib(server, field: str = "VmRSS") -> float:

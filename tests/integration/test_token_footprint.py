@@ -21,7 +21,7 @@ import uuid
 import httpx
 import pytest
 
-from support.fleet import Server, result_body, start_fleet, wait_for
+from support.fleet import Server, pg_service, result_body, wait_for
 
 pytestmark = pytest.mark.postgres
 
@@ -33,12 +33,7 @@ BYTES_PER_DAY = 3_000_000
 TRIALS_PER_KEY = 1000
 FOOTPRINT = {"TUNECACHE_BYTES_PER_DAY": str(BYTES_PER_DAY), "TUNECACHE_TRIALS_PER_KEY": str(TRIALS_PER_KEY)}
 
-
-@pytest.fixture(scope="module")
-def svc(pg_url, tmp_path_factory):
-    """The service with its lookup cache on (the default) and a small byte quota."""
-    with start_fleet(pg_url, tmp_path_factory.mktemp("footprint"), prefix="footprint", env=FOOTPRINT) as server:
-        yield server
+svc = pg_service("footprint", FOOTPRINT)  # the lookup cache on (the default), a small byte quota
 
 
 def token(server, scope: str) -> str:

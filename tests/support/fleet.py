@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from support import ROOT
 
@@ -218,3 +219,15 @@ def start_fleet(db_url: str, log_dir: Path, prefix: str = "test", **server_kwarg
     server = Server(db_url, log_dir / "server.log", **server_kwargs).start()
     server.tokens, server.db_url = tokens, db_url
     return server
+
+
+def pg_service(name: str, env: dict[str, str]):
+    """A test module's own service fixture (module scope) over the session's Postgres database,
+    started with `env` (the settings the module probes), its tokens named NAME-SCOPE."""
+
+    @pytest.fixture(scope="module")
+    def svc(pg_url, tmp_path_factory):
+        with start_fleet(pg_url, tmp_path_factory.mktemp(name), prefix=name, env=env) as server:
+            yield server
+
+    return svc
