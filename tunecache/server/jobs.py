@@ -45,6 +45,12 @@ LEASE_LOST = {
 Status = Literal[JOB_STATUSES]  # type: ignore[valid-type]
 
 
+def _lease_call(name: str, summary: str):
+    """The route of a call a lease's holder makes on its job, POST /v1/jobs/{job_id}/NAME: the
+    job's status after, or LEASE_LOST."""
+    return router.post(f"/{{job_id}}/{name}", response_model=JobStatusOut, responses=LEASE_LOST, summary=summary)
+
+
 def _job_or_404(job: JobRecord | None, digest: str) -> JobOut:
     """The job's answer, or a 404 where the store has no job for `digest`."""
     if job is None:
@@ -218,14 +224,14 @@ def claim(body: ClaimIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -
     return ClaimOut(job=JobOut.of(job), lease_secret=job.lease_secret)
 
 
-@router.post("/{job_id}/heartbeat", response_model=JobStatusOut, responses=LEASE_LOST, summary="Extend a lease")
+@_lease_call("heartbeat", "Extend a lease")
 def heartbeat(job_id: JobId, body: LeaseIn, _: WorkerToken, store: StoreDep) -> JobStatusOut:
     if not store.heartbeat(job_id, _secret(job_id, body), lease_s=body.lease_s):
         raise _lost(job_id)
     return JobStatusOut(id=job_id, status="running")
 
 
-@router.post("/{job_id}/complete", response_model=JobStatusOut, responses=LEASE_LOST, summary="Mark a job done")
+@_lease_call("complete", "Mark a job done")
 def complete(job_id: JobId, body: CompleteIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -> JobStatusOut:
     if not store.complete_job(job_id, _secret(job_id, body)):
         raise _lost(job_id)
@@ -235,12 +241,7 @@ def complete(job_id: JobId, body: CompleteIn, _: WorkerToken, store: StoreDep, m
     return JobStatusOut(id=job_id, status="done")
 
 
-@router.post(
-    "/{job_id}/fail",
-    response_model=JobStatusOut,
-    responses=LEASE_LOST,
-    summary="Record a failure: back to the queue after a backoff, or failed after max attempts",
-)
+@_lease_call("fail", "Record a failure: back to the queue after a backoff, or failed after max attempts")
 def fail(job_id: JobId, body: FailIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -> JobStatusOut:
     status = store.fail_job(job_id, _secret(job_id, body), body.error, backoff_s=body.backoff_s)
     if status is None:
@@ -249,12 +250,7 @@ def fail(job_id: JobId, body: FailIn, _: WorkerToken, store: StoreDep, metrics: 
     return JobStatusOut(id=job_id, status=status)
 
 
-@router.post(
-    "/{job_id}/release",
-    response_model=JobStatusOut,
-    responses=LEASE_LOST,
-    summary="Give a leased job back now, without spending an attempt (a worker shutting down)",
-)
+@_lease_call("release", "Give a leased job back now, without spending an attempt (a worker shutting down)")
 def release(job_id: JobId, body: ReleaseIn, _: WorkerToken, store: StoreDep, metrics: MetricsDep) -> JobStatusOut:
     if not store.release_job(job_id, _secret(job_id, body)):
         raise _lost(job_id)
