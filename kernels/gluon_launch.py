@@ -212,35 +212,16 @@ class _Unsupported(Exception):
     pass
 
 
-class DescMaps:
-    """Per-plan cache of descriptor expansions: (slot, base address) -> [CUtensorMap, ...].
-    Bounded: cleared when full (a plan sees few distinct buffers: the caching allocator hands
-    the same blocks back)."""
-
-    __slots__ = ("maps", "limit")
-
-    def __init__(self, limit: int = 64):
-        self.maps: dict = {}
-        self.limit = limit
-
-    def get(self, key):
-        return self.maps.get(key)
-
-    def put(self, key, value):
-        if len(self.maps) >= self.limit:
-            self.maps.clear()
-        self.maps[key] = value
-        return value
-
-
 class PlanCache:
-    """Bounded dict of a backend's launch plans, keyed on everything a plan depends on."""
+    """Bounded dict of a backend's launch plans, keyed on everything a plan depends on; cleared
+    when full."""
 
     __slots__ = ("plans", "limit")
+    LIMIT = 512
 
-    def __init__(self, limit: int = 512):
+    def __init__(self, limit: int | None = None):
         self.plans: dict = {}
-        self.limit = limit
+        self.limit = self.LIMIT if limit is None else limit
 
     def get(self, key):
         return self.plans.get(key)
@@ -256,6 +237,15 @@ class PlanCache:
 
     def __len__(self):
         return len(self.plans)
+
+
+class DescMaps(PlanCache):
+    """Per-plan cache of descriptor expansions: (slot, base address) -> [CUtensorMap, ...].
+    Bounded like PlanCache, at fewer entries (a plan sees few distinct buffers: the caching
+    allocator hands the same blocks back)."""
+
+    __slots__ = ()
+    LIMIT = 64
 
 
 def config_key(config: dict) -> tuple:
