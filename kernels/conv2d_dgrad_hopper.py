@@ -455,14 +455,7 @@ def conv2d_dgrad_kernel(
     mbarrier rings, so the loader fills the next unit's slots while the WGMMA warps run this
     one's epilogue (a strided layer's tiles have 1-4 taps' k-steps: its epilogues are a large
     share of the time)."""
-    dtype: gl.constexpr = g_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    # the epilogue's way from the WGMMA layout to the store layout, allocated here so that its
-    # size is the kernel's to state (smem_bytes), not the compiler's to choose
-    c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gdev.barrier_ring(STAGES)
-    empty = gdev.barrier_ring(STAGES)
+    a_bufs, b_bufs, c_smem, ready, empty = ghop.specialized_rings(g_desc, w_desc, y_desc, STAGES)
     # fmt: off
     gl.warp_specialize(
         [

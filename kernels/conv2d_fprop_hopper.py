@@ -326,12 +326,7 @@ def conv2d_fprop_kernel(
 
     Warp-specialized (the wgrad's and the dgrad's pipeline): a one-warp TMA loader and the
     WGMMA warps talk through ready/empty mbarrier rings."""
-    dtype: gl.constexpr = y_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gdev.barrier_ring(STAGES)
-    empty = gdev.barrier_ring(STAGES)
+    a_bufs, b_bufs, c_smem, ready, empty = ghop.specialized_rings(x_desc, w_desc, y_desc, STAGES)
     # fmt: off
     gl.warp_specialize(
         [

@@ -279,12 +279,7 @@ def conv2d_wgrad_kernel(
     Warp-specialized: a one-warp TMA loader and the WGMMA warps talk through ready/empty
     mbarrier rings, so no k-step waits on a CTA-wide barrier (the single-partition version
     of this loop synchronized all warps several times per k-step and ran 10-35% slower)."""
-    dtype: gl.constexpr = g_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gdev.barrier_ring(STAGES)
-    empty = gdev.barrier_ring(STAGES)
+    a_bufs, b_bufs, c_smem, ready, empty = ghop.specialized_rings(g_desc, x_desc, c_desc, STAGES)
     gl.warp_specialize(
         [
             (

@@ -11,6 +11,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .gluon_device import barrier_ring
 from .gluon_host import pow2_at_least, ring_shortfall, tap_k_step
 from .hardware import HOPPER
 
@@ -33,6 +34,21 @@ def wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps):
     while n > max_n or BLOCK_N % n != 0:
         n -= 8
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def specialized_rings(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
+    """The shared memory of a warp-specialized conv kernel (a one-warp TMA loader feeding the
+    WGMMA warps), allocated in this order: STAGES stages of a_desc's and b_desc's blocks; one
+    block of c_desc, the epilogue's way from the WGMMA layout to the TMA store, allocated here
+    so that its size is the kernel's to state (smem_bytes), not the compiler's to choose; the
+    `ready` (a stage has landed) and `empty` (its WGMMA has retired) barrier rings. Every
+    operand in a_desc's dtype. Returns (a_bufs, b_bufs, c_smem, ready, empty)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    return a_bufs, b_bufs, c_smem, barrier_ring(STAGES), barrier_ring(STAGES)
 
 
 # ---- candidates ------------------------------------------------------------------------------
