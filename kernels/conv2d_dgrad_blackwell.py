@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
 from . import dgrad_phases as dph
+from . import gluon_blackwell as gbw
 from . import gluon_device as gdev
 from . import gluon_dgrad as gdg
 from . import gluon_host as gh
@@ -42,7 +43,6 @@ from .gluon_blackwell import (
     ring_slot,
     tma_store_epilogue,
 )
-from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_dgrad", "blackwell")
@@ -349,15 +349,11 @@ JIT_FUNCTIONS = (conv2d_dgrad_kernel,)
 
 
 def supports(p: dict, device) -> bool:
-    cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES and gdg.dgrad_geometry_ok(p)
+    return gbw.on_blackwell(device) and p.get("dtype") in gh.MMA_DTYPES and gdg.dgrad_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space less configs that cannot help on this problem (worth_trying). Resource limits
-    are left to prune(), which must agree with the compiler."""
-    sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
+    return gbw.space_worth_trying(SPACES[OP], p, device, worth_trying)
 
 
 def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
@@ -375,33 +371,11 @@ def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
     )
 
 
-def epilogue_n(c: dict) -> int:
-    return min(c["BLOCK_N"], 64)
-
-
-# bytes the compiler adds beyond the buffers (tensor-memory base address, alignment), as
-# conv2d_fprop_blackwell's; checked over the whole space by tests/integration/test_compile_targets.py
-_SMEM_OVERHEAD = 256
-
-
-def smem_bytes(c: dict, p: dict, split: bool = False) -> int:
-    """Operand ring + barriers (+ two epilogue staging slices where the epilogue is a TMA store,
-    not in the split binary, whose partials leave from registers)."""
-    item = gh.ITEMSIZE[p["dtype"]]
-    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if gdg.dgrad_tma_store_ok(p) and not split else 0
-    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
-
-
-def tmem_columns(c: dict) -> int:
-    return c["NUM_ACC"] * c["BLOCK_N"]
-
-
 def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
-    """The resource rule (prune() applies it; it must agree with the compiler) for the binary c
-    launches on p (split or not)."""
+    """gluon_blackwell.fits, of the binary c launches on p: staging slices where the epilogue is
+    a TMA store, not in the split binary, whose partials leave from registers."""
     split = gdg.dgrad_problem_splits(p, c, sms)[0] > 1
-    return smem_bytes(c, p, split) <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns
+    return gbw.fits(c, gbw.smem_bytes(c, p, staged=gdg.dgrad_tma_store_ok(p) and not split))
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -441,7 +415,7 @@ def _constexprs(c: dict, im2col: bool, tma_store: bool, vec: int, split: bool) -
 
 def _blocks(c: dict):
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    return [bm, bk], [bk, bn], [bm, epilogue_n(c)]
+    return [bm, bk], [bk, bn], [bm, gbw.epilogue_n(c)]
 
 
 def launch(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0):

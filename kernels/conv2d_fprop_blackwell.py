@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import fence_async_shared, mbarrier, tma
 
 from . import KernelSpec, problems
+from . import gluon_blackwell as gbw
 from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_packed_taps as gpt
@@ -55,7 +56,6 @@ from .gluon_blackwell import (
     tma_store_epilogue,
     wait_acc,
 )
-from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_fprop", "blackwell")
@@ -297,15 +297,11 @@ JIT_FUNCTIONS = (conv2d_fprop_kernel, conv2d_fprop_packed_kernel)
 
 
 def supports(p: dict, device) -> bool:
-    cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
+    return gbw.on_blackwell(device) and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space less configs that cannot help on this problem (worth_trying). Resource limits
-    are left to prune(), which must agree with the compiler."""
-    sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
+    return gbw.space_worth_trying(SPACES[OP], p, device, worth_trying)
 
 
 def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
@@ -331,33 +327,11 @@ def worth_trying(c: dict, p: dict, sms: int = 148) -> bool:
     )
 
 
-def epilogue_n(c: dict) -> int:
-    return min(c["BLOCK_N"], 64)
-
-
-# bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
-# measured over the whole space with `tunecache compile --all`
-_SMEM_OVERHEAD = 256
-
-
-def smem_bytes(c: dict, p: dict, split: bool = False) -> int:
-    """Operand ring + two epilogue staging slices (not in the split binary, whose partials
-    leave from registers) + barriers (+ the compiler's few bytes)."""
-    item = gh.ITEMSIZE[p["dtype"]]
-    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 0 if split else 2 * c["BLOCK_M"] * epilogue_n(c) * item
-    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
-
-
-def tmem_columns(c: dict) -> int:
-    return c["NUM_ACC"] * c["BLOCK_N"]
-
-
 def resources_ok(c: dict, p: dict, sms: int = 148) -> bool:
-    """The resource rule (prune() applies it; it must agree with the compiler): shared and
-    tensor memory of the binary this config launches on this problem (split or not)."""
+    """gluon_blackwell.fits, of the binary this config launches on this problem: the split one's
+    partials leave from registers, with no staging slices."""
     split = gpt.fprop_splits(p, c, sms)[0] > 1
-    return smem_bytes(c, p, split) <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns
+    return gbw.fits(c, gbw.smem_bytes(c, p, staged=not split))
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -398,7 +372,7 @@ def _constexprs(c: dict, im2col: bool, split: bool) -> dict:
 
 def _blocks(c: dict):
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    return [bm, bk], [bn, bk], [bm, epilogue_n(c)]
+    return [bm, bk], [bn, bk], [bm, gbw.epilogue_n(c)]
 
 
 def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch.Tensor:

@@ -40,6 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
+from . import gluon_blackwell as gbw
 from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_packed_taps as gpt
@@ -60,7 +61,6 @@ from .gluon_blackwell import (
     wait_acc,
 )
 from .gluon_wgrad import wgrad_num_pieces, wgrad_piece
-from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("conv2d_wgrad", "blackwell")
@@ -487,15 +487,11 @@ JIT_FUNCTIONS = (
 
 
 def supports(p: dict, device) -> bool:
-    cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
+    return gbw.on_blackwell(device) and p.get("dtype") in gh.MMA_DTYPES and gh.conv_geometry_ok(p)
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space less configs that cannot help on this problem (worth_trying). Resource limits
-    are left to prune(), which must agree with the compiler."""
-    sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
+    return gbw.space_worth_trying(SPACES[OP], p, device, worth_trying)
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
@@ -541,26 +537,10 @@ FEW_CO_NARROWEST = min(SPACES[OP].params["BLOCK_N"])  # the few-Co kernel's B ti
 # their rings stop at 4 (the Hopper backend's, at 5, measured)
 GATHER_MAX_STAGES = 4
 
-# bytes the compiler adds beyond the buffers (tensor-memory base address, alignment),
-# measured over the whole space with `tunecache compile --all`
-_SMEM_OVERHEAD = 256
-
-
-def smem_bytes(c: dict, p: dict) -> int:
-    """Operand ring + barriers (+ the compiler's few bytes); the epilogue stores from registers."""
-    item = gh.ITEMSIZE[p["dtype"]]
-    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    return ring + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
-
-
-def tmem_columns(c: dict) -> int:
-    return c["NUM_ACC"] * c["BLOCK_N"]
-
 
 def resources_ok(c: dict, p: dict) -> bool:
-    """The resource rule (prune() applies it; it must agree with the compiler): shared and
-    tensor memory."""
-    return smem_bytes(c, p) <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns
+    """gluon_blackwell.fits; the epilogue stores from registers (no staging slices)."""
+    return gbw.fits(c, gbw.smem_bytes(c, p, staged=False))
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:

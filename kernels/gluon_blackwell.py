@@ -14,8 +14,9 @@ Ring protocol (one producer, one consumer, `n` slots):
 The host side (descriptors, grids, split-K workspace and the reduction) is shared with the
 Hopper backend (gluon_host, gluon_split_k and the op modules gluon_matmul, gluon_dgrad,
 gluon_wgrad, gluon_packed_taps); what lives here runs on the device, and the one host rule only
-the Blackwell backends follow: the order their pruned candidates are timed in. The limits of
-the hardware (shared and tensor memory, registers) are in hardware.py.
+the Blackwell backends follow: which devices they run on, their resource rule (the shared
+memory of the rings above, tensor memory) and the order their pruned candidates are timed in.
+The limits of the hardware (shared and tensor memory, registers) are in hardware.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 )
 
 from .gluon_device import barrier_ring, grouped_tile
-from .gluon_host import ring_shortfall
+from .gluon_host import ITEMSIZE, ring_shortfall, sm_count_of
+from .hardware import BLACKWELL
 
 # Registers per thread the one-warp load and MMA partitions keep (setmaxnreg); the epilogue
 # warps get the rest of the register file.
@@ -315,3 +317,53 @@ def likeliest_first(configs: list[dict], k_step: int = 64) -> list[dict]:
         )
 
     return sorted(configs, key=likeliness)
+
+
+# ---- the host rules every Blackwell backend follows ----------------------------------------------
+
+
+def on_blackwell(device) -> bool:
+    """Whether a DeviceClass is a data-center Blackwell (sm_100: compute capability 10.x)."""
+    cap = getattr(device, "capability", None)
+    return cap is not None and cap[0] == 10
+
+
+def space_worth_trying(space, p: dict, device, worth_trying) -> list[dict]:
+    """A backend's config_space(): `space` less the configs that cannot help on this problem
+    (its worth_trying(c, p, sms)). Resource limits are left to prune(), which must agree with
+    the compiler."""
+    sms = sm_count_of(device)
+    return [c for c in space if worth_trying(c, p, sms)]
+
+
+def epilogue_n(c: dict) -> int:
+    """A config's epilogue slice width (epilogue_width), the TMA store's block width."""
+    return epilogue_width(c["BLOCK_N"])
+
+
+# bytes the compiler adds beyond the buffers (the tensor-memory base address and alignment),
+# measured over the whole spaces with `tunecache compile --all`
+SMEM_OVERHEAD = 256
+
+
+def smem_bytes(c: dict, p: dict, staged: bool) -> int:
+    """Shared memory a persistent kernel here allocates (pipeline_rings), as the compiler reports
+    it to within its few bytes of bookkeeping (SMEM_OVERHEAD): the operand ring, two epilogue
+    staging slices where `staged` (a TMA-store epilogue; one from registers has none) and the
+    operand and accumulator rings' barriers; c as launched."""
+    item = ITEMSIZE[p["dtype"]]
+    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
+    staging = 2 * c["BLOCK_M"] * epilogue_n(c) * item if staged else 0
+    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + SMEM_OVERHEAD
+
+
+def tmem_columns(c: dict) -> int:
+    """Tensor-memory columns of the accumulator ring: NUM_ACC fp32 [BLOCK_M, BLOCK_N] buffers."""
+    return c["NUM_ACC"] * c["BLOCK_N"]
+
+
+def fits(c: dict, smem: int) -> bool:
+    """The resource rule of a config (a backend's prune() applies it; it must agree with the
+    compiler): `smem` bytes of shared memory within the per-block limit and the accumulator ring
+    within tensor memory."""
+    return smem <= BLACKWELL.smem_per_block and tmem_columns(c) <= BLACKWELL.tmem_columns

@@ -32,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import mbarrier, tma
 
 from . import KernelSpec, problems
+from . import gluon_blackwell as gbw
 from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_matmul as gmm
@@ -46,7 +47,6 @@ from .gluon_blackwell import (
     store_acc_masked,
     tma_store_epilogue,
 )
-from .hardware import BLACKWELL
 from .spaces.blackwell import SPACES
 
 OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names("matmul", "blackwell")
@@ -298,15 +298,11 @@ JIT_FUNCTIONS = (matmul_kernel,)
 
 
 def supports(p: dict, device) -> bool:
-    cap = getattr(device, "capability", None)
-    return cap is not None and cap[0] == 10 and p.get("dtype") in gh.MMA_DTYPES
+    return gbw.on_blackwell(device) and p.get("dtype") in gh.MMA_DTYPES
 
 
 def config_space(p: dict, device) -> list[dict]:
-    """The space less configs that cannot help on this problem (worth_trying). Resource limits
-    are left to prune(), which must agree with the compiler."""
-    sms = gh.sm_count_of(device)
-    return [c for c in SPACES[OP] if worth_trying(c, p, sms)]
+    return gbw.space_worth_trying(SPACES[OP], p, device, worth_trying)
 
 
 def worth_trying(c: dict, p: dict, sms: int) -> bool:
@@ -324,34 +320,15 @@ def worth_trying(c: dict, p: dict, sms: int) -> bool:
     )
 
 
-def epilogue_n(c: dict) -> int:
-    return min(c["BLOCK_N"], 64)
-
-
 def smem_bytes(c: dict, p: dict) -> int:
-    """Shared memory the kernel allocates: the operand ring, two epilogue staging slices (not
-    in a split or swapped binary: they store from registers) and the barriers (what the
-    compiler reports, to within its few bytes of bookkeeping); c as launched."""
-    item = gh.ITEMSIZE[p["dtype"]]
-    ring = c["NUM_BUFFERS"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * item
-    staging = 0 if c["SPLIT_K"] >= 2 or c.get("SWAP_AB") else 2 * c["BLOCK_M"] * epilogue_n(c) * item
-    return ring + staging + 8 * (2 * c["NUM_BUFFERS"] + 2 * c["NUM_ACC"]) + _SMEM_OVERHEAD
-
-
-# bytes the compiler adds beyond the buffers above (the tensor-memory base address and
-# alignment), measured over the whole space with `tunecache compile --all`
-_SMEM_OVERHEAD = 256
-
-
-def tmem_columns(c: dict) -> int:
-    return c["NUM_ACC"] * c["BLOCK_N"]
+    """gluon_blackwell.smem_bytes, c as launched: a split or swapped binary stores from registers."""
+    return gbw.smem_bytes(c, p, staged=not (c["SPLIT_K"] >= 2 or c.get("SWAP_AB")))
 
 
 def resources_ok(c: dict, p: dict) -> bool:
-    """The resource rule (prune() applies it; it must agree with the compiler): shared and
-    tensor memory."""
+    """gluon_blackwell.fits, of the binary c launches."""
     k, _ = gmm.matmul_as_launched(c, p)
-    return smem_bytes(k, p) <= BLACKWELL.smem_per_block and tmem_columns(k) <= BLACKWELL.tmem_columns
+    return gbw.fits(k, smem_bytes(k, p))
 
 
 def prune(configs: list[dict], p: dict, device) -> list[dict]:
@@ -384,7 +361,7 @@ def default_config(p: dict, device) -> dict:
 
 def _block_shapes(c: dict, trans_a: bool, trans_b: bool):
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    return ([bk, bm] if trans_a else [bm, bk]), ([bn, bk] if trans_b else [bk, bn]), [bm, epilogue_n(c)]
+    return ([bk, bm] if trans_a else [bm, bk]), ([bn, bk] if trans_b else [bk, bn]), [bm, gbw.epilogue_n(c)]
 
 
 def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
