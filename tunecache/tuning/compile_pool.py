@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from types import ModuleType
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from tunecache import settings
 from tunecache.errors import short
@@ -119,21 +119,18 @@ def compile_configs(
     configs: Iterable[dict],
     device: DeviceClass | str,
     *,
-    workers: int | None = None,
-    cache_dir: str | None = None,
-    unfit_suffices: Callable[[dict], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **options: Any,
 ) -> list[ConfigReport]:
-    """Compile every kernel of every config for the device's target; one report per config,
-    in order. Identical specs are compiled once (in parallel across `workers` processes).
-    unfit_suffices(config): only whether the config fits is asked (a check that pruning may drop
-    it): a kernel that only such configs need stops at its allocation where that does not fit."""
+    """`compile_configs_as_ready`'s reports (`options`: its keywords), one per config, in order;
+    progress(done, total) is called as each config's compile ends."""
     configs = list(configs)
-    reports = dict(
-        compile_configs_as_ready(
-            mod, problem, configs, device, workers=workers, cache_dir=cache_dir, unfit_suffices=unfit_suffices
-        )
-    )
-    return [reports[i] for i in range(len(configs))]
+    done: dict[int, ConfigReport] = {}
+    for i, report in compile_configs_as_ready(mod, problem, configs, device, **options):
+        done[i] = report
+        if progress is not None:
+            progress(len(done), len(configs))
+    return [done[i] for i in range(len(configs))]
 
 
 def compile_configs_as_ready(
@@ -146,8 +143,12 @@ def compile_configs_as_ready(
     cache_dir: str | None = None,
     unfit_suffices: Callable[[dict], bool] | None = None,
 ) -> Iterator[tuple[int, ConfigReport]]:
-    """`compile_configs`, yielding (index, report) for each config as soon as all its kernels
-    are compiled: the tuner times one candidate while the others still compile."""
+    """Compile every kernel of every config for the device's target, yielding (index, report)
+    for each config as soon as all its kernels are compiled: the tuner times one candidate while
+    the others still compile. Identical specs are compiled once (in parallel across `workers`
+    processes). unfit_suffices(config): only whether the config fits is asked (a check that
+    pruning may drop it): a kernel that only such configs need stops at its allocation where
+    that does not fit."""
     arch = arch_of(device)
     if not isinstance(device, DeviceClass):
         device = device_for(arch)
@@ -225,12 +226,7 @@ def compile_space(
     else:
         configs = mod.prune(mod.config_space(p, device), p, device)
     kept = {json.dumps(c, sort_keys=True) for c in mod.prune(configs, p, device)}
-    done: dict[int, ConfigReport] = {}
-    for i, report in compile_configs_as_ready(mod, p, configs, device, workers=workers, cache_dir=cache_dir):
-        done[i] = report
-        if progress is not None:
-            progress(len(done), len(configs))
-    reports = [done[i] for i in range(len(configs))]
+    reports = compile_configs(mod, p, configs, device, progress=progress, workers=workers, cache_dir=cache_dir)
     for r in reports:
         r.pruned = json.dumps(r.config, sort_keys=True) not in kept
     return reports
