@@ -1,17 +1,31 @@
 """The rules both Gluon matmuls (Hopper, Blackwell) follow: their tiles and split counts, swap-AB
 for decode-sized M, the operands' layouts as TMA reads them, which candidates are worth timing,
-and the split epilogue that sums a tile's partials in the kernel itself.
+what a JIT launch sets up before it calls the kernel, and the split epilogue that sums a tile's
+partials in the kernel itself.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from . import KernelSpec
-from .gluon_host import cdiv, desc_sig, pow2_at_least, ptr_sig, sm_count_of
-from .gluon_split_k import auto_splits, split_k_plan
+from .gluon_host import (
+    cdiv,
+    desc_sig,
+    num_sms,
+    padded_channels,
+    persistent_grid,
+    pow2_at_least,
+    ptr_sig,
+    sm_count_of,
+    tiled_desc,
+    tma_ready,
+)
+from .gluon_split_k import auto_splits, no_split_workspace, split_k_plan, split_k_workspace, zeroed_counters
 from .problems import matrix_layout
 
 # ---- split-K ---------------------------------------------------------------------------------
@@ -139,6 +153,76 @@ def matmul_compile_specs(fn, p: dict, config: dict, device, block_shapes, conste
     }
     sig.update({k: "constexpr" for k in ce})
     return [KernelSpec(fn=fn, signature=sig, constexprs=ce, num_warps=config["num_warps"], name=fn.__name__)]
+
+
+# ---- the JIT launch ----------------------------------------------------------------------------
+
+
+@dataclass
+class MatmulLaunch:
+    """A matmul's JIT launch as both backends set it up (matmul_launch): the kernel's operands
+    (a_view, b_view: the row-major storages its descriptors tile, a_t / b_t as matmul_operands'
+    x_t / y_t; a_src, b_src: the same, or copies where TMA cannot read them as they lie), their
+    block shapes and descriptors, the output c [M, n_pad] (N columns of it are the product), the
+    grid, the split binary's fp32 workspace (a placeholder when unsplit) and tile counters, and
+    the kernel's constexprs and integer arguments."""
+
+    swap: bool
+    a_t: bool
+    b_t: bool
+    a_view: torch.Tensor
+    b_view: torch.Tensor
+    a_src: torch.Tensor
+    b_src: torch.Tensor
+    blocks: tuple
+    descs: tuple
+    c: torch.Tensor
+    N: int
+    n_pad: int
+    grid: tuple
+    split: bool
+    tiles: int
+    ws: torch.Tensor
+    cnt: torch.Tensor
+    constexprs: dict
+    scalars: tuple
+
+    def args(self) -> tuple:
+        """The kernel's arguments before its constexprs: descriptors, pointers, integers."""
+        return (*self.descs, self.ws, self.c, self.cnt, *self.scalars)
+
+    def result(self) -> torch.Tensor:
+        """c = a @ b, the padding columns cut."""
+        return self.c if self.n_pad == self.N else self.c[:, : self.N].contiguous()
+
+
+def matmul_launch(config: dict, a: torch.Tensor, b: torch.Tensor, block_shapes, constexprs) -> MatmulLaunch:
+    """The set-up of a Gluon matmul's JIT launch of c = a @ b, both backends': the config as
+    launched (matmul_as_launched), its split count on this GPU and binary, the grid over its
+    (tile, split) units; the backend's `block_shapes(c, trans_a, trans_b)` and
+    `constexprs(c, trans_a, trans_b, split)` shape the descriptors and the kernel."""
+    M, K = a.shape
+    N = b.shape[1]
+    swap = bool(config.get("SWAP_AB"))
+    x_t, y_t, trans_a, trans_b = matmul_operands(a, b, swap)
+    a_view, b_view = matmul_views(a, b, swap, x_t, y_t)
+    a_src, b_src = tma_ready(a_view), tma_ready(b_view)
+    n_pad = padded_channels(N, a.dtype)
+    c = torch.empty((M, n_pad), device=a.device, dtype=a.dtype)
+    kc, kp = matmul_as_launched(config, {"M": M, "N": N, "K": K})
+    blocks = block_shapes(kc, trans_a, trans_b)
+    descs = tuple(tiled_desc(t, blk) for t, blk in zip((a_src, b_src, c), blocks))
+    sms = num_sms(a.device)
+    splits, per = matmul_splits(kp, kc, sms)
+    split = split_binary(kc, splits)
+    tiles = matmul_tiles(kp, kc)
+    ws = split_k_workspace(splits, M, n_pad, a.device) if split else no_split_workspace(a.device)
+    cnt = zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
+    scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
+    return MatmulLaunch(
+        swap, x_t, y_t, a_view, b_view, a_src, b_src, blocks, descs, c, N, n_pad,
+        persistent_grid(tiles * splits, sms), split, tiles, ws, cnt, constexprs(kc, trans_a, trans_b, split), scalars,
+    )  # fmt: skip
 
 
 # ---- device ----------------------------------------------------------------------------------

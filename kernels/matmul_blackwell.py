@@ -36,7 +36,6 @@ from . import gluon_blackwell as gbw
 from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_matmul as gmm
-from . import gluon_split_k as sk
 from .gluon_blackwell import (
     WORKER_REGS,
     likeliest_first,
@@ -379,46 +378,9 @@ def _constexprs(c: dict, trans_a: bool, trans_b: bool, split: bool) -> dict:
 
 
 def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    M, K = a.shape
-    N = b.shape[1]
-    dt = a.dtype
-    swap = bool(config.get("SWAP_AB"))
-    x_t, y_t, trans_a, trans_b = gmm.matmul_operands(a, b, swap)
-    a_view, b_view = gmm.matmul_views(a, b, swap, x_t, y_t)
-    a_src, b_src = gh.tma_ready(a_view), gh.tma_ready(b_view)
-    n_pad = gh.padded_channels(N, dt)
-    c = torch.empty((M, n_pad), device=a.device, dtype=dt)
-    p = {"M": M, "N": N, "K": K}
-    kc, kp = gmm.matmul_as_launched(config, p)
-    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
-    a_desc = gh.tiled_desc(a_src, a_blk)
-    b_desc = gh.tiled_desc(b_src, b_blk)
-    c_desc = gh.tiled_desc(c, c_blk)
-    sms = gh.num_sms(a.device)
-    splits, per = gmm.matmul_splits(kp, kc, sms)
-    split = gmm.split_binary(kc, splits)
-    ws = sk.split_k_workspace(splits, M, n_pad, a.device) if split else sk.no_split_workspace(a.device)
-    tiles = gmm.matmul_tiles(kp, kc)
-    grid = gh.persistent_grid(tiles * splits, sms)
-    cnt = sk.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
-    matmul_kernel[grid](
-        a_desc,
-        b_desc,
-        c_desc,
-        ws,
-        c,
-        cnt,
-        kp["M"],
-        kp["N"],
-        K,
-        config["GROUP_M"],
-        splits,
-        per,
-        n_pad,
-        num_warps=config["num_warps"],
-        **_constexprs(kc, trans_a, trans_b, split),
-    )
-    return c if n_pad == N else c[:, :N].contiguous()
+    run = gmm.matmul_launch(config, a, b, _block_shapes, _constexprs)
+    matmul_kernel[run.grid](*run.args(), num_warps=config["num_warps"], **run.constexprs)
+    return run.result()
 
 
 _INTS = ("M", "N", "K", "group_m", "SPLITS", "K_PER", "LDW")  # matmul_kernel's integer parameters, in order

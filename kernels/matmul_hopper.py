@@ -456,56 +456,28 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Tensor:
-    M, K = a.shape
-    N = b.shape[1]
-    dt = a.dtype
-    swap = bool(config.get("SWAP_AB"))
-    x_t, y_t, trans_a, trans_b = gmm.matmul_operands(a, b, swap)
-    a_view, b_view = gmm.matmul_views(a, b, swap, x_t, y_t)
-    a_src = gh.tma_ready(a_view)
-    b_src = gh.tma_ready(b_view)
-    n_pad = gh.padded_channels(N, dt)
-    c = torch.empty((M, n_pad), device=a.device, dtype=dt)
-    p = {"M": M, "N": N, "K": K}
-    kc, kp = gmm.matmul_as_launched(config, p)
-    a_blk, b_blk, c_blk = _block_shapes(kc, trans_a, trans_b)
-    a_desc = gh.tiled_desc(a_src, a_blk)
-    b_desc = gh.tiled_desc(b_src, b_blk)
-    c_desc = gh.tiled_desc(c, c_blk)
-    sms = gh.num_sms(a.device)
-    splits, per = gmm.matmul_splits(kp, kc, sms)
-    tiles = gmm.matmul_tiles(kp, kc)
-    grid = gh.persistent_grid(tiles * splits, sms)
-    split = gmm.split_binary(kc, splits)
-    ce = _constexprs(kc, trans_a, trans_b, split)
-    ws = (
-        torch.empty((splits, M, n_pad), device=a.device, dtype=torch.float32)
-        if split
-        else sk.no_split_workspace(a.device)
-    )
-    cnt = sk.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
-    scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
-    compiled = matmul_kernel[grid](a_desc, b_desc, c_desc, ws, c, cnt, *scalars, **ce)
-    if key is not None and not (c.data_ptr() | ws.data_ptr()) & 15:
+    run = gmm.matmul_launch(config, a, b, _block_shapes, _constexprs)
+    compiled = matmul_kernel[run.grid](*run.args(), **run.constexprs)
+    if key is not None and not (run.c.data_ptr() | run.ws.data_ptr()) & 15:
         ld = direct.DirectLauncher.of(compiled)
         if ld is not None:
             plan = _Plan()
-            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(matmul_kernel, (None,) * 6 + scalars, ce)[6:]
-            plan.swap, plan.a_t, plan.b_t = swap, x_t, y_t
-            plan.a_ok, plan.b_ok = a_src is a_view, b_src is b_view
-            plan.a_blk, plan.b_blk, plan.c_blk = a_blk, b_blk, c_blk
-            plan.c_shape, plan.N, plan.n_pad = (M, n_pad), N, n_pad
-            plan.ws_shape, plan.tiles = (tuple(ws.shape) if split else None), tiles
+            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), run.grid[0]
+            plan.tail = direct.kernel_args(matmul_kernel, (None,) * 6 + run.scalars, run.constexprs)[6:]
+            plan.swap, plan.a_t, plan.b_t = run.swap, run.a_t, run.b_t
+            plan.a_ok, plan.b_ok = run.a_src is run.a_view, run.b_src is run.b_view
+            plan.a_blk, plan.b_blk, plan.c_blk = run.blocks
+            plan.c_shape, plan.N, plan.n_pad = tuple(run.c.shape), run.N, run.n_pad
+            plan.ws_shape, plan.tiles = (tuple(run.ws.shape) if run.split else None), run.tiles
             plan.idle = sk.no_split_workspace(a.device).data_ptr()  # held for the process: a fixed address
             # this launch's descriptors: the next call at these addresses (a pointwise conv's
             # launch through launcher.AsMatmul needs them cached) builds none
-            made = ((0, a_src, a_desc, plan.a_ok), (1, b_src, b_desc, plan.b_ok), (2, c, c_desc, True))
-            for slot, t, desc, own in made:
-                if own:  # not a copy tma_ready made for this call alone
+            owned = (plan.a_ok, plan.b_ok, True)  # not a copy tma_ready made for this call alone
+            for slot, (t, desc, own) in enumerate(zip((run.a_src, run.b_src, run.c), run.descs, owned)):
+                if own:
                     plan.maps.put((slot, t.data_ptr()), ld.expand_desc(slot, desc))
             _PLANS.put(key, plan)
-    return c if n_pad == N else c[:, :N].contiguous()
+    return run.result()
 
 
 _INTS = ("M", "N", "K", "GROUP_M", "SPLITS", "K_PER", "LDW")  # matmul_kernel's integer parameters, in order
