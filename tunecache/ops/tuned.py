@@ -43,6 +43,17 @@ def _fp32(kind: str) -> tuple:
     return (problems.fp32_precision(kind),)
 
 
+def _settled(op: Op, raw: tuple, args: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """A conv's output where its raw key is settled: its memo entry's launch (a winner, not a
+    provisional default), or a pointwise conv's launch on its matmul's plan (op.as_matmul, on
+    the views a @ b); None where neither is (then the call takes its slow path)."""
+    entry = op.memo.get(raw)
+    if entry is not None and not entry.provisional:
+        return entry.run(*args)
+    fast = op.as_matmul.get(raw)
+    return None if fast is None else fast(a, b)
+
+
 def _as_matmul(op, raw: tuple, a: torch.Tensor, b: torch.Tensor, out_shape: tuple) -> torch.Tensor:
     """A pointwise conv's call as the matmul a @ b (views on its tensors), its output viewed
     as `out_shape`; its later calls launch straight on the matmul's plan (op.as_matmul)."""
@@ -60,14 +71,10 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
     raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
     if x.dtype is _F32:
         raw += _fp32("conv")
-    entry = _fprop.memo.get(raw)
-    if entry is not None and not entry.provisional:
-        return entry.run(x, w, stride, padding)
-    fast = _fprop.as_matmul.get(raw)
-    if fast is not None:
-        y = fast(x, w)
-        if y is not None:
-            return y
+    args = (x, w, stride, padding)
+    y = _settled(_fprop, raw, args, x, w)
+    if y is not None:
+        return y
     if w.dim() == 4 == x.dim() and runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
         n, h, wd, ci = x.shape
         if w.shape[3] == ci and x.is_contiguous() and w.is_contiguous():  # else the conv's checks or copies
@@ -81,9 +88,7 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
         rows, npq = _patch_rows(x, w.shape[1], w.shape[2])
         co = w.shape[0]
         return matmul(rows, w.reshape(co, -1).t()).view(*npq, co)
-    if entry is None or entry.provisional:
-        entry = _fprop.resolve(raw, (x, w, stride, padding), x)
-    return entry.run(x, w, stride, padding)
+    return _fprop.resolve(raw, args, x).run(*args)
 
 
 def _patch_conv(x: torch.Tensor, R: int, S: int, ci: int, stride, padding) -> bool:
@@ -134,14 +139,10 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
     )
     if x.dtype is _F32:
         raw += _fp32("conv")
-    entry = _wgrad.memo.get(raw)
-    if entry is not None and not entry.provisional:
-        return entry.run(x, grad_out, R, S, stride, padding)
-    fast = _wgrad.as_matmul.get(raw)
-    if fast is not None:
-        gw = fast(grad_out, x)
-        if gw is not None:
-            return gw
+    args = (x, grad_out, R, S, stride, padding)
+    gw = _settled(_wgrad, raw, args, grad_out, x)
+    if gw is not None:
+        return gw
     if x.dim() == 4 == grad_out.dim() and wgrad_runs_as_matmul(
         R, S, stride, padding, x.shape[0] * x.shape[1] * x.shape[2]
     ):
@@ -154,9 +155,7 @@ def conv2d_wgrad(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride
         if grad_out.shape[:3] == (n, p, q) and grad_out.dtype == x.dtype:  # else the wgrad's checks
             co = grad_out.shape[3]
             return matmul(grad_out.reshape(n * p * q, co).t(), rows).view(co, R, S, x.shape[3])
-    if entry is None or entry.provisional:
-        entry = _wgrad.resolve(raw, (x, grad_out, R, S, stride, padding), x)
-    return entry.run(x, grad_out, R, S, stride, padding)
+    return _wgrad.resolve(raw, args, x).run(*args)
 
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> torch.Tensor:
@@ -169,14 +168,10 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
     grad_out, w = grad_out.contiguous(), w.contiguous()  # a gradient may come in any layout
     raw = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, w.shape, w.stride(), w.dtype, w.device)
     raw += (H, W, stride, padding) + (_fp32("conv") if w.dtype is _F32 else ())
-    entry = _dgrad.memo.get(raw)
-    if entry is not None and not entry.provisional:
-        return entry.run(grad_out, w, H, W, stride, padding)
-    fast = _dgrad.as_matmul.get(raw)
-    if fast is not None:
-        gx = fast(grad_out, w)
-        if gx is not None:
-            return gx
+    args = (grad_out, w, H, W, stride, padding)
+    gx = _settled(_dgrad, raw, args, grad_out, w)
+    if gx is not None:
+        return gx
     if w.dim() == 4 == grad_out.dim() and runs_as_matmul(w.shape[1], w.shape[2], stride, padding):
         n, p, q, co = grad_out.shape
         if (p, q) == (H, W) and w.shape[0] == co:  # else the dgrad's checks say what is wrong
@@ -185,9 +180,7 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride
         n, p, q, co = grad_out.shape
         rows = matmul(grad_out.view(n * p * q, co), w.view(co, -1))
         return _patch_image(rows, n, p, q, w.shape[1], w.shape[2], H, W)
-    if entry is None or entry.provisional:
-        entry = _dgrad.resolve(raw, (grad_out, w, H, W, stride, padding), grad_out)
-    return entry.run(grad_out, w, H, W, stride, padding)
+    return _dgrad.resolve(raw, args, grad_out).run(*args)
 
 
 def _patch_dgrad(grad_out: torch.Tensor, w: torch.Tensor, H, W, stride, padding) -> bool:
