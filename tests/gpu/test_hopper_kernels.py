@@ -25,7 +25,7 @@ from tunecache_kernels import problems
 # ---- GPU: results against PyTorch --------------------------------------------------------------
 
 _has_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-gpu = pytest.mark.skipif(not _has_sm90, reason="needs a CUDA sm_90 GPU (H100/H200)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_sm90, reason="needs a CUDA sm_90 GPU (H100/H200)")]
 
 
 def _rel_err(out, ref):
@@ -65,8 +65,6 @@ MATMUL_CASES = [
 ]
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layouts", ["rr", "rc", "cr", "cc"])
 @pytest.mark.parametrize("M,N,K", MATMUL_CASES)
@@ -94,8 +92,6 @@ def test_matmul_matches_torch(M, N, K, layouts, dtype, dev):
         _check(mm.launch(c, a, b), ref, 1e-2)
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("layouts", ["rr", "rc"])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 14336), (16, 2816, 2048), (77, 520, 1000), (1, 8, 4160)])
 def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, monkeypatch):
@@ -128,8 +124,6 @@ def test_matmul_split_k_matches_torch_and_its_planned_launch(M, N, K, layouts, m
         assert not sk.zeroed_counters(a.device, stream, 1).any(), "a launch left a tile counter set"
 
 
-@gpu
-@pytest.mark.gpu
 def test_small_split_workspaces_are_kept_per_stream_and_bounded():
     """gluon_launch.stream_workspace: one buffer a stream for the small ones (no allocation a
     call), a fresh one past KEPT_WORKSPACE_BYTES, and no more than KEPT_STREAMS kept while a
@@ -228,8 +222,6 @@ PACKED_CONFIGS = [
 ]
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
 def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
@@ -251,8 +243,6 @@ def test_conv2d_fprop_packed_taps_match_torch(monkeypatch, case, dev):
         _no_jit(monkeypatch, fprop.conv2d_fprop_packed_kernel)
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
 def test_conv2d_fprop_matches_torch(case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
@@ -282,8 +272,6 @@ def test_conv2d_fprop_matches_torch(case, dev):
         _check(fprop.launch(c, x, w, st, pd), ref, 1e-2)  # the planned launch
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA, ids=_conv_ids)
 def test_conv2d_wgrad_matches_torch(case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
@@ -306,8 +294,6 @@ PACKED_WGRAD_CONFIGS = [
 ]
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_PACKED, ids=_conv_ids)
 def test_conv2d_wgrad_packed_taps_match_torch(monkeypatch, case, dev):
     N, H, W, Ci, Co, R, S, st, pd = case
@@ -336,8 +322,6 @@ FEW_CO_CONFIGS = [  # BLOCK_N set to the problem's few-Co width
 ]
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_FEW_CO, ids=_conv_ids)
 def test_conv2d_wgrad_few_output_channels_match_torch(monkeypatch, case, dev):
     """The few-Co kernel (grad_out gathered per tap, x read once): the configs whose BLOCK_N is
@@ -370,8 +354,6 @@ DGRAD_EXTRA = [
 ]
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_GRID + CONV_EXTRA + DGRAD_EXTRA, ids=_conv_ids)
 def test_conv2d_dgrad_matches_torch(case, dev):
     """grad_x in one launch over every phase, w read in place, written in place: against torch's."""
@@ -408,8 +390,6 @@ def test_conv2d_dgrad_matches_torch(case, dev):
         _check(dgrad.launch(c, g, w, H, W, st, pd), ref.to(torch.bfloat16), 1e-2)  # the planned launch
 
 
-@gpu
-@pytest.mark.gpu
 def test_wgrad_split_k_is_deterministic():
     torch.manual_seed(0)
     x = torch.randn(32, 28, 28, 128, device="cuda", dtype=torch.bfloat16)
@@ -421,8 +401,6 @@ def test_wgrad_split_k_is_deterministic():
             assert torch.equal(wgrad.launch(c, x, g, 3, 3, 1, 1), first)
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_conv_fp16_and_bf16(dtype, dev):
     torch.manual_seed(1)
@@ -452,8 +430,6 @@ def _no_jit(monkeypatch, *fns):
         monkeypatch.setattr(fn, "run", boom)
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("layouts", ["rr", "cc"])
 def test_matmul_direct_launch_matches_torch_on_new_data(monkeypatch, layouts):
     M, N, K = 333, 517, 129  # N padded for TMA: the output is sliced
@@ -493,8 +469,6 @@ def test_matmul_direct_launch_matches_torch_on_new_data(monkeypatch, layouts):
         mm.launch(dict(c, GROUP_M=8), a, b)
 
 
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case",
     [(3, 15, 17, 5, 7, 3, 3, 2, 1), (4, 20, 12, 40, 200, 5, 5, (1, 2), (1, 0)), (8, 14, 14, 64, 96, 1, 1, 1, 0)],
@@ -539,8 +513,6 @@ def test_conv_direct_launch_matches_torch_on_new_data(monkeypatch, case):
         fprop.launch(cf, x, w, True, pd)
 
 
-@gpu
-@pytest.mark.gpu
 def test_direct_launch_off_switch_and_hooks_use_the_jit(monkeypatch):
     from triton import knobs
 
