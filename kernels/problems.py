@@ -139,6 +139,15 @@ def _check_nhwc(tensors: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in t.shape) for t in tensors.values()]
 
 
+def _check_conv_args(tensors: dict[str, torch.Tensor], sizes: dict[str, tuple[Any, str]], stride, padding) -> tuple:
+    """A conv op's arguments checked: its two tensors (_check_nhwc), its size arguments (name ->
+    (value, what it is): _int_arg) and stride and padding (stride_padding); returns (the
+    tensors' shapes..., the sizes, (stride, padding))."""
+    shapes = _check_nhwc(tensors)
+    sized = tuple(_int_arg(name, v, what) for name, (v, what) in sizes.items())
+    return (*shapes, sized, stride_padding(stride, padding))
+
+
 def matrix_layout(t: torch.Tensor, name: str) -> str:
     """'row' (row-major) or 'col' (a transposed view of a row-major matrix)."""
     rows, cols = t.shape
@@ -240,8 +249,7 @@ def _forward_of(grad_out_pq: tuple[int, int], *conv: Any, given: str, advice: st
 
 
 def conv2d_fprop_problem(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> dict:
-    (N, H, W, Ci), (Co, R, S, Ci_w) = _check_nhwc({"x": x, "w": w})
-    st, pd = stride_padding(stride, padding)
+    (N, H, W, Ci), (Co, R, S, Ci_w), _, (st, pd) = _check_conv_args({"x": x, "w": w}, {}, stride, padding)
     if Ci_w != Ci:
         raise ValueError(f"w has {Ci_w} input channels (w.shape[3]) but x has {Ci} (x.shape[3])")
     return _conv_geometry(N, H, W, Ci, Co, R, S, st, pd, x.dtype)
@@ -265,9 +273,10 @@ def conv2d_flops(p: dict) -> float:
 
 
 def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> dict:
-    (N, H, W, Ci), (No, P, Q, Co) = _check_nhwc({"x": x, "grad_out": grad_out})
-    R, S = _int_arg("R", R, "filter size"), _int_arg("S", S, "filter size")
-    st, pd = stride_padding(stride, padding)
+    filter_size = {"R": (R, "filter size"), "S": (S, "filter size")}
+    (N, H, W, Ci), (No, P, Q, Co), (R, S), (st, pd) = _check_conv_args(
+        {"x": x, "grad_out": grad_out}, filter_size, stride, padding
+    )
     if No != N:
         raise ValueError(f"grad_out has batch {No} (grad_out.shape[0]) but x has {N}")
     given = f"x {H}x{W} with a {R}x{S} filter, stride {st} and padding {pd}"
@@ -280,31 +289,33 @@ def conv2d_wgrad_inputs(p: dict, device: str) -> tuple:
     return (x, g, p["R"], p["S"], *_conv_args(p))
 
 
-def _backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, st, pd, which: int) -> torch.Tensor:
-    """cuDNN's convolution backward as a channels_last model calls it: the gradient `which` (0:
-    input, 1: weight) of NCHW views of NHWC tensors; the other operand may be a placeholder of its
-    shape in the same layout (torch.nn.grad's expanded placeholders run a slower NCHW path)."""
+def _backward(which: int, grad_out: torch.Tensor, given: torch.Tensor, wanted: tuple, stride, padding) -> torch.Tensor:
+    """cuDNN's convolution backward as a channels_last model calls it, NHWC in and out: the
+    gradient `which` (0: the input's, from w; 1: the weight's, from x) from grad_out and the
+    `given` operand; the operand asked for, of NHWC shape `wanted`, is a placeholder. torch takes
+    NCHW views of the NHWC tensors and the placeholder in the same layout (torch.nn.grad's
+    expanded placeholders run a slower NCHW path)."""
+    st, pd = stride_padding(stride, padding)
+    gf, known = _nchw(grad_out, given)
+    hole = gf.new_empty(wanted).permute(0, 3, 1, 2)
+    x, w = (known, hole) if which == 1 else (hole, known)
     mask = [which == 0, which == 1, False]
-    return torch.ops.aten.convolution_backward(grad, x, w, None, list(st), list(pd), [1, 1], False, [0, 0], 1, mask)[
-        which
-    ]
+    grad = torch.ops.aten.convolution_backward(gf, x, w, None, list(st), list(pd), [1, 1], False, [0, 0], 1, mask)
+    return _nhwc(grad[which], grad_out)
 
 
 def conv2d_wgrad_reference(x, grad_out, R, S, stride=1, padding=0) -> torch.Tensor:
-    st, pd = stride_padding(stride, padding)
-    xf, gf = _nchw(x, grad_out)
-    Co, Ci = grad_out.shape[3], x.shape[3]
-    w = xf.new_empty((Co, R, S, Ci)).permute(0, 3, 1, 2)
-    return _nhwc(_backward(gf, xf, w, st, pd, 1), x)
+    return _backward(1, grad_out, x, (grad_out.shape[3], R, S, x.shape[3]), stride, padding)
 
 
 # ---- conv2d dgrad: grad_x[N, H, W, Ci] from grad_out and w -------------------------------------
 
 
 def conv2d_dgrad_problem(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> dict:
-    (N, P, Q, Co), (Co_w, R, S, Ci) = _check_nhwc({"grad_out": grad_out, "w": w})
-    H, W = _int_arg("H", H, "the input's height"), _int_arg("W", W, "the input's width")
-    st, pd = stride_padding(stride, padding)
+    input_size = {"H": (H, "the input's height"), "W": (W, "the input's width")}
+    (N, P, Q, Co), (Co_w, R, S, Ci), (H, W), (st, pd) = _check_conv_args(
+        {"grad_out": grad_out, "w": w}, input_size, stride, padding
+    )
     if Co_w != Co:
         raise ValueError(f"w has {Co_w} output channels (w.shape[0]) but grad_out has {Co} (grad_out.shape[3])")
     advice = f" at stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
@@ -320,11 +331,7 @@ def conv2d_dgrad_inputs(p: dict, device: str) -> tuple:
 
 
 def conv2d_dgrad_reference(grad_out, w, H, W, stride=1, padding=0) -> torch.Tensor:
-    st, pd = stride_padding(stride, padding)
-    gf, wf = _nchw(grad_out, w)
-    N, Ci = grad_out.shape[0], w.shape[3]
-    x = gf.new_empty((N, H, W, Ci)).permute(0, 3, 1, 2)
-    return _nhwc(_backward(gf, x, wf, st, pd, 0), grad_out)
+    return _backward(0, grad_out, w, (grad_out.shape[0], H, W, w.shape[3]), stride, padding)
 
 
 def conv2d_dgrad_flops(p: dict) -> float:
