@@ -78,7 +78,9 @@ class ConfigRecord:
     def digest(self) -> str:
         return self.key.digest
 
-    def to_json(self) -> dict:
+    def result_fields(self) -> dict:
+        """The result as the fleet sends it and the store's result columns hold it: the key's
+        fields, its digest, the config, its times and who tuned it where (tuned_at as it is)."""
         d = self.key.fields()
         d.update(
             digest=self.digest,
@@ -88,11 +90,16 @@ class ConfigRecord:
             candidates=self.candidates,
             device_name=self.device_name,
             tuned_by=self.tuned_by,
-            tuned_at=self.tuned_at.isoformat() if self.tuned_at else None,
+            tuned_at=self.tuned_at,
             source=self.source,
             default_ms=self.default_ms,
             vendor_ms=self.vendor_ms,
         )
+        return d
+
+    def to_json(self) -> dict:
+        d = self.result_fields()
+        d["tuned_at"] = self.tuned_at.isoformat() if self.tuned_at else None
         return d
 
     @classmethod

@@ -9,15 +9,19 @@ Rows never leave the store; callers get the records of `tunecache.store.records`
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import JSON, Boolean, DateTime, Float, Index, Integer, String, Text, UniqueConstraint, false, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from tunecache.key import TuneKey
 from tunecache.store.records import ConfigRecord, JobRecord, SubmissionRecord, TokenRecord, utcnow, whoami
+
+R = TypeVar("R")
 
 
 class Base(DeclarativeBase):
@@ -235,6 +239,18 @@ class AuditRow(Base):
 # ---- rows to records, and records to rows -------------------------------------------------
 
 
+def record_of(cls: type[R], row: Base, **given: Any) -> R:
+    """A `cls` record of `row`: the fields `given`, and every other field from the row's column
+    of the same name (a field that neither names keeps its default)."""
+    return cls(**{name: getattr(row, name) for name in _same_named(cls, type(row)) if name not in given}, **given)
+
+
+@functools.cache
+def _same_named(cls: type, row_type: type[Base]) -> tuple[str, ...]:
+    columns = row_type.__table__.c.keys()
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name in columns)
+
+
 def key_of(row: ResultColumns | TuningJobRow) -> TuneKey:
     problem = row.problem
     if isinstance(problem, str):  # corrupt, or a row written by hand or by a foreign tool
@@ -244,20 +260,9 @@ def key_of(row: ResultColumns | TuningJobRow) -> TuneKey:
     return TuneKey(row.kernel, row.kernel_version, row.triton_version, row.arch, row.sm_count, problem)
 
 
-# the result columns a record and a row hold alike, copied as they are either way
-RESULT_AS_IS = ("median_ms", "tflops", "candidates", "default_ms", "vendor_ms", "device_name", "source")
-
-
 def result_values(rec: ConfigRecord) -> dict:
     """A result's columns (ResultColumns) for a winner's or a submission's row."""
-    return dict(
-        digest=rec.digest,
-        **rec.key.fields(),
-        config=rec.config,
-        **{name: getattr(rec, name) for name in RESULT_AS_IS},
-        tuned_by=rec.tuned_by or whoami(),
-        tuned_at=rec.tuned_at or utcnow(),
-    )
+    return {**rec.result_fields(), "tuned_by": rec.tuned_by or whoami(), "tuned_at": rec.tuned_at or utcnow()}
 
 
 def config_record(row: TunedConfigRow) -> ConfigRecord:
@@ -267,33 +272,11 @@ def config_record(row: TunedConfigRow) -> ConfigRecord:
         config = json.loads(config)
     if not isinstance(config, dict):
         raise ValueError(f"config is a {type(config).__name__}, not an object")
-    return ConfigRecord(
-        **result_fields(row, config),
-        tuned_at=row.tuned_at,
-        fleet_checked_at=row.fleet_checked_at,
-        fleet_generation=row.fleet_generation,
-        tune_seconds=row.tune_seconds,
-        start_seconds=row.start_seconds,
-    )
+    return record_of(ConfigRecord, row, key=key_of(row), config=config)
 
 
 def submission_record(row: SubmissionRow) -> SubmissionRecord:
-    return SubmissionRecord(
-        **result_fields(row, row.config),
-        id=row.id,
-        submitted_by=row.submitted_by,
-        accepted=bool(row.accepted),
-        tune_seconds=row.tune_seconds,
-        created_at=row.created_at,
-    )
-
-
-def result_fields(row: ResultColumns, config: Any) -> dict:
-    """result_values backwards: the fields a winner's and a submission's record read alike from
-    the row's result columns (the key, the times, who tuned it where), with `config`."""
-    return dict(
-        key=key_of(row), config=config, **{name: getattr(row, name) for name in RESULT_AS_IS}, tuned_by=row.tuned_by
-    )
+    return record_of(SubmissionRecord, row, key=key_of(row), accepted=bool(row.accepted))
 
 
 def job_record(row: TuningJobRow, lease_secret: str | None = None) -> JobRecord:
@@ -309,31 +292,8 @@ def job_record(row: TuningJobRow, lease_secret: str | None = None) -> JobRecord:
         key = TuneKey(
             str(row.kernel), str(row.kernel_version), str(row.triton_version), str(row.arch), int(row.sm_count or 0), {}
         )
-    return JobRecord(
-        id=row.id,
-        key=key,
-        status=row.status,
-        priority=row.priority,
-        attempts=row.attempts,
-        max_attempts=row.max_attempts,
-        lease_owner=row.lease_owner,
-        lease_expires_at=row.lease_expires_at,
-        last_error=row.last_error,
-        digest=row.digest,
-        not_before=row.not_before,
-        created_at=row.created_at,
-        unreadable=why,
-        lease_secret=lease_secret,
-        retime=bool(row.retime),
-    )
+    return record_of(JobRecord, row, key=key, unreadable=why, lease_secret=lease_secret, retime=bool(row.retime))
 
 
 def token_record(row: ApiTokenRow) -> TokenRecord:
-    return TokenRecord(
-        id=row.id,
-        name=row.name,
-        scopes=tuple(filter(None, row.scopes.split(","))),
-        created_at=row.created_at,
-        revoked_at=row.revoked_at,
-        expires_at=row.expires_at,
-    )
+    return record_of(TokenRecord, row, scopes=tuple(filter(None, row.scopes.split(","))))

@@ -40,6 +40,7 @@ from tunecache.store.rows import (
     config_record,
     job_record,
     key_of,
+    record_of,
     result_values,
     submission_record,
     token_record,
@@ -417,18 +418,7 @@ class TrustStore(StoreBase):
                 q = q.where(AuditRow.action == action)
             if actor:
                 q = q.where(AuditRow.actor == actor)
-            return [
-                AuditRecord(
-                    id=r.id,
-                    at=r.at,
-                    actor=r.actor,
-                    actor_token_id=r.actor_token_id,
-                    action=r.action,
-                    target=r.target,
-                    details=r.details,
-                )
-                for r in s.execute(q).scalars()
-            ]
+            return [record_of(AuditRecord, r) for r in s.execute(q).scalars()]
 
     # ---- retention: what grows forever unless pruned -------------------------------------------
 
