@@ -13,10 +13,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from . import KernelSpec
+from . import gluon_host as gh
+from . import gluon_split_k as sk
 from .gluon_host import (
     cdiv,
     desc_sig,
-    num_sms,
     padded_channels,
     persistent_grid,
     pow2_at_least,
@@ -25,7 +26,7 @@ from .gluon_host import (
     tiled_desc,
     tma_ready,
 )
-from .gluon_split_k import auto_splits, no_split_workspace, split_k_plan, split_k_workspace, zeroed_counters
+from .gluon_split_k import auto_splits, no_split_workspace, split_k_plan, split_k_workspace
 from .problems import matrix_layout
 
 # ---- split-K ---------------------------------------------------------------------------------
@@ -212,12 +213,12 @@ def matmul_launch(config: dict, a: torch.Tensor, b: torch.Tensor, block_shapes, 
     kc, kp = matmul_as_launched(config, {"M": M, "N": N, "K": K})
     blocks = block_shapes(kc, trans_a, trans_b)
     descs = tuple(tiled_desc(t, blk) for t, blk in zip((a_src, b_src, c), blocks))
-    sms = num_sms(a.device)
+    sms = gh.num_sms(a.device)  # through the modules: where a CPU-only test sets the SM count and counters
     splits, per = matmul_splits(kp, kc, sms)
     split = split_binary(kc, splits)
     tiles = matmul_tiles(kp, kc)
     ws = split_k_workspace(splits, M, n_pad, a.device) if split else no_split_workspace(a.device)
-    cnt = zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
+    cnt = sk.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
     return MatmulLaunch(
         swap, x_t, y_t, a_view, b_view, a_src, b_src, blocks, descs, c, N, n_pad,
