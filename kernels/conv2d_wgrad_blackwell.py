@@ -408,12 +408,8 @@ def conv2d_wgrad_packed_kernel(
     gathered one pixel step ahead (gluon_packed_taps.packed_gather) into the B ring as it lies, the
     fp32 accumulator in tensor memory; out_ptr: grad_w [Co, K] with one split, else fp32
     partials [splits, Co, K]."""
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
-    dtype: gl.constexpr = g_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + g_desc.block_type.shape, g_desc.layout)
-    b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
-    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
+    a_bufs, b_bufs = gwg.gather_buffers(g_desc, NUM_BUFFERS, NUM_BUFFERS, BLOCK_N)
     ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 2, BLOCK_M, BLOCK_N)
 
     split, co0, n0, k_from, n = gwg.gather_unit(Co, K, k_steps, per, BLOCK_M, BLOCK_N)
@@ -455,12 +451,8 @@ def conv2d_wgrad_few_co_kernel(
     fed transposed, each pixel read once), grad_out gathered one pixel step ahead
     (gluon_wgrad.few_co_gather) into the B ring as it lies, the fp32 accumulator in tensor
     memory; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials [splits, ...]."""
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
-    dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + x_desc.block_type.shape, x_desc.layout)
-    b_layout: gl.constexpr = gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype)
-    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], b_layout)
+    a_bufs, b_bufs = gwg.gather_buffers(x_desc, NUM_BUFFERS, NUM_BUFFERS, BLOCK_N)
     ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 1, BLOCK_M, BLOCK_N)
 
     # one column block: BLOCK_N spans every tap
@@ -585,25 +577,15 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gpt.packs_taps({"Ci": Ci0}):
-        sms = gh.num_sms(x.device)
-        ints, ctas, splits = gwg.packed_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
-        gp = gh.pad_channels(grad_out)
-        g_desc = gh.tiled_desc(gp.view(N * P * Q, gp.shape[-1]), [bk, bm])
-        out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
-        ws = out if splits == 1 else sk.split_k_workspace(splits, Co, R * S * Ci0, x.device)
-        conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, ws, *ints, **_packed_constexprs(config))
-        return out if splits == 1 else sk.split_k_reduce(ws, out)
-    if gwg.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
-        sms = gh.num_sms(x.device)
-        ints, ctas, splits = gwg.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, (sh, sw), (ph, pw), config, sms)
-        xp = gh.pad_channels(x)
-        x_desc = gh.tiled_desc(xp.view(N * H * W, xp.shape[-1]), [bk, bm])
-        out = torch.empty((Co, R, S, Ci0), device=x.device, dtype=x.dtype)
-        ws = out if splits == 1 else sk.split_k_workspace(splits, Co, R * S * Ci0, x.device)
-        ce = _few_co_constexprs(config, (sh, sw))
-        conv2d_wgrad_few_co_kernel[(ctas,)](x_desc, grad_out.contiguous(), ws, *ints, **ce)
-        return out if splits == 1 else sk.split_k_reduce(ws, out)
+    few_co = gwg.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST)
+    if few_co or gpt.packs_taps({"Ci": Ci0}):
+        g = gwg.gather_launch(config, x, grad_out, R, S, (sh, sw), (ph, pw), few_co)
+        if few_co:
+            kernel, ce = conv2d_wgrad_few_co_kernel, _few_co_constexprs(config, (sh, sw))
+        else:
+            kernel, ce = conv2d_wgrad_packed_kernel, _packed_constexprs(config)
+        kernel[(g.ctas,)](g.desc, g.gathered, g.target(), *g.ints, **ce)
+        return g.out if g.ws is None else sk.split_k_reduce(g.ws, g.out)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q

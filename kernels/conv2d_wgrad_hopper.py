@@ -412,11 +412,8 @@ def conv2d_wgrad_packed_kernel(
     WGMMA transposed) in a ring of STAGES; x_ptr: x [N, H, W, Ci], its im2col gathered one
     pixel step ahead (gluon_packed_taps.packed_gather) into a double buffer that is the WGMMA's B as
     it lies; out_ptr: grad_w [Co, K] with one split, else fp32 partials [splits, Co, K]."""
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
-    dtype: gl.constexpr = g_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    a_bufs, b_bufs = gwg.gather_buffers(g_desc, STAGES, 2, BLOCK_N)
     ready = gdev.barrier_ring(STAGES)
 
     split, co0, n0, k_from, n = gwg.gather_unit(Co, K, k_steps, per, BLOCK_M, BLOCK_N)
@@ -463,11 +460,8 @@ def conv2d_wgrad_few_co_kernel(
     Co], gathered one pixel step ahead (gluon_wgrad.few_co_gather) into a double buffer that is
     the WGMMA's B as it lies; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials
     [splits, Co, R, S, Ci]. The packed-taps kernel's schedule with the operands' roles swapped."""
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
-    dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_N], gwg.packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    a_bufs, b_bufs = gwg.gather_buffers(x_desc, STAGES, 2, BLOCK_N)
     ready = gdev.barrier_ring(STAGES)
 
     # one column block: BLOCK_N spans every tap
@@ -712,9 +706,9 @@ def _launch_jit(
     N, H, W, Ci0 = x.shape
     _, P, Q, Co = grad_out.shape
     if gpt.packs_taps({"Ci": Ci0}):
-        return _launch_packed_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
+        return _launch_gather_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key, False)
     if gwg.runs_few_co({"Ci": Ci0, "Co": Co, "R": R, "S": S}, config, FEW_CO_NARROWEST):
-        return _launch_few_co_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key)
+        return _launch_gather_jit(config, x, grad_out, R, S, (sh, sw), (ph, pw), key, True)
     xp, gp = gh.pad_channels(x), gh.pad_channels(grad_out)
     Ci = xp.shape[-1]
     npq = N * P * Q
@@ -777,62 +771,34 @@ def _packed_constexprs(c: dict) -> dict:
     return {"BLOCK_N": c["BLOCK_N"], "STAGES": c["num_stages"], "num_warps": c["num_warps"]}
 
 
-def _launch_packed_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
-    bm, bk = config["BLOCK_M"], config["BLOCK_K"]
-    sms = gh.num_sms(x.device)
-    ints, ctas, splits = gwg.packed_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
-    Co, K, npq = ints[0], ints[2], ints[12]
-    gp = gh.pad_channels(grad_out)
-    gc = gp.shape[-1]
-    out = torch.empty((Co, R, S, x.shape[-1]), device=x.device, dtype=x.dtype)
-    ws = None if splits == 1 else torch.empty((splits, Co, K), device=x.device, dtype=torch.float32)
-    ce = _packed_constexprs(config)
-    g_desc = gh.tiled_desc(gp.view(npq, gc), [bk, bm])
-    compiled = conv2d_wgrad_packed_kernel[(ctas,)](g_desc, x, out if ws is None else ws, *ints, **ce)
-    _plan_gather(key, compiled, x, out, ws, ctas, (conv2d_wgrad_packed_kernel, ints, ce), [bk, bm], gc, npq, False)
-    return out
-
-
-def _plan_gather(key, compiled, gathered, out, ws, ctas: int, kernel: tuple, blk, cols: int, rows: int, few_co: bool):
-    """Run the split reduction of a packed-taps or few-Co JIT launch (if split) and keep the
-    launch as a _GatherPlan under `key` where it can be replayed (16-byte aligned pointers);
-    kernel = (its JIT function, integer arguments, constexprs)."""
+def _launch_gather_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key, few_co: bool):
+    """A packed-taps or few-Co JIT launch (gluon_wgrad.gather_launch), its split reduction, and
+    the launch kept as a _GatherPlan under `key` where it can be replayed (16-byte aligned
+    pointers, the caller's own grad_out)."""
+    if few_co:
+        fn, ce = conv2d_wgrad_few_co_kernel, _few_co_constexprs(config, stride)
+    else:
+        fn, ce = conv2d_wgrad_packed_kernel, _packed_constexprs(config)
+    g = gwg.gather_launch(config, x, grad_out, R, S, stride, padding, few_co)
+    compiled = fn[(g.ctas,)](g.desc, g.gathered, g.target(), *g.ints, **ce)
+    out, ws = g.out, g.ws
     reduce = None if ws is None else sk.split_k_reduce_jit(ws, out)
-    aligned = not (gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
-    if key is None or not aligned:
-        return
+    aligned = not (g.gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
+    if key is None or not aligned or (few_co and g.gathered is not grad_out):  # the plan launches the caller's tensor
+        return out
     ld = direct.DirectLauncher.of(compiled)
     rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, out)
     if ld is not None and (reduce is None or rd is not None):
-        fn, ints, ce = kernel
         plan = _GatherPlan()
-        plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), ctas
-        plan.tail = direct.kernel_args(fn, (None,) * 3 + ints, ce)[3:]
-        plan.blk, plan.cols, plan.rows, plan.out_shape, plan.few_co = blk, cols, rows, tuple(out.shape), few_co
+        plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), g.ctas
+        plan.tail = direct.kernel_args(fn, (None,) * 3 + g.ints, ce)[3:]
+        plan.blk, plan.cols, plan.rows, plan.out_shape, plan.few_co = g.blk, g.cols, g.rows, tuple(out.shape), few_co
         _PLANS.put(key, plan)
+    return out
 
 
 def _few_co_constexprs(c: dict, stride) -> dict:
     return dict(_packed_constexprs(c), STRIDED=tuple(stride) != (1, 1))
-
-
-def _launch_few_co_jit(config: dict, x, grad_out, R: int, S: int, stride, padding, key) -> torch.Tensor:
-    bm, bk = config["BLOCK_M"], config["BLOCK_K"]
-    sms = gh.num_sms(x.device)
-    ints, ctas, splits = gwg.few_co_wgrad_ints(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
-    Co, Ci, nhw = ints[0], ints[1], ints[12]
-    if not grad_out.is_contiguous():
-        grad_out, key = grad_out.contiguous(), None  # the plan launches the caller's tensor as is
-    xp = gh.pad_channels(x)
-    xc = xp.shape[-1]
-    out = torch.empty((Co, R, S, Ci), device=x.device, dtype=x.dtype)
-    ws = None if splits == 1 else torch.empty((splits, Co, R, S, Ci), device=x.device, dtype=torch.float32)
-    ce = _few_co_constexprs(config, stride)
-    x_desc = gh.tiled_desc(xp.view(nhw, xc), [bk, bm])
-    compiled = conv2d_wgrad_few_co_kernel[(ctas,)](x_desc, grad_out, out if ws is None else ws, *ints, **ce)
-    kernel = (conv2d_wgrad_few_co_kernel, ints, ce)
-    _plan_gather(key, compiled, grad_out, out, ws, ctas, kernel, [bk, bm], xc, nhw, True)
-    return out
 
 
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:

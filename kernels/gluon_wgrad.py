@@ -5,20 +5,26 @@ and the few-output-channels kernels' rules and device pieces.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from . import KernelSpec
+from . import gluon_host as gh
 from .geometry import is_pointwise
 from .gluon_host import (
     cdiv,
     desc_sig,
     im2col_desc_sig,
+    pad_channels,
     padded_channels,
     persistent_grid,
     pow2_at_least,
     ptr_sig,
     sm_count_of,
+    tiled_desc,
 )
 from .gluon_packed_taps import packed_gather, packed_rows, packs_taps
 from .gluon_split_k import auto_splits, split_k_plan, split_k_reduce_spec
@@ -312,6 +318,44 @@ def few_co_wgrad_ints(x_shape, g_shape, R: int, S: int, stride, padding, c: dict
     return ints, tiles * splits, splits
 
 
+@dataclass
+class GatherLaunch:
+    """A gathering wgrad's JIT launch (packed taps, or few Co) as both backends set it up
+    (gather_launch): the kernel's integer arguments, grid and split count; the operand TMA
+    reads (grad_out, or x with few Co: its channels padded) viewed as [rows, cols] and described
+    in `blk` tiles (`desc`); the one the kernel gathers through its pointer; grad_w `out` [Co, R,
+    S, Ci] and, split, the fp32 partials `ws` [splits, Co, R, S, Ci] (else None)."""
+
+    ints: tuple
+    ctas: int
+    splits: int
+    desc: object
+    blk: list
+    rows: int
+    cols: int
+    gathered: torch.Tensor
+    out: torch.Tensor
+    ws: torch.Tensor | None
+
+    def target(self) -> torch.Tensor:
+        """What the kernel writes: grad_w, or the partials where it splits."""
+        return self.out if self.ws is None else self.ws
+
+
+def gather_launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride, padding, few_co: bool):
+    """The set-up of a packed-taps (few_co False) or few-Co wgrad launch, both backends'."""
+    ints_of = few_co_wgrad_ints if few_co else packed_wgrad_ints
+    sms = gh.num_sms(x.device)  # through gh: where a CPU-only test sets the SM count
+    ints, ctas, splits = ints_of(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
+    tiled, gathered = (pad_channels(x), grad_out.contiguous()) if few_co else (pad_channels(grad_out), x)
+    rows, cols, blk = ints[12], tiled.shape[-1], [config["BLOCK_K"], config["BLOCK_M"]]
+    wanted = (ints[0], R, S, x.shape[-1])
+    out = torch.empty(wanted, device=x.device, dtype=x.dtype)
+    ws = None if splits == 1 else torch.empty((splits, *wanted), device=x.device, dtype=torch.float32)
+    desc = tiled_desc(tiled.view(rows, cols), blk)
+    return GatherLaunch(ints, ctas, splits, desc, blk, rows, cols, gathered, out, ws)
+
+
 def _gather_wgrad_specs(fn, p: dict, c: dict, constexprs: dict, device, few_co: bool) -> list[KernelSpec]:
     """compile_specs of a backend's packed-taps kernel `fn`, or with few_co its few-Co kernel
     (one operand read by TMA, the other gathered through its pointer), and of its reduction
@@ -395,6 +439,19 @@ def gather_unit(rows, cols, k_steps, per, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     col0 = (pid % tiles // row_blocks) * BLOCK_N
     k_from = split * per
     return split, row0, col0, k_from, gl.minimum(per, k_steps - k_from)
+
+
+@gluon.jit
+def gather_buffers(a_desc, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The operand buffers of both architectures' gathering wgrad kernels (packed taps, few
+    Co), allocated in this order: A_STAGES stages of a_desc's TMA tile ([BLOCK_K, BLOCK_M]) and
+    B_STAGES of the gathered B tile [BLOCK_K, BLOCK_N] as the MMA reads it (packed_b_layout).
+    Returns (a_bufs, b_bufs)."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES, BLOCK_K, BLOCK_N], packed_b_layout(BLOCK_K, BLOCK_N, dtype))
+    return a_bufs, b_bufs
 
 
 @gluon.jit
