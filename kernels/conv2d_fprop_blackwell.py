@@ -393,11 +393,8 @@ def launch(config: dict, x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) 
         return y.view(N, P, Q, Co)
     xp, wp = gh.pad_channels(x), gh.pad_channels(w)
     Ci = xp.shape[-1]
-    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    if im2col:
-        x_desc = gh.im2col_desc(xp, x_blk, stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
-    else:
-        x_desc = gh.tiled_desc(xp.view(M, Ci), x_blk)
+    im2col, x_desc_of = gh.conv_x_desc(R, S, (sh, sw), (ph, pw), (P, Q), x_blk)
+    x_desc = x_desc_of(xp)
     w_desc = gh.tiled_desc(wp.view(Co, R * S * Ci), w_blk)
     y_desc = gh.tiled_desc(y, y_blk)
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(Co, config["BLOCK_N"])

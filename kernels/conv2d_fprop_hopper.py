@@ -650,15 +650,7 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     co_pad = gh.padded_channels(Co, x.dtype)
     y = torch.empty((M, co_pad), device=x.device, dtype=x.dtype)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    if im2col:
-
-        def x_desc_of(t):
-            return gh.im2col_desc(t, [bm, bk], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
-    else:
-
-        def x_desc_of(t):
-            return gh.tiled_desc(t.view(M, Ci), [bm, bk])
+    im2col, x_desc_of = gh.conv_x_desc(R, S, (sh, sw), (ph, pw), (P, Q), [bm, bk])
 
     def w_desc_of(t):
         return gh.tiled_desc(t.view(Co, R * S * Ci), [bn, bk])

@@ -599,11 +599,8 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
         ws = out if work.splits == 1 else sk.split_k_workspace(work.splits, Co, R * S * Ci, x.device)
         ptrs = (ws, ws, ws)  # ws_ptr and flags_ptr unused
     g_desc = gh.tiled_desc(gp.view(npq, gp.shape[-1]), [bk, bm])
-    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    if im2col:
-        x_desc = gh.im2col_desc(xp, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
-    else:
-        x_desc = gh.tiled_desc(xp.view(npq, Ci), [bk, bn])
+    im2col, x_desc_of = gh.conv_x_desc(R, S, (sh, sw), (ph, pw), (P, Q), [bk, bn])
+    x_desc = x_desc_of(xp)
     conv2d_wgrad_kernel[(work.ctas,)](
         g_desc,
         x_desc,

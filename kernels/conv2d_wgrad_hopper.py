@@ -723,15 +723,7 @@ def _launch_jit(
     def g_desc_of(t):
         return gh.tiled_desc(t.view(npq, gc), [bk, bm])
 
-    im2col = (R, S, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0)
-    if im2col:
-
-        def x_desc_of(t):
-            return gh.im2col_desc(t, [bk, bn], stride=(sh, sw), padding=(ph, pw), out_hw=(P, Q))
-    else:
-
-        def x_desc_of(t):
-            return gh.tiled_desc(t.view(npq, Ci), [bk, bn])
+    im2col, x_desc_of = gh.conv_x_desc(R, S, (sh, sw), (ph, pw), (P, Q), [bk, bn])
 
     def c_desc_of(t):
         return gh.tiled_desc(t.view(Co, R * S, Ci), [bm, 1, bn])

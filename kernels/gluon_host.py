@@ -226,6 +226,17 @@ def im2col_desc(
     )
 
 
+def conv_x_desc(R: int, S: int, stride, padding, out_hw, block_shape: Sequence[int]) -> tuple[bool, Callable]:
+    """How a conv's kernel reads x [N, H, W, Ci] (its channels padded for TMA) in `block_shape`
+    tiles of (output pixels, channels): (im2col, desc_of), desc_of(x) its descriptor. By TMA
+    im2col at the conv's stride and padding over out_hw = (P, Q) outputs, or, for a 1x1 conv of
+    stride 1 and no padding (im2col False), x as it lies, plainly tiled as [N*H*W, Ci]."""
+    (sh, sw), (ph, pw) = stride, padding
+    if (R, S, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0):
+        return False, lambda t: tiled_desc(t.view(-1, t.shape[-1]), block_shape)
+    return True, lambda t: im2col_desc(t, block_shape, stride=(sh, sw), padding=(ph, pw), out_hw=out_hw)
+
+
 def desc_sig(dtype: Any, block_shape: Sequence[int], layout=None) -> str:
     """Signature string of a tiled descriptor argument, as the JIT specializes it (its text is
     part of Triton's cache key: a compile under another spelling is never reused by a launch)."""
