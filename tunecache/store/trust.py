@@ -78,11 +78,7 @@ class TrustStore(StoreBase):
             displace = self._unlaunchable_winner(s, rec, trials)
             self._add_fleet_trials(s, rec.key, trials, run_id)
             kept, won = self._keep_faster(s, rec, values, displace=displace)
-            row = SubmissionRow(
-                **values, submitted_by=submitted_by[:128], accepted=won, tune_seconds=tune_seconds, created_at=utcnow()
-            )
-            s.add(row)
-            s.flush()
+            row = self._add_submission(s, values, submitted_by, won, tune_seconds)
             if won:  # the winner remembers who made it (purge_token)
                 s.execute(
                     update(TunedConfigRow).where(TunedConfigRow.digest == rec.digest).values(submission_id=row.id)
@@ -108,15 +104,7 @@ class TrustStore(StoreBase):
         values = result_values(rec)
         with self._write() as s:
             self._add_fleet_trials(s, rec.key, trials, run_id)
-            sub = SubmissionRow(
-                **values,
-                submitted_by=submitted_by[:128],
-                accepted=False,
-                tune_seconds=tune_seconds,
-                created_at=utcnow(),
-            )
-            s.add(sub)
-            s.flush()
+            sub = self._add_submission(s, values, submitted_by, False, tune_seconds)
             row = locked(s, TunedConfigRow, rec.digest)
             try:
                 winner = None if row is None else config_record(row)
@@ -138,6 +126,18 @@ class TrustStore(StoreBase):
             if job is not None and job.status not in ("queued", "running"):
                 job = None  # failed or quarantined: an operator's to retry
             return winner, sub.id, job
+
+    @staticmethod
+    def _add_submission(
+        s: Session, values: dict, submitted_by: str, accepted: bool, tune_seconds: float | None
+    ) -> SubmissionRow:
+        """The submission's row (its result's columns `values`), added and flushed for its id."""
+        row = SubmissionRow(
+            **values, submitted_by=submitted_by[:128], accepted=accepted, tune_seconds=tune_seconds, created_at=utcnow()
+        )
+        s.add(row)
+        s.flush()
+        return row
 
     def report(self, digest: str, config: dict, error: str, reported_by: str) -> tuple[bool, JobRecord | None]:
         """A host could not launch the winner's config: keep the report as a failed trial of the
