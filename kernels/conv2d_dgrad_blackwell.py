@@ -36,6 +36,7 @@ from . import gluon_split_k as sk
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
+    free_stage,
     likeliest_first,
     mma_into_next_acc,
     partial_epilogue,
@@ -105,7 +106,6 @@ def _load_partition(
     K_PER,
     IM2COL: gl.constexpr,
 ):
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
@@ -132,10 +132,7 @@ def _load_partition(
         u = tap - t * ks
         for _k in range(k_count):
             col = ((kr0 + stride_h * t) * S + ks0 + stride_w * u) * Ciw + n0
-            slot, ring_phase = ring_slot(use, NUM_BUFFERS)
-            mbarrier.wait(empty.index(slot), ring_phase ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
+            slot, bar = free_stage(use, empty, ready, nbytes)
             if IM2COL:
                 offs = [(ca - t + PH).to(gl.int16), (cb - u + PW).to(gl.int16)]
                 tma.async_load_im2col(g_desc, [img, p0 - PH, q0 - PW, c0], offs, bar, a_bufs.index(slot))

@@ -44,6 +44,7 @@ from . import gluon_split_k as sk
 from .geometry import is_pointwise  # noqa: F401 (its specs pick their kernel by it: in the version)
 from .gluon_blackwell import (
     WORKER_REGS,
+    free_stage,
     gather_rings,
     likeliest_first,
     mma_partition,
@@ -90,7 +91,6 @@ def _load_partition(
     k_per_split,
     IM2COL: gl.constexpr,
 ):
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -114,10 +114,7 @@ def _load_partition(
         r = tap // S
         s = tap - r * S
         for _k in range(k_count):
-            slot, phase = ring_slot(use, NUM_BUFFERS)
-            mbarrier.wait(empty.index(slot), phase ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
+            slot, bar = free_stage(use, empty, ready, nbytes)
             if IM2COL:
                 offsets = [r.to(gl.int16), s.to(gl.int16)]
                 tma.async_load_im2col(x_desc, [n, h0, w0, c0], offsets, bar, a_bufs.index(slot))

@@ -50,6 +50,7 @@ from .geometry import is_pointwise  # noqa: F401 (its specs pick their kernel by
 from .gluon_blackwell import (
     WORKER_REGS,
     epilogue_width,
+    free_stage,
     gather_rings,
     likeliest_first,
     mma_into_next_acc,
@@ -93,7 +94,6 @@ def _load_partition(
     STREAM: gl.constexpr,
     IM2COL: gl.constexpr,
 ):
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
@@ -108,10 +108,7 @@ def _load_partition(
         for kk in range(k_from, k_to):
             # BLOCK_K output pixels from pixel m on (TMA wraps rows and images by itself)
             m = kk * BLOCK_K
-            slot, phase = ring_slot(use, NUM_BUFFERS)
-            mbarrier.wait(empty.index(slot), phase ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
+            slot, bar = free_stage(use, empty, ready, nbytes)
             tma.async_load(g_desc, [m, off_co], bar, a_bufs.index(slot))
             if IM2COL:
                 n = m // PQ

@@ -49,6 +49,19 @@ def ring_slot(use, NUM: gl.constexpr):
 
 
 @gluon.jit
+def free_stage(use, empty, ready, nbytes: gl.constexpr):
+    """The producer's side of the operand ring (a load partition's): once the MMA has released
+    the ring's `use`-th stage (its slot's `empty` barrier, on the flipped phase), that slot's
+    `ready` barrier set to expect `nbytes` of TMA loads. Returns (slot, its ready barrier)."""
+    NUM: gl.constexpr = empty.shape[0]
+    slot, phase = ring_slot(use, NUM)
+    mbarrier.wait(empty.index(slot), phase ^ 1)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, nbytes)
+    return slot, bar
+
+
+@gluon.jit
 def pipeline_rings(
     a_desc, b_desc, NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
 ):

@@ -38,6 +38,7 @@ from . import gluon_host as gh
 from . import gluon_matmul as gmm
 from .gluon_blackwell import (
     WORKER_REGS,
+    free_stage,
     likeliest_first,
     mma_partition,
     pipeline_rings,
@@ -72,7 +73,6 @@ def _load_partition(
     B_TRANS: gl.constexpr,
 ):
     """TMA tiles of each work item's K range (the whole of K without split-K)."""
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if A_TRANS else a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if A_TRANS else a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANS else b_desc.block_type.shape[1]
@@ -85,10 +85,7 @@ def _load_partition(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         for ki in range(k_count):
-            slot, phase = ring_slot(use, NUM_BUFFERS)
-            mbarrier.wait(empty.index(slot), phase ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
+            slot, bar = free_stage(use, empty, ready, nbytes)
             off_k = (k_start + ki) * BLOCK_K
             if A_TRANS:
                 tma.async_load(a_desc, [off_k, off_m], bar, a_bufs.index(slot))
