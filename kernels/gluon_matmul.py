@@ -15,17 +15,7 @@ from triton.experimental.gluon import language as gl
 from . import KernelSpec
 from . import gluon_host as gh
 from . import gluon_split_k as sk
-from .gluon_host import (
-    cdiv,
-    desc_sig,
-    padded_channels,
-    persistent_grid,
-    pow2_at_least,
-    ptr_sig,
-    sm_count_of,
-    tiled_desc,
-    tma_ready,
-)
+from .gluon_host import cdiv, desc_sig, pow2_at_least, ptr_sig, sm_count_of
 from .gluon_split_k import auto_splits, no_split_workspace, split_k_plan, split_k_workspace
 from .problems import matrix_layout
 
@@ -207,12 +197,12 @@ def matmul_launch(config: dict, a: torch.Tensor, b: torch.Tensor, block_shapes, 
     swap = bool(config.get("SWAP_AB"))
     x_t, y_t, trans_a, trans_b = matmul_operands(a, b, swap)
     a_view, b_view = matmul_views(a, b, swap, x_t, y_t)
-    a_src, b_src = tma_ready(a_view), tma_ready(b_view)
-    n_pad = padded_channels(N, a.dtype)
+    a_src, b_src = gh.tma_ready(a_view), gh.tma_ready(b_view)
+    n_pad = gh.padded_channels(N, a.dtype)
     c = torch.empty((M, n_pad), device=a.device, dtype=a.dtype)
     kc, kp = matmul_as_launched(config, {"M": M, "N": N, "K": K})
     blocks = block_shapes(kc, trans_a, trans_b)
-    descs = tuple(tiled_desc(t, blk) for t, blk in zip((a_src, b_src, c), blocks))
+    descs = tuple(gh.tiled_desc(t, blk) for t, blk in zip((a_src, b_src, c), blocks))
     sms = gh.num_sms(a.device)  # through the modules: where a CPU-only test sets the SM count and counters
     splits, per = matmul_splits(kp, kc, sms)
     split = split_binary(kc, splits)
@@ -220,10 +210,9 @@ def matmul_launch(config: dict, a: torch.Tensor, b: torch.Tensor, block_shapes, 
     ws = split_k_workspace(splits, M, n_pad, a.device) if split else no_split_workspace(a.device)
     cnt = sk.zeroed_counters(a.device, torch.cuda.current_stream(a.device).cuda_stream, tiles)
     scalars = (kp["M"], kp["N"], K, config["GROUP_M"], splits, per, n_pad)
-    return MatmulLaunch(
-        swap, x_t, y_t, a_view, b_view, a_src, b_src, blocks, descs, c, N, n_pad,
-        persistent_grid(tiles * splits, sms), split, tiles, ws, cnt, constexprs(kc, trans_a, trans_b, split), scalars,
-    )  # fmt: skip
+    grid, ce = gh.persistent_grid(tiles * splits, sms), constexprs(kc, trans_a, trans_b, split)
+    views = (a_view, b_view, a_src, b_src)
+    return MatmulLaunch(swap, x_t, y_t, *views, blocks, descs, c, N, n_pad, grid, split, tiles, ws, cnt, ce, scalars)
 
 
 # ---- device ----------------------------------------------------------------------------------

@@ -18,13 +18,11 @@ from .gluon_host import (
     cdiv,
     desc_sig,
     im2col_desc_sig,
-    pad_channels,
     padded_channels,
     persistent_grid,
     pow2_at_least,
     ptr_sig,
     sm_count_of,
-    tiled_desc,
 )
 from .gluon_packed_taps import packed_gather, packed_rows, packs_taps
 from .gluon_split_k import auto_splits, split_k_plan, split_k_reduce_spec
@@ -347,12 +345,12 @@ def gather_launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int,
     ints_of = few_co_wgrad_ints if few_co else packed_wgrad_ints
     sms = gh.num_sms(x.device)  # through gh: where a CPU-only test sets the SM count
     ints, ctas, splits = ints_of(x.shape, grad_out.shape, R, S, stride, padding, config, sms)
-    tiled, gathered = (pad_channels(x), grad_out.contiguous()) if few_co else (pad_channels(grad_out), x)
+    tiled, gathered = (gh.pad_channels(x), grad_out.contiguous()) if few_co else (gh.pad_channels(grad_out), x)
     rows, cols, blk = ints[12], tiled.shape[-1], [config["BLOCK_K"], config["BLOCK_M"]]
     wanted = (ints[0], R, S, x.shape[-1])
     out = torch.empty(wanted, device=x.device, dtype=x.dtype)
     ws = None if splits == 1 else torch.empty((splits, *wanted), device=x.device, dtype=torch.float32)
-    desc = tiled_desc(tiled.view(rows, cols), blk)
+    desc = gh.tiled_desc(tiled.view(rows, cols), blk)
     return GatherLaunch(ints, ctas, splits, desc, blk, rows, cols, gathered, out, ws)
 
 
