@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 
 from tunecache.errors import last_line
 from tunecache.key import DeviceClass
@@ -28,6 +28,31 @@ from tunecache_kernels.spaces import BACKENDS
 router = APIRouter(prefix="/v1", tags=["configs"])
 
 Shape = Optional[str]
+
+
+def _given_shape(
+    M: Shape = None,
+    N: Shape = None,
+    K: Shape = None,
+    a_layout: Shape = None,
+    b_layout: Shape = None,
+    H: Shape = None,
+    W: Shape = None,
+    Ci: Shape = None,
+    Co: Shape = None,
+    R: Shape = None,
+    S: Shape = None,
+    stride: Shape = None,
+    padding: Shape = None,
+    stride_h: Shape = None,
+    stride_w: Shape = None,
+    pad_h: Shape = None,
+    pad_w: Shape = None,
+    dtype: Shape = None,
+) -> dict[str, str]:
+    """The shape's KEY=VALUE pairs the query gave: each of these query parameters is optional,
+    and which an op takes is checked against its KEYS."""
+    return {k: v for k, v in locals().items() if v is not None}
 
 
 @router.get(
@@ -51,46 +76,8 @@ def best(
     backend: Optional[Literal["blackwell", "hopper", "portable"]] = Query(None),
     kernel_version: Optional[str] = Query(None, max_length=64),
     triton_version: Optional[str] = Query(None, max_length=32),
-    M: Shape = None,
-    N: Shape = None,
-    K: Shape = None,
-    a_layout: Shape = None,
-    b_layout: Shape = None,
-    H: Shape = None,
-    W: Shape = None,
-    Ci: Shape = None,
-    Co: Shape = None,
-    R: Shape = None,
-    S: Shape = None,
-    stride: Shape = None,
-    padding: Shape = None,
-    stride_h: Shape = None,
-    stride_w: Shape = None,
-    pad_h: Shape = None,
-    pad_w: Shape = None,
-    dtype: Shape = None,
+    given: dict[str, str] = Depends(_given_shape),
 ) -> ConfigOut:
-    values = dict(
-        M=M,
-        N=N,
-        K=K,
-        a_layout=a_layout,
-        b_layout=b_layout,
-        H=H,
-        W=W,
-        Ci=Ci,
-        Co=Co,
-        R=R,
-        S=S,
-        stride=stride,
-        padding=padding,
-        stride_h=stride_h,
-        stride_w=stride_w,
-        pad_h=pad_h,
-        pad_w=pad_w,
-        dtype=dtype,
-    )
-    given = {k: v for k, v in values.items() if v is not None}
     try:
         dev = DeviceClass.parse(device)
         unknown = sorted(k for k in given if k not in KEYS[op])
