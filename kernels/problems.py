@@ -139,13 +139,19 @@ def _check_nhwc(tensors: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in t.shape) for t in tensors.values()]
 
 
-def _check_conv_args(tensors: dict[str, torch.Tensor], sizes: dict[str, tuple[Any, str]], stride, padding) -> tuple:
-    """A conv op's arguments checked: its two tensors (_check_nhwc), its size arguments (name ->
-    (value, what it is): _int_arg) and stride and padding (stride_padding); returns (the
-    tensors' shapes..., the sizes, (stride, padding))."""
+def _check_conv_args(tensors: dict[str, torch.Tensor], sizes: dict, stride, padding, agree: tuple) -> tuple:
+    """A conv op's arguments checked: its two tensors (_check_nhwc), which must agree on one
+    extent (agree = (its dim in the first, its dim in the second, what the second's is, as a
+    format of its value)), its size arguments (name -> (value, what it is): _int_arg) and stride
+    and padding (stride_padding); returns (the tensors' shapes..., the sizes, (stride, padding))."""
     shapes = _check_nhwc(tensors)
     sized = tuple(_int_arg(name, v, what) for name, (v, what) in sizes.items())
-    return (*shapes, sized, stride_padding(stride, padding))
+    st_pd = stride_padding(stride, padding)
+    (a, b), (i, j, what) = tensors, agree
+    if shapes[0][i] != shapes[1][j]:
+        says = f"{b} has {what.format(shapes[1][j])} ({b}.shape[{j}]) but {a} has {shapes[0][i]} ({a}.shape[{i}])"
+        raise ValueError(says)
+    return (*shapes, sized, st_pd)
 
 
 def matrix_layout(t: torch.Tensor, name: str) -> str:
@@ -249,9 +255,8 @@ def _forward_of(grad_out_pq: tuple[int, int], *conv: Any, given: str, advice: st
 
 
 def conv2d_fprop_problem(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> dict:
-    (N, H, W, Ci), (Co, R, S, Ci_w), _, (st, pd) = _check_conv_args({"x": x, "w": w}, {}, stride, padding)
-    if Ci_w != Ci:
-        raise ValueError(f"w has {Ci_w} input channels (w.shape[3]) but x has {Ci} (x.shape[3])")
+    tensors, agree = {"x": x, "w": w}, (3, 3, "{} input channels")
+    (N, H, W, Ci), (Co, R, S, _), _, (st, pd) = _check_conv_args(tensors, {}, stride, padding, agree)
     return _conv_geometry(N, H, W, Ci, Co, R, S, st, pd, x.dtype)
 
 
@@ -273,12 +278,10 @@ def conv2d_flops(p: dict) -> float:
 
 
 def conv2d_wgrad_problem(x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int, stride=1, padding=0) -> dict:
-    filter_size = {"R": (R, "filter size"), "S": (S, "filter size")}
-    (N, H, W, Ci), (No, P, Q, Co), (R, S), (st, pd) = _check_conv_args(
-        {"x": x, "grad_out": grad_out}, filter_size, stride, padding
+    tensors, filter_size = {"x": x, "grad_out": grad_out}, {"R": (R, "filter size"), "S": (S, "filter size")}
+    (N, H, W, Ci), (_, P, Q, Co), (R, S), (st, pd) = _check_conv_args(
+        tensors, filter_size, stride, padding, (0, 0, "batch {}")
     )
-    if No != N:
-        raise ValueError(f"grad_out has batch {No} (grad_out.shape[0]) but x has {N}")
     given = f"x {H}x{W} with a {R}x{S} filter, stride {st} and padding {pd}"
     p = _forward_of((P, Q), N, H, W, Ci, Co, R, S, st, pd, x.dtype, given=given)
     return geometry.wgrad(p)
@@ -313,11 +316,10 @@ def conv2d_wgrad_reference(x, grad_out, R, S, stride=1, padding=0) -> torch.Tens
 
 def conv2d_dgrad_problem(grad_out: torch.Tensor, w: torch.Tensor, H: int, W: int, stride=1, padding=0) -> dict:
     input_size = {"H": (H, "the input's height"), "W": (W, "the input's width")}
-    (N, P, Q, Co), (Co_w, R, S, Ci), (H, W), (st, pd) = _check_conv_args(
-        {"grad_out": grad_out, "w": w}, input_size, stride, padding
+    agree = (3, 0, "{} output channels")
+    (N, P, Q, Co), (_, R, S, Ci), (H, W), (st, pd) = _check_conv_args(
+        {"grad_out": grad_out, "w": w}, input_size, stride, padding, agree
     )
-    if Co_w != Co:
-        raise ValueError(f"w has {Co_w} output channels (w.shape[0]) but grad_out has {Co} (grad_out.shape[3])")
     advice = f" at stride {st} and padding {pd}: pass the forward call's H, W, stride and padding"
     p = _forward_of(
         (P, Q), N, H, W, Ci, Co, R, S, st, pd, grad_out.dtype, given=f"an input of H={H}, W={W}", advice=advice
