@@ -386,16 +386,11 @@ def conv2d_fprop_packed_kernel(
     dtype: gl.constexpr = y_desc.dtype
     g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_K, num_warps)
 
-    # the A tile shares the weights' swizzle: same dtype and row length
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], w_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    a_bufs, b_bufs = gpt.packed_fprop_rings(w_desc, BLOCK_M, STAGES)
     c_smem = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
     ready = gdev.barrier_ring(STAGES)
 
-    pid_m, pid_n = gdev.grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-    k_tiles = gl.cdiv(K, BLOCK_K)
+    m0, n0, k_tiles = gpt.packed_fprop_tile(M, Co, K, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
     for i in gl.static_range(STAGES - 1):
         _packed_b_load(i, k_tiles, n0, w_desc, b_bufs, ready, STAGES)
 

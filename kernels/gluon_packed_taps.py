@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 
 from . import KernelSpec
 from .geometry import is_pointwise
+from .gluon_device import grouped_tile
 from .gluon_host import (
     cdiv,
     desc_sig,
@@ -77,6 +78,25 @@ def packed_gather(x_ptr, base, h0, w0, k0, K, SCi, Ci, H, W, BLOCK_K: gl.constex
     iw = w0[:, None] + s[None, :]
     ok = (ih < H) & (ih >= 0) & (iw >= 0) & (iw < W)
     return gl.load(x_ptr + (base[:, None] + (r * (W * Ci) + rem)[None, :]), mask=ok, other=0.0)
+
+
+@gluon.jit
+def packed_fprop_rings(w_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The operand rings of both architectures' packed fprop kernels: STAGES stages of the
+    gathered A tile [BLOCK_M, BLOCK_K] (it shares the weights' swizzle: same dtype and row
+    length) and of the packed weights' TMA tile [BLOCK_N, BLOCK_K]. Returns (a_bufs, b_bufs)."""
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], w_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    return a_bufs, b_bufs
+
+
+@gluon.jit
+def packed_fprop_tile(M, Co, K, GROUP_M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """A packed fprop CTA's one output tile, in grouped order: (first pixel, first output
+    channel, the k-steps of K)."""
+    pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(Co, BLOCK_N), GROUP_M)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, gl.cdiv(K, BLOCK_K)
 
 
 @gluon.constexpr_function
