@@ -578,7 +578,7 @@ def launch(config: dict, x: torch.Tensor, grad_out: torch.Tensor, R: int, S: int
     if few_co or gpt.packs_taps({"Ci": Ci0}):
         g = gwg.gather_launch(config, x, grad_out, R, S, (sh, sw), (ph, pw), few_co)
         if few_co:
-            kernel, ce = conv2d_wgrad_few_co_kernel, _few_co_constexprs(config, (sh, sw))
+            kernel, ce = conv2d_wgrad_few_co_kernel, gwg.few_co_constexprs(_packed_constexprs(config), (sh, sw))
         else:
             kernel, ce = conv2d_wgrad_packed_kernel, _packed_constexprs(config)
         kernel[(g.ctas,)](g.desc, g.gathered, g.target(), *g.ints, **ce)
@@ -627,11 +627,7 @@ def _packed_constexprs(c: dict) -> dict:
     return {"BLOCK_N": c["BLOCK_N"], "NUM_BUFFERS": c["NUM_BUFFERS"], "num_warps": c["num_warps"]}
 
 
-def _few_co_constexprs(c: dict, stride) -> dict:
-    return dict(_packed_constexprs(c), STRIDED=tuple(stride) != (1, 1))
-
-
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     kernels = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, conv2d_wgrad_few_co_kernel)
-    constexprs = (_constexprs, _packed_constexprs, _few_co_constexprs)
-    return gwg.wgrad_specs(kernels, constexprs, p, config, device, FEW_CO_NARROWEST, c_desc=False)
+    ce = (_constexprs, _packed_constexprs)
+    return gwg.wgrad_specs(kernels, ce, p, config, device, FEW_CO_NARROWEST, c_desc=False)

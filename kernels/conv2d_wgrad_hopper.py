@@ -768,7 +768,7 @@ def _launch_gather_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     the launch kept as a _GatherPlan under `key` where it can be replayed (16-byte aligned
     pointers, the caller's own grad_out)."""
     if few_co:
-        fn, ce = conv2d_wgrad_few_co_kernel, _few_co_constexprs(config, stride)
+        fn, ce = conv2d_wgrad_few_co_kernel, gwg.few_co_constexprs(_packed_constexprs(config), stride)
     else:
         fn, ce = conv2d_wgrad_packed_kernel, _packed_constexprs(config)
     g = gwg.gather_launch(config, x, grad_out, R, S, stride, padding, few_co)
@@ -789,11 +789,7 @@ def _launch_gather_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     return out
 
 
-def _few_co_constexprs(c: dict, stride) -> dict:
-    return dict(_packed_constexprs(c), STRIDED=tuple(stride) != (1, 1))
-
-
 def compile_specs(p: dict, config: dict, device) -> list[KernelSpec]:
     kernels = (conv2d_wgrad_kernel, conv2d_wgrad_packed_kernel, conv2d_wgrad_few_co_kernel)
-    constexprs = (_constexprs, _packed_constexprs, _few_co_constexprs)
-    return gwg.wgrad_specs(kernels, constexprs, p, config, device, FEW_CO_NARROWEST, c_desc=True)
+    ce = (_constexprs, _packed_constexprs)
+    return gwg.wgrad_specs(kernels, ce, p, config, device, FEW_CO_NARROWEST, c_desc=True)

@@ -90,13 +90,13 @@ def wgrad_specs(
     kernels: tuple, constexprs: tuple, p: dict, c: dict, device, narrowest: int, c_desc: bool
 ) -> list[KernelSpec]:
     """Both Gluon wgrad backends' compile_specs. kernels = (the TMA kernel, the packed-taps one,
-    the few-Co one), constexprs = their constexpr functions ((c, im2col), (c), (c, stride));
-    narrowest: the backend's FEW_CO_NARROWEST; c_desc: the TMA kernel stores grad_w tiles
-    through a descriptor (its third)."""
+    the few-Co one), constexprs = the first two's constexpr functions ((c, im2col), (c); the
+    few-Co kernel's are few_co_constexprs); narrowest: the backend's FEW_CO_NARROWEST; c_desc:
+    the TMA kernel stores grad_w tiles through a descriptor (its third)."""
     fn, packed_fn, few_co_fn = kernels
-    ce_of, packed_ce_of, few_co_ce_of = constexprs
+    ce_of, packed_ce_of = constexprs
     if runs_few_co(p, c, narrowest):
-        ce = few_co_ce_of(c, (p["stride_h"], p["stride_w"]))
+        ce = few_co_constexprs(packed_ce_of(c), (p["stride_h"], p["stride_w"]))
         return _gather_wgrad_specs(few_co_fn, p, c, ce, device, few_co=True)
     if packs_taps(p):
         return _gather_wgrad_specs(packed_fn, p, c, packed_ce_of(c), device, few_co=False)
@@ -314,6 +314,11 @@ def few_co_wgrad_ints(x_shape, g_shape, R: int, S: int, stride, padding, c: dict
     tiles, k_steps, splits, per = few_co_wgrad_work(Ci, nhw, c, sms)
     ints = (Co, Ci, R * S, S, H * W, W, P, Q, *stride, *padding, nhw, k_steps, per)
     return ints, tiles * splits, splits
+
+
+def few_co_constexprs(packed: dict, stride) -> dict:
+    """A few-Co kernel's constexprs: the backend's packed-taps kernel's (`packed`), and STRIDED."""
+    return dict(packed, STRIDED=tuple(stride) != (1, 1))
 
 
 @dataclass
