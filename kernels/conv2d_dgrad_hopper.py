@@ -669,18 +669,12 @@ def _launch_jit(config: dict, grad_out: torch.Tensor, w: torch.Tensor, H: int, W
     ws = g.new_empty((n_split, geo.m2, geo.Ci), dtype=torch.float32) if split else sk.no_split_workspace(g.device)
     args = (g_desc_of(g), w_desc_of(wp), y_desc_of(gx), gx, ws, *scalars)
     compiled = conv2d_dgrad_kernel[grid](*args, **ce, **launch_options(config))
-    reduce = sk.split_k_reduce_jit(ws, gx) if split else None
-    if key is not None:
-        ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, gx)
-        if ld is not None and (reduce is None or rd is not None):
-            plan = _Plan()
-            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_dgrad_kernel, (None,) * 5 + scalars, ce)[5:]
-            plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
-            plan.reduce = rd
-            plan.idle = sk.no_split_workspace(grad_out.device).data_ptr()  # the unsplit binary's workspace
-            _PLANS.put(key, plan)
+    reduce = (sk.split_k_reduce_jit(ws, gx), ws, gx) if split else None
+    plan = direct.new_plan(_Plan, key, compiled, conv2d_dgrad_kernel, 5, scalars, ce, grid[0], reduce)
+    if plan is not None:
+        plan.g_desc, plan.w_desc, plan.y_desc, plan.geo = g_desc_of, w_desc_of, y_desc_of, geo
+        plan.idle = sk.no_split_workspace(grad_out.device).data_ptr()  # the unsplit binary's workspace
+        _PLANS.put(key, plan)
     return gx
 
 

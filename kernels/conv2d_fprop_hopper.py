@@ -662,20 +662,14 @@ def _launch_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, padding,
     ws = x.new_empty((n_split, M, co_pad), dtype=torch.float32) if split else sk.no_split_workspace(x.device)
     options = ghop.warp_specialized_options(config["num_warps"])
     compiled = conv2d_fprop_kernel[grid](x_desc, w_desc, y_desc, ws, *scalars, **ce, **options)
-    reduce = sk.split_k_reduce_jit(ws, y) if split else None
-    if key is not None:
-        ld = direct.DirectLauncher.of(compiled)
-        rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, y)
-        if ld is not None and (reduce is None or rd is not None):
-            plan = _Plan()
-            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_fprop_kernel, (None,) * 4 + scalars, ce)[4:]
-            plan.x_desc, plan.w_desc, plan.y_blk = x_desc_of, w_desc_of, [bm, bn]
-            plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
-            plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
-            plan.reduce = rd
-            plan.idle = sk.no_split_workspace(x.device).data_ptr()  # the unsplit binary's workspace
-            _PLANS.put(key, plan)
+    reduce = (sk.split_k_reduce_jit(ws, y), ws, y) if split else None
+    plan = direct.new_plan(_Plan, key, compiled, conv2d_fprop_kernel, 4, scalars, ce, grid[0], reduce)
+    if plan is not None:
+        plan.x_desc, plan.w_desc, plan.y_blk = x_desc_of, w_desc_of, [bm, bn]
+        plan.ci, plan.pad_x, plan.pad_w = Ci, xp is not x, wp is not w
+        plan.y_shape, plan.Co, plan.co_pad, plan.out_shape = (M, co_pad), Co, co_pad, (N, P, Q, Co)
+        plan.idle = sk.no_split_workspace(x.device).data_ptr()  # the unsplit binary's workspace
+        _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(N, P, Q, Co)
 
@@ -696,16 +690,15 @@ def _launch_packed_jit(config: dict, x: torch.Tensor, w: torch.Tensor, stride, p
     ce = _packed_constexprs(config)
     compiled = conv2d_fprop_packed_kernel[grid](x, w_desc, y_desc, *ints, **ce)
     out_shape = (x.shape[0], *PQ, Co)
-    if key is not None and not x.data_ptr() & 15:  # plans are of 16-byte aligned x (_PackedPlan.run)
-        ld = direct.DirectLauncher.of(compiled)
-        if ld is not None:
-            plan = _PackedPlan()
-            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_fprop_packed_kernel, (None, None, None) + ints, ce)[3:]
-            plan.w_blk, plan.y_blk, plan.y_shape = [bn, bk], [bm, bn], (M, co_pad)
-            plan.Co, plan.co_pad, plan.out_shape = Co, co_pad, out_shape
-            plan.w_copies, plan.w_bufs = wp.data_ptr() != w.data_ptr(), {}
-            _PLANS.put(key, plan)
+    aligned = not x.data_ptr() & 15  # plans are of 16-byte aligned x (_PackedPlan.run)
+    plan = direct.new_plan(
+        _PackedPlan, key if aligned else None, compiled, conv2d_fprop_packed_kernel, 3, ints, ce, grid[0]
+    )
+    if plan is not None:
+        plan.w_blk, plan.y_blk, plan.y_shape = [bn, bk], [bm, bn], (M, co_pad)
+        plan.Co, plan.co_pad, plan.out_shape = Co, co_pad, out_shape
+        plan.w_copies, plan.w_bufs = wp.data_ptr() != w.data_ptr(), {}
+        _PLANS.put(key, plan)
     y = y if co_pad == Co else y[:, :Co].contiguous()
     return y.view(out_shape)
 

@@ -732,7 +732,6 @@ def _launch_jit(
     grid = (work.ctas,)
     ce = _constexprs(config, im2col)
     geometry = (Co, Ci, R * S, S, P * Q, Q, sh, sw, ph, pw)
-    reduce = None
     if mode == "stream":
         flags = sk.zeroed_counters(x.device, torch.cuda.current_stream(x.device).cuda_stream, work.ctas)
         ptrs = (out, ws, flags)
@@ -741,21 +740,16 @@ def _launch_jit(
         ptrs = (target, target, target)  # ws_ptr and flags_ptr unused
     scalars = geometry + (work.k_steps, work.per, work.splits)
     compiled = conv2d_wgrad_kernel[grid](g_desc, x_desc, c_desc_of(out), *ptrs, *scalars, **ce)
-    if mode == "split":
-        reduce = sk.split_k_reduce_jit(ws, out)
-    leading = (None,) * 6
+    split = (sk.split_k_reduce_jit(ws, out), ws, out) if mode == "split" else None
     aligned = not (out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
-    if key is not None and aligned:
-        ld = direct.DirectLauncher.of(compiled)
-        rd = direct.SplitReduce.of(reduce, ws, out) if mode == "split" else None
-        if ld is not None and (mode != "split" or rd is not None):
-            plan = _Plan()
-            plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), grid[0]
-            plan.tail = direct.kernel_args(conv2d_wgrad_kernel, leading + scalars, ce)[len(leading) :]
-            plan.g_desc, plan.x_desc, plan.c_desc = g_desc_of, x_desc_of, c_desc_of
-            plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
-            plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
-            _PLANS.put(key, plan)
+    plan = direct.new_plan(
+        _Plan, key if aligned else None, compiled, conv2d_wgrad_kernel, 6, scalars, ce, grid[0], split
+    )
+    if plan is not None:
+        plan.g_desc, plan.x_desc, plan.c_desc = g_desc_of, x_desc_of, c_desc_of
+        plan.ci, plan.ci_g, plan.pad_x, plan.pad_g = Ci, gc, xp is not x, gp is not grad_out
+        plan.out_shape, plan.mode, plan.ws_shape, plan.Ci0 = (Co, R, S, Ci), mode, ws_shape, Ci0
+        _PLANS.put(key, plan)
     return out if Ci == Ci0 else out[..., :Ci0].contiguous()
 
 
@@ -774,16 +768,12 @@ def _launch_gather_jit(config: dict, x, grad_out, R: int, S: int, stride, paddin
     g = gwg.gather_launch(config, x, grad_out, R, S, stride, padding, few_co)
     compiled = fn[(g.ctas,)](g.desc, g.gathered, g.target(), *g.ints, **ce)
     out, ws = g.out, g.ws
-    reduce = None if ws is None else sk.split_k_reduce_jit(ws, out)
+    split = None if ws is None else (sk.split_k_reduce_jit(ws, out), ws, out)
     aligned = not (g.gathered.data_ptr() | out.data_ptr() | (0 if ws is None else ws.data_ptr())) & 15
-    if key is None or not aligned or (few_co and g.gathered is not grad_out):  # the plan launches the caller's tensor
-        return out
-    ld = direct.DirectLauncher.of(compiled)
-    rd = None if reduce is None else direct.SplitReduce.of(reduce, ws, out)
-    if ld is not None and (reduce is None or rd is not None):
-        plan = _GatherPlan()
-        plan.launcher, plan.reduce, plan.maps, plan.grid0 = ld, rd, direct.DescMaps(), g.ctas
-        plan.tail = direct.kernel_args(fn, (None,) * 3 + g.ints, ce)[3:]
+    if not aligned or (few_co and g.gathered is not grad_out):  # the plan launches the caller's tensor
+        key = None
+    plan = direct.new_plan(_GatherPlan, key, compiled, fn, 3, g.ints, ce, g.ctas, split)
+    if plan is not None:
         plan.blk, plan.cols, plan.rows, plan.out_shape, plan.few_co = g.blk, g.cols, g.rows, tuple(out.shape), few_co
         _PLANS.put(key, plan)
     return out

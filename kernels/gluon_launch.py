@@ -272,6 +272,27 @@ def kernel_args(fn, positional: Sequence, constexprs: dict) -> tuple:
     return tuple(positional) + tuple(constexprs[n] for n in names[len(positional) :])
 
 
+def new_plan(cls, key, compiled, fn, leading: int, ints: tuple, constexprs: dict, grid0: int, split=None):
+    """A plan of class `cls` (a backend's: see DirectLauncher) for a JIT launch of `fn` that
+    compiled to `compiled`, holding what every plan does: the kernel's launcher, an empty
+    DescMaps, grid0 and the tail of its arguments after its `leading` tensors and descriptors
+    (kernel_args), and, in a plan with a `reduce` slot, the SplitReduce that replays the
+    launch's reduction (split = (the reduction's CompiledKernel, ws, out)) or None. None where
+    key is None or Triton's launcher cannot take the kernel or its reduction directly: no plan."""
+    if key is None:
+        return None
+    ld = DirectLauncher.of(compiled)
+    rd = None if split is None else SplitReduce.of(*split)
+    if ld is None or (split is not None and rd is None):
+        return None
+    plan = cls()
+    plan.launcher, plan.maps, plan.grid0 = ld, DescMaps(), grid0
+    plan.tail = kernel_args(fn, (None,) * leading + tuple(ints), constexprs)[leading:]
+    if "reduce" in cls.__slots__:
+        plan.reduce = rd
+    return plan
+
+
 # ---- split-K of a planned launch ---------------------------------------------------------------
 
 

@@ -458,25 +458,24 @@ def launch(config: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _launch_jit(config: dict, a: torch.Tensor, b: torch.Tensor, key) -> torch.Tensor:
     run = gmm.matmul_launch(config, a, b, _block_shapes, _constexprs)
     compiled = matmul_kernel[run.grid](*run.args(), **run.constexprs)
-    if key is not None and not (run.c.data_ptr() | run.ws.data_ptr()) & 15:
-        ld = direct.DirectLauncher.of(compiled)
-        if ld is not None:
-            plan = _Plan()
-            plan.launcher, plan.maps, plan.grid0 = ld, direct.DescMaps(), run.grid[0]
-            plan.tail = direct.kernel_args(matmul_kernel, (None,) * 6 + run.scalars, run.constexprs)[6:]
-            plan.swap, plan.a_t, plan.b_t = run.swap, run.a_t, run.b_t
-            plan.a_ok, plan.b_ok = run.a_src is run.a_view, run.b_src is run.b_view
-            plan.a_blk, plan.b_blk, plan.c_blk = run.blocks
-            plan.c_shape, plan.N, plan.n_pad = tuple(run.c.shape), run.N, run.n_pad
-            plan.ws_shape, plan.tiles = (tuple(run.ws.shape) if run.split else None), run.tiles
-            plan.idle = sk.no_split_workspace(a.device).data_ptr()  # held for the process: a fixed address
-            # this launch's descriptors: the next call at these addresses (a pointwise conv's
-            # launch through launcher.AsMatmul needs them cached) builds none
-            owned = (plan.a_ok, plan.b_ok, True)  # not a copy tma_ready made for this call alone
-            for slot, (t, desc, own) in enumerate(zip((run.a_src, run.b_src, run.c), run.descs, owned)):
-                if own:
-                    plan.maps.put((slot, t.data_ptr()), ld.expand_desc(slot, desc))
-            _PLANS.put(key, plan)
+    aligned = not (run.c.data_ptr() | run.ws.data_ptr()) & 15
+    plan = direct.new_plan(
+        _Plan, key if aligned else None, compiled, matmul_kernel, 6, run.scalars, run.constexprs, run.grid[0]
+    )
+    if plan is not None:
+        plan.swap, plan.a_t, plan.b_t = run.swap, run.a_t, run.b_t
+        plan.a_ok, plan.b_ok = run.a_src is run.a_view, run.b_src is run.b_view
+        plan.a_blk, plan.b_blk, plan.c_blk = run.blocks
+        plan.c_shape, plan.N, plan.n_pad = tuple(run.c.shape), run.N, run.n_pad
+        plan.ws_shape, plan.tiles = (tuple(run.ws.shape) if run.split else None), run.tiles
+        plan.idle = sk.no_split_workspace(a.device).data_ptr()  # held for the process: a fixed address
+        # this launch's descriptors: the next call at these addresses (a pointwise conv's
+        # launch through launcher.AsMatmul needs them cached) builds none
+        owned = (plan.a_ok, plan.b_ok, True)  # not a copy tma_ready made for this call alone
+        for slot, (t, desc, own) in enumerate(zip((run.a_src, run.b_src, run.c), run.descs, owned)):
+            if own:
+                plan.maps.put((slot, t.data_ptr()), plan.launcher.expand_desc(slot, desc))
+        _PLANS.put(key, plan)
     return run.result()
 
 
