@@ -38,8 +38,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from . import KernelSpec, problems
@@ -342,7 +340,6 @@ def _mma_partition(
 ):
     """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read it
     has retired, then the unit's epilogue (see conv2d_dgrad_kernel)."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
@@ -367,16 +364,7 @@ def _mma_partition(
             phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
         )
         cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
-        for kk in range(cnt):
-            slot = use % STAGES
-            mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kk != 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the previous k-step's WGMMA has retired: its slot goes back to the loader
-            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
-            use += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=cnt > 0)
+        acc, use = ghop.wgmma_steps(a_bufs, b_bufs, ready, empty, acc, cnt, use, False, False)
         # pixel m of the phase's walk -> grad_x[img, a + sh * pi, b + sw * pj]
         m = m0 + rows0
         img = m // PQ2

@@ -225,7 +225,6 @@ def _mma_partition(
     """The WGMMA warps: one WGMMA in flight, each ring slot released once the WGMMA that read it
     has retired, then the unit's epilogue: a TMA store overlapping the next unit, or with SPLIT
     the fp32 partial."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
@@ -260,18 +259,7 @@ def _mma_partition(
             BLOCK_K,
             SPLIT,
         )
-        for kk in range(cnt):
-            slot = use % STAGES
-            mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
-            acc = warpgroup_mma(
-                a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk != 0, is_async=True
-            )
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the previous k-step's WGMMA has retired: its slot goes back to the loader
-            mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
-            use += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=cnt > 0)
+        acc, use = ghop.wgmma_steps(a_bufs, b_bufs, ready, empty, acc, cnt, use, False, True)
         if SPLIT:
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))

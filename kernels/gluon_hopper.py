@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .gluon_device import barrier_ring
 from .gluon_host import pow2_at_least, ring_shortfall, tap_k_step
@@ -49,6 +50,35 @@ def specialized_rings(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
     return a_bufs, b_bufs, c_smem, barrier_ring(STAGES), barrier_ring(STAGES)
+
+
+@gluon.jit
+def wgmma_steps(a_bufs, b_bufs, ready, empty, acc, n, use, A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    """The WGMMA warps' side of a specialized_rings ring (the fprop's and the dgrad's): n
+    k-steps of WGMMAs into acc (the first overwrites it) from the ring's `use`-th stage on, each
+    once its TMA loads have landed, one WGMMA in flight; a stage goes back to the loader (empty)
+    once the WGMMA that read it has retired, the last after the final wait, outside the loop,
+    so that no WGMMA is in flight across the epilogue's branches. An operand stored K-outer
+    (A_TRANS, B_TRANS) is fed through a permuted view. Returns (acc, the next use)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    for kk in range(n):
+        slot = use % STAGES
+        mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
+        use_acc = kk != 0
+        a = a_bufs.index(slot)
+        if A_TRANS:
+            a = a.permute((1, 0))
+        b = b_bufs.index(slot)
+        if B_TRANS:
+            b = b.permute((1, 0))
+        acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # the previous k-step's WGMMA has retired: its slot goes back to the loader
+        mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=kk != 0)
+        use += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((use + STAGES - 1) % STAGES), pred=n > 0)
+    return acc, use
 
 
 # ---- candidates ------------------------------------------------------------------------------
