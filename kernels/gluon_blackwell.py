@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
-from .gluon_device import barrier_ring, grouped_tile
+from .gluon_device import barrier_ring, grouped_tile, stage_operands
 from .gluon_host import ITEMSIZE, ring_shortfall, sm_count_of
 from .hardware import BLACKWELL
 
@@ -113,12 +113,7 @@ def mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, use, A_TRANS:
     first one overwrites it), which arrives on done[slot] when complete (an operand stored
     K-outer is fed through a permuted view)."""
     mbarrier.wait(ready.index(slot), phase)
-    a = a_bufs.index(slot)
-    b = b_bufs.index(slot)
-    if A_TRANS:
-        a = a.permute((1, 0))
-    if B_TRANS:
-        b = b.permute((1, 0))
+    a, b = stage_operands(a_bufs, b_bufs, slot, A_TRANS, B_TRANS)
     tcgen05_mma(a, b, acc, use_acc=use > 0, mbarriers=[done.index(slot)])
 
 

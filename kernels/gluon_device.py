@@ -45,6 +45,19 @@ def invalidate_rings(first, second, third=None, fourth=None):
 
 
 @gluon.jit
+def stage_operands(a_bufs, b_bufs, slot, A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
+    """Stage `slot` of the operand rings as an MMA (WGMMA, tcgen05) reads it: an operand stored
+    K-outer (A_TRANS, B_TRANS) through a permuted view. Returns (a, b)."""
+    a = a_bufs.index(slot)
+    if A_TRANS:
+        a = a.permute((1, 0))
+    b = b_bufs.index(slot)
+    if B_TRANS:
+        b = b.permute((1, 0))
+    return a, b
+
+
+@gluon.jit
 def grouped_tile(tile_id, num_pid_m, num_pid_n, group_m):
     """Tile id -> (pid_m, pid_n), walking `group_m` row-tiles at a time so that they
     share their B columns in L2 while all SMs work on the same band."""

@@ -12,7 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import barrier_ring
+from .gluon_device import barrier_ring, stage_operands
 from .gluon_host import pow2_at_least, ring_shortfall, tap_k_step
 from .hardware import HOPPER
 
@@ -65,12 +65,7 @@ def wgmma_steps(a_bufs, b_bufs, ready, empty, acc, n, use, A_TRANS: gl.constexpr
         slot = use % STAGES
         mbarrier.wait(ready.index(slot), (use // STAGES) & 1)
         use_acc = kk != 0
-        a = a_bufs.index(slot)
-        if A_TRANS:
-            a = a.permute((1, 0))
-        b = b_bufs.index(slot)
-        if B_TRANS:
-            b = b.permute((1, 0))
+        a, b = stage_operands(a_bufs, b_bufs, slot, A_TRANS, B_TRANS)
         acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         # the previous k-step's WGMMA has retired: its slot goes back to the loader

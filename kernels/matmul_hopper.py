@@ -173,12 +173,7 @@ def matmul_kernel(
         for kk in range(steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            a = a_bufs.index(slot)
-            if TRANS_A:
-                a = a.permute((1, 0))
-            b = b_bufs.index(slot)
-            if TRANS_B:
-                b = b.permute((1, 0))
+            a, b = gdev.stage_operands(a_bufs, b_bufs, slot, TRANS_A, TRANS_B)
             acc = warpgroup_mma(a, b, acc, use_acc=kk != 0, is_async=True)
             # the previous step's WGMMA has retired: its slot is free for the next load, which
             # runs on into the next tile's k-steps near the end of this one
