@@ -361,15 +361,14 @@ def _gathered_mainloop(
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
-    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     for i in gl.static_range(NUM_BUFFERS - 1):
         _packed_a_load(i, n, k_from, a0, a_desc, a_bufs, ready, done)
     m0 = k_from * BLOCK_K
-    b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+    b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, FEW_CO, num_warps)
     for i in range(n):
         slot, phase = store_gathered(b, b_bufs, done, i)
         m0 += BLOCK_K
-        b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+        b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, FEW_CO, num_warps)
         mma_when_loaded(a_bufs, b_bufs, acc, slot, phase, ready, done, i, True, False)
         _packed_a_load(i + NUM_BUFFERS - 1, n, k_from, a0, a_desc, a_bufs, ready, done)
     wait_acc(acc_bar)

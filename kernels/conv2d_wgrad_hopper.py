@@ -360,12 +360,11 @@ def _gathered_mainloop(
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
-    g_layout: gl.constexpr = gpt.packed_gather_layout(BLOCK_N, num_warps)
     for i in gl.static_range(STAGES - 1):
         _packed_a_load(i, n, k_from, a0, a_desc, a_bufs, ready, STAGES)
 
     m0 = k_from * BLOCK_K
-    b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+    b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, FEW_CO, num_warps)
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     for i in range(n):
@@ -374,7 +373,7 @@ def _gathered_mainloop(
         b_bufs.index(i % 2).store(b)
         fence_async_shared()
         m0 += BLOCK_K
-        b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, g_layout, FEW_CO)
+        b = gwg.gathered_b(m0, gather, BLOCK_K, BLOCK_N, FEW_CO, num_warps)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(i % 2), acc, use_acc=i > 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))

@@ -24,7 +24,7 @@ from .gluon_host import (
     ptr_sig,
     sm_count_of,
 )
-from .gluon_packed_taps import packed_gather, packed_rows, packs_taps
+from .gluon_packed_taps import packed_gather, packed_gather_layout, packed_rows, packs_taps
 from .gluon_split_k import auto_splits, split_k_plan, split_k_reduce_spec
 
 # ---- split-K and stream-K --------------------------------------------------------------------
@@ -458,11 +458,13 @@ def gather_buffers(a_desc, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def gathered_b(m0, gather, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr, FEW_CO: gl.constexpr):
+def gathered_b(m0, gather, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, FEW_CO: gl.constexpr, num_warps: gl.constexpr):
     """The gathered B tile of pixel step m0... of both architectures' gathering wgrad kernels,
     whose main loops differ only in this: x's packed-taps im2col (gather = (x_ptr, n0, K, SCi,
     Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)) or, FEW_CO, grad_out's taps
-    (gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED))."""
+    (gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED)),
+    in registers of the gather layout of num_warps (gluon_packed_taps.packed_gather_layout)."""
+    layout: gl.constexpr = packed_gather_layout(BLOCK_N, num_warps)
     if FEW_CO:
         g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED = gather
         img, ih, iw = few_co_rows(m0, NHW, HW, W, BLOCK_K, layout)
