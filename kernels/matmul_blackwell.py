@@ -36,6 +36,7 @@ from . import gluon_blackwell as gbw
 from . import gluon_device as gdev
 from . import gluon_host as gh
 from . import gluon_matmul as gmm
+from . import gluon_split_k as sk  # noqa: F401 (its launch runs it, through gluon_matmul: in the version)
 from .gluon_blackwell import (
     WORKER_REGS,
     free_stage,
