@@ -243,7 +243,8 @@ def tune(
             ticker.update(f"{what}: {timed:.0f}/{n} timed{compiled} · {best}")
 
         try:
-            result = run_tune(mod, p, device, torch_device=where, source="cli", progress=progress)
+            ranking = CACHE.ranking(mod.KERNEL, device)
+            result = run_tune(mod, p, device, torch_device=where, source="cli", progress=progress, ranking=ranking)
         except TuneError as e:
             _fail(str(e))
     kept = CACHE.keep_tuned(result, device)

@@ -150,9 +150,9 @@ def compile_timeout_s() -> float:
 
 
 def max_candidates() -> int | None:
-    """TUNECACHE_MAX_CANDIDATES caps how many configs one tuning run benchmarks (backends
-    order their pruned candidates likeliest-first), bounding a tune at about a minute;
-    0 searches the whole pruned space."""
+    """TUNECACHE_MAX_CANDIDATES caps how many configs one tuning run benchmarks: 0 searches the
+    whole pruned space. Unset, a tune times the 16 (or 32) the learned ranking puts first
+    (tunecache.tuning.ranking), or 48 of the backend's static order where nothing is known."""
     v = os.environ.get("TUNECACHE_MAX_CANDIDATES", "48")
     try:
         n = int(v)
@@ -161,6 +161,20 @@ def max_candidates() -> int | None:
     if n < 0:
         raise ValueError(f"TUNECACHE_MAX_CANDIDATES must be >= 0, got {v!r}")
     return n or None
+
+
+def max_candidates_given() -> bool:
+    """Whether TUNECACHE_MAX_CANDIDATES is set (then it is the breadth of every tune)."""
+    return bool(os.environ.get("TUNECACHE_MAX_CANDIDATES", "").strip())
+
+
+def ranking_learned() -> bool:
+    """TUNECACHE_RANKING: `learned` (the default) orders a tune's candidates by past trials of
+    the kernel (shipped, the store's, the fleet's); `static` keeps the backend's own order."""
+    v = os.environ.get("TUNECACHE_RANKING", "learned").strip().lower()
+    if v not in ("learned", "static"):
+        raise ValueError(f"TUNECACHE_RANKING must be 'learned' or 'static', got {v!r}")
+    return v == "learned"
 
 
 # ---- the fleet client -------------------------------------------------------------------

@@ -139,11 +139,13 @@ _SIZES = ("M", "N", "K", "gemm_M", "gemm_N", "gemm_K")
 _MUST_MATCH = ("R", "S", "stride_h", "stride_w", "pad_h", "pad_w")  # sizes that change the kernel's walk
 
 
-def problem_distance(a: dict, b: dict) -> float:
-    """How far problem `b` is from `a`, for borrowing a tuned neighbour's config (the miss
-    policy `default`) and naming the nearest tuned shapes (`GET /v1/best`): the log distance
-    over the GEMM sizes; infinite where a categorical field (dtype, layouts) or the filter,
-    stride or padding differs."""
-    if any(b.get(f) != v for f, v in a.items() if not isinstance(v, int) or f in _MUST_MATCH):
-        return math.inf
-    return sum(abs(math.log(max(1, a[f])) - math.log(max(1, b.get(f, 1)))) for f in _SIZES if f in a)
+def problem_distance(a: dict, b: dict, unlike: float = math.inf) -> float:
+    """How far problem `b` is from `a`: the log distance over the GEMM sizes, plus `unlike` for
+    each categorical field (dtype, layouts), filter size, stride or padding that differs.
+    Infinite there (the default) for borrowing a tuned neighbour's config (the miss policy
+    `default`) and naming the nearest tuned shapes (`GET /v1/best`): a config of another walk
+    may not run here; finite for ranking candidates by their neighbours' trials
+    (tunecache.tuning.ranking), where an unlike neighbour still tells which tiles do well."""
+    unlike_fields = sum(b.get(f) != v for f, v in a.items() if not isinstance(v, int) or f in _MUST_MATCH)
+    sizes = sum(abs(math.log(max(1, a[f])) - math.log(max(1, b.get(f, 1)))) for f in _SIZES if f in a)
+    return sizes + unlike * unlike_fields if unlike_fields else sizes

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -43,12 +44,15 @@ if TYPE_CHECKING:
     from tunecache.key import DeviceClass
     from tunecache.locks import Turn
     from tunecache.store import Store
+    from tunecache.tuning.ranking import Ranking
     from tunecache.tuning.tuner import TuneResult
 
 log = logging.getLogger("tunecache")
 
 # How often a process asks the fleet for its generation (only when it reads a fleet copy).
 GENERATION_POLL_S = 60.0
+# How often a process asks the fleet for the trials its tunes rank candidates by.
+FLEET_TRIALS_S = 600.0
 # How often a host that waits for another's tune of a key asks the fleet whether it is done.
 FLEET_WAIT_POLL_S = 2.0
 
@@ -81,6 +85,7 @@ class ConfigCache:
         self._generation: int | None = None
         self._generation_at = -float("inf")
         self._copied: set[str] = set()  # digests whose fleet copy this process has written (or queued)
+        self._fleet_trials: dict[tuple[str, str], tuple[float, list]] = {}  # (kernel, arch) -> (when, rows)
 
     # ---- where configs live ---------------------------------------------------------------
 
@@ -212,6 +217,29 @@ class ConfigCache:
             if d < best_d and check(rec.config) is None:
                 best, best_d = rec.config, d
         return best
+
+    def ranking(self, kernel: str, device: "DeviceClass", store: "Store | None" = None, fleet: Any = None) -> "Ranking":
+        """What past tunes say of `kernel`'s candidates on this device's architecture
+        (tunecache.tuning.ranking): the trials the package ships, the store's (read per miss: a
+        tune adds its own) and the fleet's (asked once per FLEET_TRIALS_S). `store`, `fleet`:
+        the worker's own, else this process's."""
+        from tunecache.tuning import ranking
+
+        if not settings.ranking_learned():
+            return ranking.Ranking()
+        trials = list(ranking.shipped(kernel, device.arch))
+        store = store or self.store()
+        if store is not None:
+            rows = self.store_call("read past trials", lambda: store.ranking_trials(device.arch, kernel), [])
+            trials += [t for _, t in ranking.trial_rows(rows)]
+        fleet = fleet if fleet is not None else self.fleet()
+        if fleet is not None:
+            when, rows = self._fleet_trials.get((kernel, device.arch), (-math.inf, []))
+            if time.monotonic() - when > FLEET_TRIALS_S:
+                rows = fleet.trials(kernel, device.arch) or []
+                self._fleet_trials[(kernel, device.arch)] = (time.monotonic(), rows)
+            trials += [t for _, t in ranking.trial_rows(rows)]
+        return ranking.Ranking(trials)
 
     def surely_missing(self, digest: str) -> bool:
         """Whether this host's store has no winner for `digest`, known without opening the

@@ -589,6 +589,12 @@ class FleetClient:
             return res[1]
         return None
 
+    def trials(self, kernel: str, arch: str) -> list[tuple] | None:
+        """The fleet's trusted trials of `kernel` on `arch` (GET /v1/trials); None when the fleet
+        could not say (unreachable, refused, or a service older than the endpoint)."""
+        res = self._call("GET", f"{API}/trials", _trials, params={"kernel": kernel, "arch": arch})
+        return None if res is None or res[0] != 200 else res[1]
+
     def report(self, key: TuneKey, config: dict, error: str) -> bool | None:
         """Tell the fleet that its config for this key cannot run here (kept as a failed trial;
         a worker re-times the key). True if recorded, None if the fleet could not be reached."""
@@ -885,6 +891,20 @@ class FleetClient:
             if res[0] == 200:
                 out[d] = res[1]
         return out
+
+
+def _trials(body: Any) -> list[tuple]:
+    """GET /v1/trials's packed answer as (kernel, problem, config, milliseconds) rows; rows
+    that point nowhere or hold no positive time are left out (the ranking only orders, every
+    candidate is still timed here)."""
+    problems, configs, kernel = body["problems"], body["configs"], str(body["kernel"])
+    out = []
+    for p, c, ms in body["rows"]:
+        if not (isinstance(p, int) and isinstance(c, int) and isinstance(ms, (int, float))):
+            continue
+        if 0 <= p < len(problems) and 0 <= c < len(configs) and ms > 0:
+            out.append((kernel, problems[p], configs[c], float(ms)))
+    return out
 
 
 def _published(body: Any) -> Published:

@@ -111,6 +111,9 @@ class Fleet(Protocol):
         kernel_versions: Mapping[str, str] | None,
         binaries: bool = True,
     ) -> SyncAnswer: ...
+    # trusted trials of a kernel on an architecture, as (kernel, problem, config, milliseconds):
+    # what a host ranks its tunes' candidates by (tunecache.tuning.ranking); None: unreachable
+    def trials(self, kernel: str, arch: str) -> list[tuple] | None: ...
 
     # the queue: hosts and pretune
     def enqueue(self, key: TuneKey, priority: int = 0, max_attempts: int = 3) -> bool | None: ...

@@ -15,7 +15,16 @@ from tunecache.fleet.protocol import (
     SyncAnswer,
 )
 from tunecache.key import DeviceClass, TuneKey
-from tunecache.store.records import ANNOUNCE_S, Announcement, ConfigRecord, JobRecord, PurgeReport, TrialRecord, whoami
+from tunecache.store.records import (
+    ANNOUNCE_S,
+    TRIALS_SERVED,
+    Announcement,
+    ConfigRecord,
+    JobRecord,
+    PurgeReport,
+    TrialRecord,
+    whoami,
+)
 
 if TYPE_CHECKING:
     from tunecache.store import Store
@@ -79,6 +88,9 @@ class StoreFleet:
         recs = self.store.device_configs(device.arch, device.sm_count, triton_version, kernel_versions)
         found = self.store.get_binaries([r.digest for r in recs]) if binaries and recs else {}
         return SyncAnswer(self.store.generation(), recs, found, [])
+
+    def trials(self, kernel: str, arch: str) -> list[tuple] | None:
+        return self.store.ranking_trials(arch, kernel, limit=TRIALS_SERVED, trusted_only=True)
 
     # ---- the queue ------------------------------------------------------------------------
 

@@ -217,6 +217,7 @@ class Worker:
 
     def process(self, job: ClaimedJob) -> Outcome:
         from tunecache import backends
+        from tunecache.cache.config_cache import CACHE
         from tunecache.tuning.tuner import make_key, tune
 
         key = job.key
@@ -249,15 +250,20 @@ class Worker:
         t0 = time.perf_counter()
         with Lease(self.queue, job, self.lease_s) as lease:
             try:
-                result = tune(mod, dict(key.problem), self.device, torch_device=self.torch_device, source=self.source)
+                result = tune(
+                    mod,
+                    dict(key.problem),
+                    self.device,
+                    torch_device=self.torch_device,
+                    source=self.source,
+                    ranking=CACHE.ranking(key.kernel, self.device, store=self.store, fleet=self.queue),
+                )
             except Exception as e:
                 return self._fail(job, short("".join(traceback.format_exception(e)), 4000))
             seconds = time.perf_counter() - t0
             if lease.lost:
                 return Outcome(job.id, key.kernel, "lost", seconds, "lease lost while tuning; not published")
             # this host's copy first (the service may be away right now), then the fleet's word
-            from tunecache.cache.config_cache import CACHE
-
             sent = CACHE.keep_tuned(
                 result, self.device, store=self.store, fleet=self.queue, publish="always", publish_attempts=5
             ).published

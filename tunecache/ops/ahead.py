@@ -78,7 +78,10 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
             problem = p.shape.problem
             try:
                 announce = announce_tune(mod, problem, device, where)
-                result = tune(mod, problem, device, torch_device=where, progress=announce, hint=turn.hint)
+                ranking = CACHE.ranking(mod.KERNEL, device)
+                result = tune(
+                    mod, problem, device, torch_device=where, progress=announce, hint=turn.hint, ranking=ranking
+                )
             except TuneError as e:
                 report.failed.append(f"{p.kernel} {problem}: {e}")
                 return True

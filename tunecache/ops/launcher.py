@@ -458,7 +458,10 @@ def _decide(
             failure = None
             try:
                 announce = announce_tune(mod, problem, device, torch_device)
-                result = tune(mod, problem, device, torch_device=torch_device, progress=announce, hint=turn.hint)
+                ranking = CACHE.ranking(mod.KERNEL, device)
+                result = tune(
+                    mod, problem, device, torch_device=torch_device, progress=announce, hint=turn.hint, ranking=ranking
+                )
             except TuneError as e:  # nothing of the space runs right here: the caller still gets an answer
                 result, failure = None, e
             default_ran = result is not None and result.default_ms is not None

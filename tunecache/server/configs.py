@@ -1,4 +1,4 @@
-"""/v1/configs, /v1/lookup, /v1/export, /v1/import, /v1/sync: tuned configs, their submissions and
+"""/v1/configs, /v1/lookup, /v1/export, /v1/import, /v1/sync, /v1/trials: tuned configs, their submissions and
 their compiled kernels."""
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from tunecache.server.schemas import (
     SubmissionOut,
     SyncIn,
     SyncOut,
+    TrialsOut,
 )
 from tunecache.store import Store, floor
-from tunecache.store.records import ConfigRecord, PurgeReport, TokenRecord, TrialRecord
+from tunecache.store.records import TRIALS_SERVED, ConfigRecord, PurgeReport, TokenRecord, TrialRecord
 from tunecache.store.transfer import FORMAT
 
 router = APIRouter(prefix="/v1", tags=["configs"])
@@ -456,6 +457,24 @@ def get_binaries(digest: DigestPath, _: ReadToken, store: StoreDep) -> BinariesO
         raise HTTPException(404, f"no tuned config with digest {digest}")
     found = store.get_binaries([digest]).get(digest, [])
     return BinariesOut(digest=digest, config=rec.config, binaries=[BinaryJson(**b.to_json()) for b in found])
+
+
+@router.get(
+    "/trials",
+    response_model=TrialsOut,
+    summary="Trusted trials of a kernel, to rank candidates by",
+    description="The newest measured trials of one kernel on one architecture that workers and "
+    "admins published (never a submission's claims), packed. A host asks once per 10 minutes a "
+    "kernel and times first what ran fastest on the problems nearest its own.",
+)
+def trials(
+    _: ReadToken, store: StoreDep, kernel: Annotated[Kernel, Query()], arch: Annotated[Arch, Query()]
+) -> TrialsOut:
+    from tunecache.tuning import ranking
+
+    rows = store.ranking_trials(arch, kernel, limit=TRIALS_SERVED, trusted_only=True)
+    packed = ranking.pack(ranking.trial_rows(rows)).get(kernel, {"problems": [], "configs": [], "rows": []})
+    return TrialsOut(kernel=kernel, arch=arch, **packed)
 
 
 @router.post(

@@ -564,6 +564,20 @@ class BinariesOut(BaseModel):
     binaries: list[BinaryJson]
 
 
+class TrialsOut(BaseModel):
+    """Trusted trials of one kernel on one architecture, newest first, packed: each problem and
+    config once, rows of [problem index, config index, milliseconds]. What a host ranks its
+    tunes' candidates by (tunecache.tuning.ranking); a submission's claimed times are left out."""
+
+    kernel: str
+    arch: str
+    problems: list[dict[str, Any]]
+    configs: list[dict[str, Any]]
+    rows: list[Annotated[list[Union[int, float]], Field(min_length=3, max_length=3)]] = Field(
+        description="[problem index, config index, milliseconds]"
+    )
+
+
 class SyncIn(Model):
     """A host's device class, its Triton, and the versions of the kernels it runs."""
 

@@ -32,7 +32,7 @@ from tunecache.tuning.binaries import Binary
 # from this many trials on, Postgres takes them by COPY: a publish's 500 trials by executemany
 # were a third of the service's time on it (the driver's per-row pipeline)
 COPY_ROWS = 50
-_TRIAL_COLUMNS = ("digest", "run_id", "kernel", "config", "status", "median_ms", "error", "created_at")
+_TRIAL_COLUMNS = ("digest", "run_id", "kernel", "config", "status", "median_ms", "error", "created_at", "trusted")
 
 
 def _copy_trials(s: Session, rows: list[dict]) -> None:
@@ -75,7 +75,7 @@ class ConfigStore(StoreBase):
             log.debug("tunecache: not keeping %s in the read-only store %s", rec.digest[:12], self.safe_url)
             return rec, True
         with self._write() as s:
-            self._add_trials(s, rec.key, trials, run_id)
+            self._add_trials(s, rec.key, trials, run_id, trusted=True)
             return self._keep_faster(s, rec, result_values(rec))
 
     def _keep_faster(
@@ -214,7 +214,10 @@ class ConfigStore(StoreBase):
                 )
             )
 
-    def _add_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
+    def _add_trials(
+        self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None, trusted: bool
+    ) -> None:
+        """`trusted`: measured by this host, a worker or an admin; not a submission's claim."""
         run_id = run_id or uuid.uuid4().hex
         rows = [
             dict(
@@ -226,6 +229,7 @@ class ConfigStore(StoreBase):
                 median_ms=t.median_ms,
                 error=(t.error or None) and t.error[:4000],
                 created_at=utcnow(),
+                trusted=trusted,
             )
             for t in trials
         ]
@@ -238,7 +242,7 @@ class ConfigStore(StoreBase):
         if not self.writable:
             return  # as put_config: a read-only store keeps nothing, and says so once when opened
         with self._write() as s:
-            self._add_trials(s, key, trials, run_id)
+            self._add_trials(s, key, trials, run_id, trusted=True)
 
     def trials(self, digest: str | None = None) -> list[TrialRecord]:
         with self._read() as s:
@@ -246,6 +250,26 @@ class ConfigStore(StoreBase):
             if digest:
                 q = q.where(TrialRow.digest == digest)
             return [TrialRecord(r.config, r.status, r.median_ms, r.error) for r in s.execute(q).scalars()]
+
+    def ranking_trials(
+        self, arch: str, kernel: str | None = None, limit: int = 50_000, trusted_only: bool = False
+    ) -> list[tuple]:
+        """Measured trials of the problems tuned on `arch`, newest first, as (kernel, problem,
+        config, milliseconds): what tunecache.tuning.ranking learns the candidates' order from.
+        `trusted_only`: none a submission only claimed (what the fleet serves)."""
+        with self._read() as s:
+            q = (
+                select(TrialRow.kernel, TunedConfigRow.problem, TrialRow.config, TrialRow.median_ms)
+                .join(TunedConfigRow, TunedConfigRow.digest == TrialRow.digest)
+                .where(TrialRow.status == "ok", TrialRow.median_ms > 0, TunedConfigRow.arch == arch)
+                .order_by(TrialRow.id.desc())
+                .limit(limit)
+            )
+            if kernel:
+                q = q.where(TrialRow.kernel == kernel)
+            if trusted_only:
+                q = q.where(TrialRow.trusted)
+            return [tuple(r) for r in s.execute(q)]
 
     def list_configs(
         self, kernel: str | None = None, arch: str | None = None, limit: int | None = None, offset: int = 0

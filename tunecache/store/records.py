@@ -176,6 +176,9 @@ class JobRecord:
 # how long an announcement holds without being renewed (a host renews it a few times a minute
 # while it tunes): a host that died mid-tune keeps the others waiting at most this long
 ANNOUNCE_S = 60.0
+# the newest this many trusted trials of a kernel on an architecture are what the fleet serves
+# to rank candidates by (Fleet.trials): a few hundred tuned problems, about 2 MB of JSON
+TRIALS_SERVED = 20_000
 # what an announcement says of a key (Store.announce)
 ANNOUNCE_STATES = ("yours", "tuning", "submitted")
 

@@ -166,6 +166,9 @@ class TrialRow(Base):
     median_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # measured by a host the store trusts (its own tune, a worker's or an admin's publish), not
+    # only claimed by a submission: the fleet ranks candidates by trusted trials only
+    trusted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class ApiTokenRow(Base):

@@ -76,7 +76,7 @@ class TrustStore(StoreBase):
         trials = list(trials)
         with self._write() as s:
             displace = self._unlaunchable_winner(s, rec, trials)
-            self._add_fleet_trials(s, rec.key, trials, run_id)
+            self._add_fleet_trials(s, rec.key, trials, run_id, trusted=True)
             kept, won = self._keep_faster(s, rec, values, displace=displace)
             row = self._add_submission(s, values, submitted_by, won, tune_seconds)
             if won:  # the winner remembers who made it (purge_token)
@@ -103,7 +103,7 @@ class TrustStore(StoreBase):
         None, the submission's id, the key's queued or running job or None)."""
         values = result_values(rec)
         with self._write() as s:
-            self._add_fleet_trials(s, rec.key, trials, run_id)
+            self._add_fleet_trials(s, rec.key, trials, run_id, trusted=False)
             sub = self._add_submission(s, values, submitted_by, False, tune_seconds)
             row = locked(s, TunedConfigRow, rec.digest)
             try:
@@ -150,9 +150,8 @@ class TrustStore(StoreBase):
             if row is None:
                 return False, None
             key = key_of(row)
-            self._add_fleet_trials(
-                s, key, [TrialRecord(config=config, status="failed", error=f"reported by {reported_by}: {error}")], None
-            )
+            report = TrialRecord(config=config, status="failed", error=f"reported by {reported_by}: {error}")
+            self._add_fleet_trials(s, key, [report], None, trusted=False)
             if row.config != config:
                 return True, None
             row.reports = (row.reports or 0) + 1
@@ -173,10 +172,13 @@ class TrustStore(StoreBase):
             return False
         return not any(t.status == "ok" and t.config == row.config for t in trials)
 
-    def _add_fleet_trials(self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None) -> None:
+    def _add_fleet_trials(
+        self, s: Session, key: TuneKey, trials: Iterable[TrialRecord], run_id: str | None, trusted: bool
+    ) -> None:
         """A published run's trials, bounded: the fastest TRIALS_PER_SUBMISSION (measured ones
         first, then failures, errors cut to TRIAL_ERROR_CHARS), and the key's newest
-        TUNECACHE_TRIALS_PER_KEY kept (older ones deleted here)."""
+        TUNECACHE_TRIALS_PER_KEY kept (older ones deleted here). `trusted`: a worker's or an
+        admin's (ranking_trials serves those), not a submission's claim."""
         from tunecache import settings
 
         trials = list(trials)
@@ -186,7 +188,7 @@ class TrustStore(StoreBase):
             t if not t.error or len(t.error) <= TRIAL_ERROR_CHARS else replace(t, error=t.error[:TRIAL_ERROR_CHARS])
             for t in kept
         ]
-        self._add_trials(s, key, kept, run_id)
+        self._add_trials(s, key, kept, run_id, trusted)
         s.flush()
         newest = (
             select(TrialRow.id)

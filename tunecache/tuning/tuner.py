@@ -21,6 +21,7 @@ from tunecache.key import DeviceClass, TuneKey, triton_version
 from tunecache.store.records import ConfigRecord, TrialRecord, whoami
 from tunecache.tuning.accuracy import tolerance
 from tunecache.tuning.binaries import Binary
+from tunecache.tuning.ranking import Ranking, shipped, shortlist
 from tunecache.tuning.timing import QUICK_REP_MS, QUICK_WARMUP_MS, SETTLE_REP_MS, SETTLE_WARMUP_MS, leaders, settle
 from tunecache_kernels.spaces import VENDOR, is_vendor
 
@@ -117,6 +118,7 @@ def tune(
     progress: Callable[[str, int, int, float | None], None] | None = None,
     configs: list[dict] | None = None,
     hint: dict | None = None,
+    ranking: Ranking | None = None,
 ) -> TuneResult:
     """Tune `mod` (a backend module) for `problem` on this device; return the winner and every trial.
 
@@ -125,11 +127,13 @@ def tune(
     `hint`: a config another host of the fleet tuned this key to (a claim measured there only):
     it is timed against the default (and the vendor's op) first, and wins without a tune of
     the whole space when it runs right here and beats them; else the whole space is tuned.
+    `ranking`: what past tunes of the kernel say of its candidates (`ConfigCache.ranking`); a
+    tune times the few it puts first. Without it, the trials this package ships.
     """
     if hint is not None and configs is None:
         t0 = time.perf_counter()
         try:
-            checked = _tune(mod, problem, device, torch_device, source, progress, None, hint)
+            checked = _tune(mod, problem, device, torch_device, source, progress, None, hint, None)
         except TuneError:  # neither it nor the default ran right here: the whole space decides
             checked = None
         ran = checked and next((t for t in checked.trials if t.config == hint and t.status == "ok"), None)
@@ -144,10 +148,10 @@ def tune(
             mod.KERNEL,
             hint,
         )
-        result = _tune(mod, problem, device, torch_device, source, progress, None, None)
+        result = _tune(mod, problem, device, torch_device, source, progress, None, None, ranking)
         result.seconds = time.perf_counter() - t0
         return result
-    return _tune(mod, problem, device, torch_device, source, progress, configs, None)
+    return _tune(mod, problem, device, torch_device, source, progress, configs, None, ranking)
 
 
 def _tune(
@@ -159,6 +163,7 @@ def _tune(
     progress: Callable[[str, int, int, float | None], None] | None,
     configs: list[dict] | None,
     hint: dict | None,
+    ranking: Ranking | None,
 ) -> TuneResult:
     t0 = time.perf_counter()
     on_gpu = device.arch != "cpu"
@@ -170,13 +175,14 @@ def _tune(
         space = [c for c in (hint, default) if not is_vendor(c)]
         space = [c for i, c in enumerate(space) if c not in space[:i]]
     candidates = mod.prune(space, problem, device) if configs is None else list(configs)
+    siblings = MAX_SIBLINGS
     if configs is None and hint is None:
-        cap = settings.max_candidates()
-        if cap is not None:
-            candidates = candidates[:cap]
+        if ranking is None:
+            ranking = Ranking(shipped(mod.KERNEL, device.arch)) if settings.ranking_learned() else Ranking()
         # the untuned default always competes, so a tuned entry is never slower than no tuning
-        if default not in candidates and mod.prune([default], problem, device):
-            candidates.append(default)
+        must = [default] if mod.prune([default], problem, device) else []
+        short = shortlist(ranking.order(candidates, problem), candidates, must)
+        candidates, siblings = short.candidates, MAX_SIBLINGS if short.siblings is None else short.siblings
     # on a GPU the vendor's op competes too (timed beside the settled leaders): a tuned call is
     # never slower than torch's; not on the CPU interpreter (it measures correctness, not speed),
     # nor where a caller gives the candidates (the kernels' own standing)
@@ -216,7 +222,8 @@ def _tune(
     # the leaders' variants in run-time arguments only (GROUP_M, SPLIT_K): the same binaries,
     # so they cost a timing each and no compile; the capped list holds each kernel once
     if quick and configs is None and hint is None:
-        for sibling in _siblings(mod, problem, device, space, [candidates[i] for i in leaders(quick)], candidates):
+        leading = [candidates[i] for i in leaders(quick)]
+        for sibling in _siblings(mod, problem, device, space, leading, candidates)[:siblings]:
             candidates.append(sibling)
             time_quickly(len(candidates) - 1)
         mark("siblings")

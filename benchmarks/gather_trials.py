@@ -1,0 +1,165 @@
+"""Gather the trials that the shipped candidate ranking is trained on (issue 40).
+
+Calls `tunecache.ops` on a list of training shapes, one op after another, with a wider
+candidate cap than a user's tune (TUNECACHE_MAX_CANDIDATES, 64 here), into the store named by
+TUNECACHE_DB_URL; the store's trials are what `tunecache.tuning.ranking` learns from
+(`gather_trials.py --build STORE_URL` writes them to the file the package ships,
+tunecache/tuning/trials/<arch>.json.gz).
+
+The training shapes are drawn at random (seeded) from ranges a model's layers fall in, plus
+the layers of two models of bench_models' suite (resnet50 at batch 32, llama3-8b). Held out,
+never gathered here: bench_kernels' set (bench_tuning --kernel-set) and bench_models' other
+models (resnet50 at batch 1 and 128, sd-vae, inception-v3, llama3-70b, moe-expert), on which
+bench_tuning measures the ranked tune against the whole space.
+
+    TUNECACHE_DB_URL=sqlite:///trials.sqlite python benchmarks/gather_trials.py --seconds 500
+
+Prints a line per tune; stops after --seconds (the shapes alternate between ops, so a cut run
+still covers each op).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad")
+TRAINING_MODELS = ("resnet50-b32", "llama3-8b")
+_SIZES = (512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 11008, 14336)
+_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_CHANNELS = (3, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 2048)
+
+
+def synthetic(op: str, rng: random.Random) -> dict:
+    """A random shape of `op` (as bench_models writes them), at most ~2^37 multiply-adds."""
+    dtype = rng.choice(("bfloat16", "float16"))
+    while True:
+        if op == "matmul":
+            s = {"M": rng.choice(_ROWS), "N": rng.choice(_SIZES), "K": rng.choice(_SIZES), "dtype": dtype}
+            work = s["M"] * s["N"] * s["K"]
+        else:
+            r = rng.choice((1, 1, 3, 3, 3, 5, 7))
+            hw = rng.choice((7, 14, 17, 28, 32, 56, 64, 112))
+            s = {
+                "N": rng.choice((1, 2, 8, 16, 32, 64, 128)),
+                "H": hw,
+                "W": hw,
+                "Ci": rng.choice(_CHANNELS),
+                "Co": rng.choice(_CHANNELS[1:]),
+                "R": r,
+                "S": r,
+                "stride": rng.choice((1, 1, 1, 2)),
+                "padding": r // 2,
+                "dtype": dtype,
+            }
+            work = s["N"] * hw * hw * s["Ci"] * s["Co"] * r * r // s["stride"] ** 2
+        if 2**22 <= work <= 2**37:
+            return s
+
+
+def named(op: str) -> list[dict]:
+    """The training models' shapes of `op` from bench_models' suite."""
+    from bench_models import suite
+
+    out = []
+    for lay in suite():
+        if lay.model in TRAINING_MODELS and (op in lay.ops or lay.op == op):
+            out.append({**lay.shape, "dtype": lay.dtype})
+    return out
+
+
+def shapes(seed: int) -> list[tuple[str, dict]]:
+    """(op, shape) pairs, ops taking turns, named and random shapes taking turns within an op."""
+    rng = random.Random(seed)
+    per_op = []
+    for op in OPS:
+        mine = named(op)
+        rng.shuffle(mine)
+        drawn = [synthetic(op, rng) for _ in range(60)]
+        mixed = [s for pair in itertools.zip_longest(mine, drawn) for s in pair if s is not None]
+        per_op.append([(op, s) for s in mixed])
+    return [x for turn in itertools.zip_longest(*per_op) for x in turn if x is not None]
+
+
+def build(url: str, arch: str) -> int:
+    """The store's measured trials on `arch` into tunecache/tuning/trials/<arch>.json.gz."""
+    import gzip
+
+    from tunecache.store.store import Store
+    from tunecache.tuning import ranking
+
+    rows = list(ranking.trial_rows(reversed(Store(url).ranking_trials(arch, limit=1_000_000))))
+    path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
+    path.parent.mkdir(exist_ok=True)
+    data = json.dumps(ranking.pack(rows), separators=(",", ":")).encode()
+    path.write_bytes(gzip.compress(data, 9, mtime=0))
+    problems = {k: len(v["problems"]) for k, v in ranking.pack(rows).items()}
+    print(f"wrote {path}: {len(rows)} trials, problems per kernel {problems}, {path.stat().st_size // 1024} KiB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=500, help="stop starting tunes after this long")
+    ap.add_argument("--cap", type=int, default=64, help="candidates per tune (TUNECACHE_MAX_CANDIDATES)")
+    ap.add_argument("--seed", type=int, default=40, help="the random shapes' seed")
+    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated ops to gather")
+    ap.add_argument("--list", action="store_true", help="print the shapes and exit")
+    ap.add_argument("--build", metavar="STORE_URL", help="write STORE_URL's trials to the shipped file and exit")
+    ap.add_argument("--arch", default="sm_90", help="with --build: the architecture's trials")
+    args = ap.parse_args(argv)
+    if args.build:
+        return build(args.build, args.arch)
+    wanted = set(args.ops.split(","))
+    todo = [(op, s) for op, s in shapes(args.seed) if op in wanted]
+    if args.list:
+        for op, s in todo:
+            print(op, json.dumps(s))
+        return 0
+    if not os.environ.get("TUNECACHE_DB_URL"):
+        ap.error("set TUNECACHE_DB_URL to the store the trials go to")
+    os.environ["TUNECACHE_MAX_CANDIDATES"] = str(args.cap)
+    os.environ["TUNECACHE_RANKING"] = "static"  # gather what the static order finds, not the model's own picks
+    import torch
+
+    import tunecache.ops as ops
+    from tunecache import backends
+    from tunecache.key import device_of
+    from tunecache.shapes import canonical_problem
+
+    where = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke test of this script
+    device = device_of(torch.empty(1, device=where))
+    t0 = time.perf_counter()
+    done = 0
+    for op, shape in todo:
+        if time.perf_counter() - t0 > args.seconds:
+            break
+        p = canonical_problem(op, shape)
+        mod = backends.backends_for(op, device, p)[0]
+        inputs = mod.inputs(p, where)
+        start = time.perf_counter()
+        try:
+            getattr(ops, op)(*inputs)
+            if where == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - one shape's failure is reported, the rest go on
+            print(f"{op} {shape}: failed: {e}", flush=True)
+            continue
+        done += 1
+        print(f"{op} {json.dumps(shape)}: {time.perf_counter() - start:.1f} s", flush=True)
+        del inputs
+    print(f"gathered {done} tunes in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Predict, then measure a few (issue 40): a tune times first the candidates that ran fastest on
+the nearest problems already tuned, fewer of them where such a problem lies near, and the
+backend's own order where nothing is known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tunecache.key import DeviceClass
+from tunecache.shapes import canonical_problem, problem_distance
+from tunecache.tuning import ranking
+from tunecache.tuning.ranking import SHORT, WIDE, WIDE_LEARNED, Ranking, Trial, shortlist
+
+H100 = DeviceClass("sm_90", 132, "H100")
+STATIC = [{"BLOCK_M": m, "BLOCK_N": n} for m in (64, 128, 256) for n in (64, 128, 256)] * 10
+STATIC = [dict(c, num_stages=i) for i, c in enumerate(STATIC)]  # 90 distinct configs in a static order
+
+
+def mm(m: int, n: int = 4096, k: int = 4096, dtype: str = "bfloat16") -> dict:
+    return canonical_problem("matmul", {"M": m, "N": n, "K": k, "dtype": dtype})
+
+
+def tuned(problem: dict, fastest: list[dict], rest_ms: float = 2.0) -> list[Trial]:
+    """A past tune of `problem`: `fastest` in that order, every other static config slower."""
+    out = [Trial(problem, c, 1.0 + 0.01 * i) for i, c in enumerate(fastest)]
+    return out + [Trial(problem, c, rest_ms) for c in STATIC if c not in fastest]
+
+
+@pytest.fixture(autouse=True)
+def default_breadth(monkeypatch):
+    monkeypatch.delenv("TUNECACHE_MAX_CANDIDATES", raising=False)
+
+
+def test_with_no_trials_the_static_order_stands_and_a_tune_times_48():
+    ranked = Ranking().order(STATIC, mm(4096))
+    assert ranked.candidates == STATIC and not ranked.learned
+    assert shortlist(ranked, STATIC).candidates == STATIC[:48]
+
+
+def test_the_nearest_tuned_problems_fastest_configs_come_first():
+    winners = [STATIC[70], STATIC[55], STATIC[80]]
+    ranked = Ranking(tuned(mm(4096), winners) + tuned(mm(1, 512, 512), [STATIC[3]])).order(STATIC, mm(2048))
+    assert ranked.candidates[:3] == winners and ranked.confident
+    assert sorted(map(str, ranked.candidates)) == sorted(map(str, STATIC)), "a ranking reorders, never drops"
+
+
+def test_a_near_problem_gets_a_short_list_with_the_default_in_it():
+    default = STATIC[89]
+    short = shortlist(Ranking(tuned(mm(4096), [STATIC[70]])).order(STATIC, mm(4096, 4096, 2048)), STATIC, [default])
+    n, variants = SHORT
+    assert len(short.candidates) == n - variants and short.siblings == variants
+    assert short.candidates[0] == STATIC[70] and default in short.candidates
+
+
+def test_a_far_problem_gets_the_rankings_first_then_the_static_orders():
+    far = Ranking(tuned(mm(16384, 512, 512, "float16"), [STATIC[70]])).order(STATIC, mm(1, 28672, 14336))
+    assert far.learned and not far.confident
+    short = shortlist(far, STATIC)
+    n, variants = WIDE
+    assert len(short.candidates) == n - variants
+    assert short.candidates[0] == STATIC[70]
+    assert (
+        short.candidates[WIDE_LEARNED:]
+        == [c for c in STATIC if c not in short.candidates[:WIDE_LEARNED]][: n - variants - WIDE_LEARNED]
+    )
+
+
+def test_the_breadth_a_user_sets_holds_whatever_the_ranking_knows(monkeypatch):
+    ranked = Ranking(tuned(mm(4096), [STATIC[70]])).order(STATIC, mm(4096))
+    monkeypatch.setenv("TUNECACHE_MAX_CANDIDATES", "5")
+    assert shortlist(ranked, STATIC).candidates == ranked.candidates[:5]
+    monkeypatch.setenv("TUNECACHE_MAX_CANDIDATES", "0")
+    assert len(shortlist(ranked, STATIC).candidates) == len(STATIC)
+
+
+def test_ranking_static_turns_the_learned_order_off(monkeypatch):
+    monkeypatch.setenv("TUNECACHE_RANKING", "static")
+    from tunecache.cache.config_cache import CACHE
+
+    assert len(CACHE.ranking("matmul.hopper", H100)) == 0
+    monkeypatch.setenv("TUNECACHE_RANKING", "sometimes")
+    with pytest.raises(ValueError, match="TUNECACHE_RANKING"):
+        CACHE.ranking("matmul.hopper", H100)
+
+
+def test_the_package_ships_trials_for_every_hopper_backend():
+    for kernel in ("matmul.hopper", "conv2d_fprop.hopper", "conv2d_wgrad.hopper", "conv2d_dgrad.hopper"):
+        trials = ranking.shipped(kernel, "sm_90")
+        assert len({str(t.problem) for t in trials}) >= 30, kernel
+        assert all(t.median_ms > 0 and "vendor" not in t.config for t in trials)
+    assert ranking.shipped("matmul.blackwell", "sm_100") == []  # none gathered: the static order
+
+
+def test_packed_trials_read_back_the_same():
+    rows = [("matmul.hopper", t) for t in tuned(mm(64), [STATIC[1]])]
+    assert [("matmul.hopper", t) for t in ranking.unpack(ranking.pack(rows))["matmul.hopper"]] == rows
+
+
+def test_an_unlike_neighbour_is_far_but_not_infinitely():
+    a, b = mm(4096), mm(4096, dtype="float16")
+    assert problem_distance(a, b) == math.inf  # borrowing a config: another dtype is another kernel
+    assert problem_distance(a, b, unlike=1.0) == 1.0  # ranking: it still tells which tiles do well
+    assert problem_distance(a, mm(8192), unlike=1.0) == pytest.approx(math.log(2))  # a doubling of M

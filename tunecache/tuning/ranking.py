@@ -1,0 +1,210 @@
+"""The candidates' order, learned from trials: time first what ran fastest on the nearest problems.
+
+A tune used to time the first 48 candidates of a backend's static order (`prune`). Every tune
+leaves its trials in the store (each candidate's time on that problem), so the order can be
+learned: a new problem's candidates are ranked by how each ran, relative to the best, on the
+tuned problems nearest to it (nearest-problem retrieval: log-scaled sizes, k nearest, closer
+ones weigh more), and a tune times the first few of that order (`settings.max_candidates`).
+A candidate no neighbour timed keeps its static place after the ones they did.
+
+The trials come from three places, merged per kernel and architecture: the ones this package
+ships (`trials/<arch>.json.gz`, gathered on a GPU by benchmarks/gather_trials.py, so a fresh
+host ranks as a veteran does), the local store's, and the fleet's (`Fleet.trials`). With none,
+the static order stands, and a tune times as many candidates as it always did.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from typing import Iterable, Sequence
+
+from tunecache import settings
+from tunecache.shapes import problem_distance
+from tunecache_kernels.spaces import is_vendor
+
+# how many tuned problems vote on a candidate's rank, and how far the nearest may lie (in
+# tunecache.shapes.problem_distance's units: natural-log size ratios, plus UNLIKE for each
+# dtype, filter, stride or padding that differs) for a short list to be trusted; past it the
+# tune widens (SHORT, WIDE below). Chosen on 191 problems gathered on an H200, each left out
+# in turn (benchmarks/eval_ranking.py).
+NEIGHBOURS = 6
+NEAR = 2.5
+UNLIKE = 1.0
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate's time on one tuned problem: a row the ranking learns from."""
+
+    problem: dict
+    config: dict
+    median_ms: float
+
+
+def _config_id(config: dict) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+@dataclass
+class Ranked:
+    """A ranking's answer: the candidates in the order to time them, and how near the nearest
+    tuned problem was (None: nothing was known, the static order stands)."""
+
+    candidates: list[dict]
+    nearest: float | None
+
+    @property
+    def learned(self) -> bool:
+        return self.nearest is not None
+
+    @property
+    def confident(self) -> bool:
+        """Whether a tuned problem lies near enough to trust a short list."""
+        return self.nearest is not None and self.nearest <= NEAR
+
+
+class Ranking:
+    """Tuned problems of one kernel on one architecture, and each candidate's time relative to
+    the problem's best."""
+
+    def __init__(self, trials: Iterable[Trial] = ()) -> None:
+        by_problem: dict[str, tuple[dict, dict[str, float]]] = {}
+        for t in trials:
+            if not (t.median_ms and t.median_ms > 0 and math.isfinite(t.median_ms)):
+                continue
+            pid = _config_id(t.problem)
+            problem, times = by_problem.setdefault(pid, (t.problem, {}))
+            cid = _config_id(t.config)
+            times[cid] = min(times.get(cid, math.inf), t.median_ms)
+        self._problems: list[tuple[dict, dict[str, float]]] = []
+        for problem, times in by_problem.values():
+            if len(times) < 2:
+                continue  # one candidate says nothing about an order
+            best = min(times.values())
+            slowdown = {c: math.log(ms / best) for c, ms in times.items()}
+            self._problems.append((problem, slowdown))
+
+    def __len__(self) -> int:
+        return len(self._problems)
+
+    def order(self, candidates: Sequence[dict], problem: dict, exclude_self: bool = False) -> Ranked:
+        """`candidates` (in their static order), those the nearest tuned problems timed first,
+        by their weighted mean slowdown there; the rest after, in their static order.
+        `exclude_self`: leave out a tuned problem equal to this one (evaluating the ranking)."""
+        if not self._problems or not candidates:
+            return Ranked(list(candidates), None)
+        near = sorted(((problem_distance(problem, p, UNLIKE), p, s) for p, s in self._problems), key=lambda x: x[0])
+        if exclude_self:
+            near = [x for x in near if x[0] > 0]
+        near = near[:NEIGHBOURS]
+        if not near:
+            return Ranked(list(candidates), None)
+        scores: dict[int, float] = {}
+        for i, c in enumerate(candidates):
+            cid = _config_id(c)
+            total = weight = 0.0
+            for d, _, slowdown in near:
+                if cid in slowdown:
+                    w = 1.0 / (0.25 + d)
+                    total += w * slowdown[cid]
+                    weight += w
+            if weight:
+                # a candidate only far neighbours timed counts less than one the nearest did
+                scores[i] = total / weight + 0.05 * (1.0 / (0.25 + near[0][0]) - weight) / (1.0 / (0.25 + near[0][0]))
+        known = sorted(scores, key=lambda i: (scores[i], i))
+        rest = [i for i in range(len(candidates)) if i not in scores]
+        return Ranked([candidates[i] for i in known + rest], near[0][0])
+
+
+# ---- how many a tune times ------------------------------------------------------------------
+
+# a tune's breadth by what the ranking knows: (candidates in all, of them at most this many
+# run-time variants of the quick round's leaders, which cost no compile). A tuned problem near:
+# the ranking's first ones, the default, variants. None near: the ranking's first WIDE_LEARNED,
+# then the static order's first ones. Nothing known: the static order's first
+# settings.max_candidates(). Chosen as NEAR was; the 12 held-out shapes bench_tuning timed on an
+# H200 against the whole space pick within 1.5% of its best with these.
+SHORT = (16, 4)
+WIDE = (40, 4)
+WIDE_LEARNED = 28
+
+
+@dataclass
+class Shortlist:
+    candidates: list[dict]
+    siblings: int | None  # None: the tuner's own bound
+    why: str
+
+
+def shortlist(ranked: Ranked, static: list[dict], must: Sequence[dict] = ()) -> Shortlist:
+    """The candidates a tune times first, `must` (the default) among them. TUNECACHE_MAX_CANDIDATES,
+    when set, is the length whatever the ranking knows (0: all of them)."""
+    if settings.max_candidates_given() or not ranked.learned:
+        cap = settings.max_candidates()
+        out = ranked.candidates[:cap] if cap else list(ranked.candidates)
+        why = "learned order, capped" if ranked.learned else "static order"
+        return Shortlist(out + [m for m in must if m not in out], None, why)
+    n, variants = SHORT if ranked.confident else WIDE
+    order = ranked.candidates if ranked.confident else _then(ranked.candidates[:WIDE_LEARNED], static)
+    room = n - variants
+    room -= sum(m not in order[:room] for m in must)
+    out = order[:room]
+    why = "a tuned problem near" if ranked.confident else f"nearest tuned problem {ranked.nearest:.1f} away"
+    return Shortlist(out + [m for m in must if m not in out], variants, why)
+
+
+def _then(first: Sequence[dict], rest: Sequence[dict]) -> list[dict]:
+    return [*first, *(c for c in rest if c not in first)]
+
+
+# ---- where the trials come from -------------------------------------------------------------
+
+_SHIPPED: dict[str, dict[str, list[Trial]]] = {}
+
+
+def shipped(kernel: str, arch: str) -> list[Trial]:
+    """The trials this package ships for `kernel` on `arch` (none for others)."""
+    if arch not in _SHIPPED:
+        _SHIPPED[arch] = {}
+        path = resources.files("tunecache.tuning").joinpath("trials", f"{arch}.json.gz")
+        if path.is_file():
+            with path.open("rb") as f:
+                _SHIPPED[arch] = unpack(json.loads(gzip.decompress(f.read())))
+    return _SHIPPED[arch].get(kernel, [])
+
+
+def pack(trials: Iterable[tuple[str, Trial]]) -> dict:
+    """(kernel, trial) pairs as the shipped file holds them: per kernel its problems and its
+    configs once each, and rows of [problem index, config index, milliseconds]."""
+    out: dict[str, dict] = {}
+    index: dict[str, tuple[dict, dict]] = {}
+    for kernel, t in trials:
+        k = out.setdefault(kernel, {"problems": [], "configs": [], "rows": []})
+        pi, ci = index.setdefault(kernel, ({}, {}))
+        p, c = _config_id(t.problem), _config_id(t.config)
+        if p not in pi:
+            pi[p] = len(k["problems"])
+            k["problems"].append(t.problem)
+        if c not in ci:
+            ci[c] = len(k["configs"])
+            k["configs"].append(t.config)
+        k["rows"].append([pi[p], ci[c], round(t.median_ms, 6)])
+    return out
+
+
+def unpack(data: dict) -> dict[str, list[Trial]]:
+    return {
+        kernel: [Trial(k["problems"][p], k["configs"][c], ms) for p, c, ms in k["rows"]] for kernel, k in data.items()
+    }
+
+
+def trial_rows(rows: Iterable[tuple]) -> Iterable[tuple[str, Trial]]:
+    """A store's (kernel, problem, config, milliseconds) rows as (kernel, Trial), less the
+    vendor's op (a row of every tune, not a candidate to rank)."""
+    for kernel, problem, config, ms in rows:
+        if isinstance(config, dict) and isinstance(problem, dict) and not is_vendor(config):
+            yield kernel, Trial(problem, config, ms)
