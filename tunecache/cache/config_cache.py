@@ -51,8 +51,9 @@ log = logging.getLogger("tunecache")
 
 # How often a process asks the fleet for its generation (only when it reads a fleet copy).
 GENERATION_POLL_S = 60.0
-# How often a process asks the fleet for the trials its tunes rank candidates by.
-FLEET_TRIALS_S = 600.0
+# How often a process reads the trials its tunes rank candidates by again (from its store and the
+# fleet; its own tunes are added as it keeps them).
+RANKING_S = 600.0
 # How often a host that waits for another's tune of a key asks the fleet whether it is done.
 FLEET_WAIT_POLL_S = 2.0
 
@@ -85,7 +86,7 @@ class ConfigCache:
         self._generation: int | None = None
         self._generation_at = -float("inf")
         self._copied: set[str] = set()  # digests whose fleet copy this process has written (or queued)
-        self._fleet_trials: dict[tuple[str, str], tuple[float, list]] = {}  # (kernel, arch) -> (when, rows)
+        self._rankings: dict[tuple[str, str], tuple[float, Ranking]] = {}  # (kernel, arch) -> (read at, it)
 
     # ---- where configs live ---------------------------------------------------------------
 
@@ -220,26 +221,30 @@ class ConfigCache:
 
     def ranking(self, kernel: str, device: "DeviceClass", store: "Store | None" = None, fleet: Any = None) -> "Ranking":
         """What past tunes say of `kernel`'s candidates on this device's architecture
-        (tunecache.tuning.ranking): the trials the package ships, the store's (read per miss: a
-        tune adds its own) and the fleet's (asked once per FLEET_TRIALS_S). `store`, `fleet`:
-        the worker's own, else this process's."""
+        (tunecache.tuning.ranking): the trials the package ships, the store's and the fleet's,
+        read once per RANKING_S (a few hundred ms), the tunes this process keeps added as they
+        are kept. `store`, `fleet`: the worker's own, else this process's."""
         from tunecache.tuning import ranking
 
         if not settings.ranking_learned():
             return ranking.Ranking()
-        trials = list(ranking.shipped(kernel, device.arch))
+        when, known = self._rankings.get((kernel, device.arch), (-math.inf, None))
+        if known is not None and time.monotonic() - when < RANKING_S:
+            return known
+        known = ranking.Ranking(ranking.shipped(kernel, device.arch))
         store = store or self.store()
         if store is not None:
             rows = self.store_call("read past trials", lambda: store.ranking_trials(device.arch, kernel), [])
-            trials += [t for _, t in ranking.trial_rows(rows)]
+            known.add(t for _, t in ranking.trial_rows(rows))
         fleet = fleet if fleet is not None else self.fleet()
         if fleet is not None:
-            when, rows = self._fleet_trials.get((kernel, device.arch), (-math.inf, []))
-            if time.monotonic() - when > FLEET_TRIALS_S:
-                rows = fleet.trials(kernel, device.arch) or []
-                self._fleet_trials[(kernel, device.arch)] = (time.monotonic(), rows)
-            trials += [t for _, t in ranking.trial_rows(rows)]
-        return ranking.Ranking(trials)
+            known.add(t for _, t in ranking.trial_rows(fleet.trials(kernel, device.arch) or []))
+        self._rankings[(kernel, device.arch)] = (time.monotonic(), known)
+        return known
+
+    def forget_rankings(self) -> None:
+        """The next tune reads its trials again (tunecache.ops.clear_memo)."""
+        self._rankings.clear()
 
     def surely_missing(self, digest: str) -> bool:
         """Whether this host's store has no winner for `digest`, known without opening the
@@ -545,7 +550,16 @@ class ConfigCache:
         return Kept(kept, won, sent)
 
     def keep_tuned(self, result: "TuneResult", device: "DeviceClass", **where: Any) -> Kept:
-        """`keep` a tuning run's result: its winner, trials, run and compiled kernels."""
+        """`keep` a tuning run's result: its winner, trials, run and compiled kernels; its trials
+        also rank this process's next tunes of the kernel."""
+        known = self._rankings.get((result.key.kernel, device.arch))
+        if known is not None:
+            from tunecache.tuning.ranking import trial_rows
+
+            problem = dict(result.key.problem)
+            known[1].add(
+                t for _, t in trial_rows((result.key.kernel, problem, x.config, x.median_ms) for x in result.trials)
+            )
         return self.keep(
             result.record(device),
             result.trials,

@@ -201,12 +201,15 @@ def _hashable(v):
 
 
 def clear_memo() -> None:
-    """Forget every in-process decision (the store keeps them), and the store's read handles."""
+    """Forget every in-process decision (the store keeps them), the store's read handles and the
+    trials read to rank candidates by."""
+    from tunecache.cache.config_cache import CACHE
     from tunecache.store import quick_read
 
     for op in OP_LAUNCHERS.values():
         op.clear()
     quick_read.forget()
+    CACHE.forget_rankings()
 
 
 # ---- with autograd and torch.compile: the calls of torch.nn.functional ----------------------

@@ -72,21 +72,24 @@ class Ranking:
     the problem's best."""
 
     def __init__(self, trials: Iterable[Trial] = ()) -> None:
-        by_problem: dict[str, tuple[dict, dict[str, float]]] = {}
+        self._times: dict[str, tuple[dict, dict[str, float]]] = {}  # problem -> (it, config -> fastest ms)
+        self._problems: list[tuple[dict, dict[str, float]]] = []
+        self.add(trials)
+
+    def add(self, trials: Iterable[Trial]) -> None:
+        """Learn from more trials (a tune this process just ran)."""
         for t in trials:
             if not (t.median_ms and t.median_ms > 0 and math.isfinite(t.median_ms)):
                 continue
-            pid = _config_id(t.problem)
-            problem, times = by_problem.setdefault(pid, (t.problem, {}))
+            problem, times = self._times.setdefault(_config_id(t.problem), (t.problem, {}))
             cid = _config_id(t.config)
             times[cid] = min(times.get(cid, math.inf), t.median_ms)
-        self._problems: list[tuple[dict, dict[str, float]]] = []
-        for problem, times in by_problem.values():
+        self._problems = []
+        for problem, times in self._times.values():
             if len(times) < 2:
                 continue  # one candidate says nothing about an order
             best = min(times.values())
-            slowdown = {c: math.log(ms / best) for c, ms in times.items()}
-            self._problems.append((problem, slowdown))
+            self._problems.append((problem, {c: math.log(ms / best) for c, ms in times.items()}))
 
     def __len__(self) -> int:
         return len(self._problems)
