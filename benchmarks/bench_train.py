@@ -11,7 +11,7 @@ shapes are pre-tuned first (`tunecache manifest --from-model` of this very model
 - the loss of `--loss-steps` steps of each from the same seed and data, plotted to a PNG.
 
     python benchmarks/bench_train.py [--batch 128] [--steps 20] [--rounds 3] [--loss-steps 50]
-        [--max-candidates 48] [--no-pretune]
+        [--max-candidates 48] [--no-pretune] [--first-step]
     python benchmarks/bench_train.py --model small_cnn --batch 32 --modes eager,compile,reduce-overhead,cuda-graph
 
 --model small_cnn is the host-bound case (issue 39): ten 3x3 convolutions and a Linear on 32x32
@@ -179,6 +179,24 @@ def time_steps(run, data, n: int) -> float:
     return start.elapsed_time(end) / n
 
 
+def first_steps(args) -> dict[str, float]:
+    """Seconds of each model's first training step on a store that holds nothing (--first-step):
+    tunecache's tunes every shape of the step as it meets it (policy `tune`); torch's picks its
+    cuDNN algorithms."""
+    x, y = next(batches(1, args.batch, seed=3, name=args.model))
+    out = {}
+    for k in ("torch", "tunecache"):
+        model = build(0, convert=k == "tunecache", name=args.model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(model, opt, x, y)
+        torch.cuda.synchronize()
+        out[k] = time.perf_counter() - t0
+        print(f"{args.model} first step, batch {args.batch}, empty store: {k} {out[k]:.1f} s", flush=True)
+    return out
+
+
 def stepper(mode: str, model, opt, example):
     """A step `run(x, y)` of `model` run the `mode` way (MODES)."""
     if mode == "eager":
@@ -222,6 +240,12 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=50)
     ap.add_argument("--max-candidates", type=int, default=None, help="TUNECACHE_MAX_CANDIDATES for the pre-tuning")
     ap.add_argument("--no-pretune", action="store_true", help="the store is tuned already (or tune on first use)")
+    ap.add_argument(
+        "--first-step",
+        action="store_true",
+        help="start from an empty store of this run's own, no pre-tuning: time each model's first step "
+        "(the summary's first_step_s), then the steps as usual",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="only plot the loss curves of a results JSON to a PNG")
     args = ap.parse_args()
@@ -233,7 +257,11 @@ def main() -> None:
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}")
-    tune_s = None if args.no_pretune else pretune(args)
+    first_step = None
+    if args.first_step:
+        os.environ["TUNECACHE_DB_URL"] = f"sqlite:///{Path(tempfile.mkdtemp(prefix='tunecache-first-')) / 's.sqlite'}"
+        first_step = first_steps(args)
+    tune_s = None if args.no_pretune or args.first_step else pretune(args)
     data = list(batches(max(args.steps, args.warmup), args.batch, seed=1, name=args.model))
     ms_by_mode: dict[str, dict[str, float]] = {}
     rounds_by_mode: dict[str, dict[str, list[float]]] = {}
@@ -280,6 +308,8 @@ def main() -> None:
         "loss_max_rel_gap": gap,
         "batch": args.batch,
         "pretune_s": tune_s,
+        "first_step_s": None if first_step is None else first_step["tunecache"],
+        "first_step_s_torch": None if first_step is None else first_step["torch"],
         "device": device_info().get("device"),
     }
     print(f"{summary['step_ratio_by_mode']}; loss curves within {gap:.3%}")

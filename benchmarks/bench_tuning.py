@@ -12,7 +12,11 @@ shapes: only its winner is used) and both winners timed side by side in one proc
 Each finished shape is appended to benchmarks/results/tuning-ops-partial.jsonl as it ends.
 
     python benchmarks/bench_tuning.py [--size 4096] [--kernel-set matmul,conv2d_fprop,conv2d_wgrad]
-        [--ops "matmul:M=4096,N=4096,K=4096,dtype=bfloat16;..."] [--no-dropin]
+        [--ops "matmul:M=4096,N=4096,K=4096,dtype=bfloat16;..."] [--held-out op:model/name,...]
+        [--vs-inductor] [--no-dropin]
+
+--vs-inductor: the `tunecache tune` process for matmul SIZE^3 fp16 beside Inductor
+max-autotune's first call of it, each cold in a process of its own.
 
 Prints the ratios and writes JSON with a `summary` to benchmarks/results/tuning-<device>.json.
 """
@@ -197,6 +201,45 @@ def kernel_set(op: str) -> list[tuple[str, dict]]:
     return list(bench_kernels.problems_for(op, ["bfloat16"]))
 
 
+INDUCTOR_CHILD = """
+import json, sys, torch
+n = int(sys.argv[1])
+a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+f = torch.compile(lambda a, b: a @ b, mode="max-autotune-no-cudagraphs")
+f(a, b)
+torch.cuda.synchronize()
+"""
+
+
+def vs_inductor(size: int, tmp: Path) -> dict:
+    """Process walls, cold (empty Triton and Inductor caches, empty store), each from its start:
+    `tunecache tune matmul` of size^3 fp16 at default settings, and Inductor max-autotune's
+    first call of the same product (its GEMM autotuning: Triton templates and cuBLAS)."""
+    import time
+
+    env = cold_env(tmp / "triton-vs-inductor", tmp / "store-vs-inductor.sqlite")
+    runtime = tmp / "runtime-vs-inductor"  # a runner server of its own: as on a host where tunecache never ran
+    env["TUNECACHE_RUNTIME_DIR"] = str(runtime)
+    atexit.register(stop_runner_servers, runtime)
+    shape = f"M={size},N={size},K={size},dtype=float16"
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tunecache.cli", "tune", "matmul", "-p", shape], env=env, capture_output=True, text=True
+    )
+    ours = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"tunecache tune failed:\n{proc.stderr[-3000:]}")
+    env = {**env, "TRITON_CACHE_DIR": str(tmp / "triton-inductor"), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", INDUCTOR_CHILD, str(size)], env=env, capture_output=True, text=True)
+    theirs = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"Inductor max-autotune failed:\n{proc.stderr[-3000:]}")
+    print(f"matmul {size}^3 fp16, cold process: tunecache tune {ours:.1f} s, Inductor max-autotune {theirs:.1f} s")
+    return {"tunecache_tune_s": ours, "inductor_max_autotune_s": theirs, "vs_inductor": theirs / ours}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=4096, help="M = N = K of the tutorial matmul (fp16)")
@@ -219,6 +262,12 @@ def main() -> None:
         "shapes kept out of the ranking's training (benchmarks/gather_trials.py): scored apart from the kernel set",
     )
     ap.add_argument("--no-dropin", action="store_true", help="skip the drop-in comparison")
+    ap.add_argument(
+        "--vs-inductor",
+        action="store_true",
+        help="time the `tunecache tune` process for matmul SIZE^3 fp16 against Inductor max-autotune's (cold, "
+        "same run); the summary's vs_inductor is Inductor's seconds over tunecache's",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tunecache-tuning-"))
@@ -283,6 +332,8 @@ def main() -> None:
             f"worst winner {summary['min_winner_vs_exhaustive']:.3f}x the exhaustive best"
         )
         payload["ops"] = rows
+    if args.vs_inductor:
+        summary.update(vs_inductor(args.size, tmp))
     if args.no_dropin:
         name = args.out.stem if args.out else f"tuning-ops-{(summary['device'] or 'cpu').replace(' ', '_')}"
         path = write_results(name, {"summary": summary, **payload}, args.out.parent if args.out else RESULTS)
