@@ -145,13 +145,7 @@ def _load_partition(
 
 @gluon.jit
 def _mma_partition(
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
+    rings,
     num_pid_m,
     num_pid_n,
     n_phases,
@@ -166,16 +160,14 @@ def _mma_partition(
 ):
     """The MMA warp: each work item's k-steps (its phase's taps times Co's blocks, or its split's
     share of them) into the next free accumulator; B is w's own [BLOCK_K, BLOCK_N] tile,
-    N-major, fed as it lies."""
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    N-major, fed as it lies. rings: pipeline_rings'."""
+    BLOCK_K: gl.constexpr = rings[0].shape[2]
     tiles_per_phase = num_pid_m * num_pid_n
     use = 0
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         _, _, k_count = _work(work_id, tiles_per_phase, n_phases, PS, R, S, Co, stride_h, stride_w, K_PER, BLOCK_K)
-        use, acc_use = mma_into_next_acc(
-            a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, 0, k_count, use, acc_use, False, False
-        )
+        use, acc_use = mma_into_next_acc(rings, 0, k_count, use, acc_use, False, False)
 
 
 @gluon.jit
@@ -301,9 +293,8 @@ def conv2d_dgrad_kernel(
     [SPLITS, M2, Ci] for split_k_reduce."""
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
-        g_desc, w_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
-    )
+    rings = pipeline_rings(g_desc, w_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = rings
     num_pid_m = gl.cdiv(M2, BLOCK_M)
     num_pid_n = gl.cdiv(Ci, BLOCK_N)
     num_work = n_phases * num_pid_m * num_pid_n
@@ -324,8 +315,7 @@ def conv2d_dgrad_kernel(
                 SPLIT,
             )),
             (_mma_partition, (
-                a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, n_phases,
-                PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
+                rings, num_pid_m, num_pid_n, n_phases, PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
             )),
             (_load_partition, (
                 g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,

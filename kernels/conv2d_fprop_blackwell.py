@@ -171,9 +171,8 @@ def conv2d_fprop_kernel(
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
-        x_desc, w_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
-    )
+    rings = pipeline_rings(x_desc, w_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = rings
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(Co, BLOCK_N)
     tiles = num_pid_m * num_pid_n
@@ -195,10 +194,7 @@ def conv2d_fprop_kernel(
                 y_desc, c_smem, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M,
                 LDW, SPLIT,
             )),
-            (mma_partition, (
-                a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, k_iters,
-                k_per_split, False, True,
-            )),
+            (mma_partition, (rings, num_work, tiles, k_iters, k_per_split, False, True)),
             (_load_partition, (
                 x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
                 stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,

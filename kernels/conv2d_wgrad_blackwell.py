@@ -122,31 +122,14 @@ def _load_partition(
 
 
 @gluon.jit
-def _mma_partition(
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
-    co_blocks,
-    ci_blocks,
-    tiles,
-    k_steps,
-    per,
-    num_splits,
-    STREAM: gl.constexpr,
-):
-    """The MMA warp: each piece's k-steps into the next free accumulator, grad_out's tile fed
-    through a permuted view (M-major A)."""
+def _mma_partition(rings, co_blocks, ci_blocks, tiles, k_steps, per, num_splits, STREAM: gl.constexpr):
+    """The MMA warp: each piece's k-steps into the next free accumulator (rings: pipeline_rings'),
+    grad_out's tile fed through a permuted view (M-major A)."""
     use = 0
     acc_use = 0
     for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
         _, _, _, _, _, k_from, k_to = wgrad_piece(i, co_blocks, ci_blocks, tiles, k_steps, per, STREAM)
-        use, acc_use = mma_into_next_acc(
-            a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, k_from, k_to, use, acc_use, True, False
-        )
+        use, acc_use = mma_into_next_acc(rings, k_from, k_to, use, acc_use, True, False)
 
 
 @gluon.jit
@@ -245,9 +228,8 @@ def conv2d_wgrad_kernel(
     zero at launch, left so), `per` (tile, k-step) iterations per CTA."""
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
-    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
-        g_desc, x_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
-    )
+    rings = pipeline_rings(g_desc, x_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = rings
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles = co_blocks * ci_blocks * RS
@@ -277,13 +259,7 @@ def conv2d_wgrad_kernel(
             (
                 _mma_partition,
                 (
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    acc_tmem,
-                    acc_ready,
-                    acc_empty,
+                    rings,
                     co_blocks,
                     ci_blocks,
                     tiles,

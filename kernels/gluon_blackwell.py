@@ -151,53 +151,25 @@ def mma_chain(a_bufs, b_bufs, ready, empty, acc, k_count, use, A_TRANS: gl.const
 
 
 @gluon.jit
-def mma_partition(
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
-    num_work,
-    tiles_per_split,
-    total_k,
-    k_per_split,
-    A_TRANS: gl.constexpr,
-    B_TRANS: gl.constexpr,
-):
+def mma_partition(rings, num_work, tiles_per_split, total_k, k_per_split, A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
     """The MMA warp: for each work item, chain tcgen05 MMAs over its K range into the next
     free accumulator (mma_chain); a commit after the last one hands the accumulator to the
-    epilogue."""
+    epilogue. rings: pipeline_rings' (mma_into_next_acc)."""
     use = 0
     acc_use = 0
     for work_id in range(gl.program_id(0), num_work, gl.num_programs(0)):
         _, _, k_count = split_k_range(work_id, tiles_per_split, total_k, k_per_split)
-        use, acc_use = mma_into_next_acc(
-            a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, 0, k_count, use, acc_use, A_TRANS, B_TRANS
-        )
+        use, acc_use = mma_into_next_acc(rings, 0, k_count, use, acc_use, A_TRANS, B_TRANS)
 
 
 @gluon.jit
-def mma_into_next_acc(
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
-    k_from,
-    k_to,
-    use,
-    acc_use,
-    A_TRANS: gl.constexpr,
-    B_TRANS: gl.constexpr,
-):
+def mma_into_next_acc(rings, k_from, k_to, use, acc_use, A_TRANS: gl.constexpr, B_TRANS: gl.constexpr):
     """One work item of an MMA warp: once the epilogue has freed the next accumulator of the
     acc_tmem ring (acc_use-th), the MMAs of its k-steps [k_from, k_to) chained into it (mma_chain,
     from ring use `use`), then a commit that hands it to the epilogue; returns the next
-    (use, acc_use)."""
+    (use, acc_use). rings: what pipeline_rings returns, (a_bufs, b_bufs, ready, empty,
+    acc_ready, acc_empty, acc_tmem), as the kernel passes it to its MMA partition."""
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = rings
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     acc_slot, acc_phase = ring_slot(acc_use, NUM_ACC)
     mbarrier.wait(acc_empty.index(acc_slot), acc_phase ^ 1)

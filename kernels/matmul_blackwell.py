@@ -246,9 +246,8 @@ def matmul_kernel(
     and cnt_ptr unused). SPLIT True: ws_ptr [SPLITS, M, LDW]
     fp32 receives the partials, K_PER k-steps per split, cnt_ptr holds a zeroed int32 counter
     per tile (left zeroed), and the last split of a tile to arrive writes c_ptr [M, LDW]."""
-    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = pipeline_rings(
-        a_desc, b_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N
-    )
+    rings = pipeline_rings(a_desc, b_desc, NUM_BUFFERS, NUM_ACC, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, empty, acc_ready, acc_empty, acc_tmem = rings
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     tiles = num_pid_m * num_pid_n
@@ -272,10 +271,7 @@ def matmul_kernel(
                 c_desc, c_smem, ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_m,
                 num_pid_n, group_m, M, N, LDW, SPLITS, SPLIT, SWAP,
             )),
-            (mma_partition, (
-                a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty, num_work, tiles, total_k, k_per_split,
-                A_TRANS, B_TRANS,
-            )),
+            (mma_partition, (rings, num_work, tiles, total_k, k_per_split, A_TRANS, B_TRANS)),
             (_load_partition, (
                 a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_work, tiles, num_pid_n, total_k, k_per_split,
                 group_m, A_TRANS, B_TRANS,
