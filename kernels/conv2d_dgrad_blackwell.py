@@ -144,20 +144,7 @@ def _load_partition(
 
 
 @gluon.jit
-def _mma_partition(
-    rings,
-    num_pid_m,
-    num_pid_n,
-    n_phases,
-    PS,
-    Co,
-    R,
-    S,
-    stride_h,
-    stride_w,
-    num_work,
-    K_PER,
-):
+def _mma_partition(rings, num_pid_m, num_pid_n, n_phases, PS, Co, R, S, stride_h, stride_w, num_work, K_PER):
     """The MMA warp: each work item's k-steps (its phase's taps times Co's blocks, or its split's
     share of them) into the next free accumulator; B is w's own [BLOCK_K, BLOCK_N] tile,
     N-major, fed as it lies. rings: pipeline_rings'."""
