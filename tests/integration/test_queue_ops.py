@@ -402,7 +402,7 @@ def queue(request, any_fleet):
 
 
 def test_one_queue_interface_over_the_store_and_the_fleet(queue):
-    from tunecache.fleet.protocol import ClaimedJob, Fleet, FleetError
+    from tunecache.fleet.protocol import ClaimedJob, Fleet, FleetError, Runs
     from tunecache.key import DeviceClass, TuneKey
 
     q: Fleet = queue
@@ -411,7 +411,7 @@ def test_one_queue_interface_over_the_store_and_the_fleet(queue):
     assert q.enqueue(k1, max_attempts=2) is not None and q.enqueue(k2, priority=5) is not None
     assert q.active(cpu) == 2 and q.active(h100) == 0
     assert q.claim("w", h100, 30) is None
-    job = q.claim("w", cpu, 30, kernel_versions={"matmul.portable": "v1"}, triton_version="3.9.0")
+    job = q.claim("w", cpu, 30, Runs({"matmul.portable": "v1"}, "3.9.0"))
     assert isinstance(job, ClaimedJob) and job.key == k2 and job.attempts == 1 and job.lease_secret
     assert "lease_secret" not in repr(job) and job.lease_secret not in repr(job)
     forged = ClaimedJob(job.id, job.key, job.attempts, job.max_attempts, "tcl_forged")

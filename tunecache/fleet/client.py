@@ -46,11 +46,13 @@ import httpx
 from tunecache import settings
 from tunecache.errors import short
 from tunecache.fleet.protocol import (
+    ANY_RUNS,
     REFUSED,
     UNREACHABLE,
     ClaimedJob,
     FleetError,
     Published,
+    Runs,
     SyncAnswer,
 )
 from tunecache.key import DeviceClass, TuneKey
@@ -725,19 +727,12 @@ class FleetClient:
 
     # ---- the worker's calls -------------------------------------------------------------
 
-    def claim(
-        self,
-        owner: str,
-        device: DeviceClass,
-        lease_s: float,
-        kernel_versions: Mapping[str, str] | None = None,
-        triton_version: str | None = None,
-    ) -> ClaimedJob | None:
+    def claim(self, owner: str, device: DeviceClass, lease_s: float, runs: Runs = ANY_RUNS) -> ClaimedJob | None:
         body: dict[str, Any] = {"owner": owner, "arch": device.arch, "sm_count": device.sm_count, "lease_s": lease_s}
-        if kernel_versions is not None:
-            body["kernel_versions"] = dict(kernel_versions)
-        if triton_version is not None:
-            body["triton_version"] = triton_version
+        if runs.kernel_versions is not None:
+            body["kernel_versions"] = dict(runs.kernel_versions)
+        if runs.triton_version is not None:
+            body["triton_version"] = runs.triton_version
 
         def parse(answer: Any) -> ClaimedJob | None:
             job = answer["job"]

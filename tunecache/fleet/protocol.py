@@ -19,13 +19,24 @@ raises FleetError with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Protocol, runtime_checkable
 
 from tunecache.key import DeviceClass, TuneKey
 from tunecache.store.records import ANNOUNCE_S, Announcement, ConfigRecord, JobRecord, PurgeReport, TrialRecord
 
 if TYPE_CHECKING:
     from tunecache.tuning.binaries import Binary
+
+
+class Runs(NamedTuple):
+    """What a worker can tune, for its claims: its kernels' versions and its Triton's (None:
+    any; a job of another version is not its work)."""
+
+    kernel_versions: Mapping[str, str] | None = None
+    triton_version: str | None = None
+
+
+ANY_RUNS = Runs()
 
 
 @dataclass
@@ -123,14 +134,7 @@ class Fleet(Protocol):
     def active(self, device: DeviceClass) -> int | None: ...
 
     # the queue: workers
-    def claim(
-        self,
-        owner: str,
-        device: DeviceClass,
-        lease_s: float,
-        kernel_versions: Mapping[str, str] | None = None,
-        triton_version: str | None = None,
-    ) -> ClaimedJob | None: ...
+    def claim(self, owner: str, device: DeviceClass, lease_s: float, runs: Runs = ANY_RUNS) -> ClaimedJob | None: ...
     def heartbeat(self, job: ClaimedJob, lease_s: float) -> bool | None: ...
     def complete(self, job: ClaimedJob, tune_seconds: float | None = None) -> bool | None: ...
     def fail(self, job: ClaimedJob, error: str, backoff_s: float = 5.0) -> bool | None: ...

@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from tunecache.fleet.protocol import (
+    ANY_RUNS,
     KEPT_EXISTING,
     WON,
     ClaimedJob,
     FleetError,
     Published,
+    Runs,
     SyncAnswer,
 )
 from tunecache.key import DeviceClass, TuneKey
@@ -112,21 +114,14 @@ class StoreFleet:
         c = self.store.job_counts(arch=device.arch, sm_count=device.sm_count)
         return c["queued"] + c["running"]
 
-    def claim(
-        self,
-        owner: str,
-        device: DeviceClass,
-        lease_s: float,
-        kernel_versions: Mapping[str, str] | None = None,
-        triton_version: str | None = None,
-    ) -> ClaimedJob | None:
+    def claim(self, owner: str, device: DeviceClass, lease_s: float, runs: Runs = ANY_RUNS) -> ClaimedJob | None:
         rec = self.store.claim_job(
             owner,
             arch=device.arch,
             sm_count=device.sm_count,
             lease_s=lease_s,
-            kernel_versions=kernel_versions,
-            triton_version=triton_version,
+            kernel_versions=runs.kernel_versions,
+            triton_version=runs.triton_version,
         )
         if rec is None:
             return None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from tunecache.errors import last_line, short
 from tunecache.fleet import default_fleet
-from tunecache.fleet.protocol import REFUSED, ClaimedJob, Fleet, FleetError
+from tunecache.fleet.protocol import REFUSED, ClaimedJob, Fleet, FleetError, Runs
 from tunecache.key import DeviceClass, interpreter_device, interpreting
 from tunecache.shapes import OPS
 from tunecache.store.process import default_store
@@ -174,7 +174,8 @@ class Worker:
             job = None
             try:
                 with signals_deferred():  # a signal during a claim must not lose the claimed job
-                    job = self.queue.claim(self.owner, self.device, self.lease_s, self.versions, self.triton_version)
+                    runs = Runs(self.versions, self.triton_version)
+                    job = self.queue.claim(self.owner, self.device, self.lease_s, runs)
                 if job is None:
                     active = self._active_mine() if self.burst else None
                     if self.burst and active == 0:
