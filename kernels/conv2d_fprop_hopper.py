@@ -47,33 +47,13 @@ OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names(
 
 
 @gluon.jit
-def _unit_origin(
-    t,
-    pid,
-    nprog,
-    num_pid_m,
-    num_pid_n,
-    GROUP_M,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    ci_blocks,
-    k_tiles,
-    S,
-    SPLITS,
-    K_PER,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    SPLIT: gl.constexpr,
-):
+def _unit_origin(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
     """This CTA's t-th work unit (a tile, or with SPLIT a (tile, split) pair, a tile's splits
-    adjacent) -> (first output pixel, first output channel, the pixel's window corner in the
-    input: image, row, column; the unit's k-steps, the first one's channel block and tap (r, s);
-    its split). Divisions: once per unit, not per k-step."""
+    adjacent) of its walk (_grid_walk) -> (first output pixel, first output channel, the
+    pixel's window corner in the input: image, row, column; the unit's k-steps, the first one's
+    channel block and tap (r, s); its split). Divisions: once per unit, not per k-step."""
+    pid, nprog, num_pid_m, num_pid_n, ci_blocks, k_tiles, conv = walk
+    _, _, _, _, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, GROUP_M, SPLITS, K_PER = conv
     u = pid + t * nprog
     if SPLIT:
         tile = u // SPLITS
@@ -99,9 +79,12 @@ def _unit_origin(
 
 
 @gluon.jit
-def _grid_walk(M, Co, SPLITS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
-    """(this CTA, the CTAs, tile rows and columns, this CTA's units): the walk both partitions
-    take, unit by unit in the same order."""
+def _grid_walk(conv, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
+    """The walk both partitions take, unit by unit in the same order, over the conv geometry
+    `conv` = (M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, GROUP_M, SPLITS, K_PER)
+    (the kernel's integer arguments): (this CTA's units, the walk _unit_origin reads: this CTA,
+    the CTAs, tile rows and columns, channel blocks, k-steps of a tile, conv)."""
+    M, Co, Ci, R, S, _, _, _, _, _, _, _, SPLITS, _ = conv
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -109,7 +92,9 @@ def _grid_walk(M, Co, SPLITS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLI
     units = num_pid_m * num_pid_n
     if SPLIT:
         units = units * SPLITS
-    return pid, nprog, num_pid_m, num_pid_n, gl.cdiv(units - pid, nprog)
+    my_units = gl.cdiv(units - pid, nprog)
+    ci_blocks = gl.cdiv(Ci, BLOCK_K)
+    return my_units, (pid, nprog, num_pid_m, num_pid_n, ci_blocks, R * S * ci_blocks, conv)
 
 
 @gluon.jit
@@ -135,20 +120,7 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    M,
-    Co,
-    Ci,
-    R,
-    S,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    GROUP_M,
-    SPLITS,
-    K_PER,
+    conv,
     IM2COL: gl.constexpr,
     SPLIT: gl.constexpr,
 ):
@@ -159,34 +131,11 @@ def _load_partition(
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    pid, nprog, num_pid_m, num_pid_n, my_units = _grid_walk(M, Co, SPLITS, BLOCK_M, BLOCK_N, SPLIT)
-    ci_blocks = gl.cdiv(Ci, BLOCK_K)
-    k_tiles = R * S * ci_blocks
+    _, _, Ci, R, S, _, _, _, _, _, _, _, _, _ = conv
+    my_units, walk = _grid_walk(conv, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
     use = 0
     for t in range(my_units):
-        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(
-            t,
-            pid,
-            nprog,
-            num_pid_m,
-            num_pid_n,
-            GROUP_M,
-            PQ,
-            Q,
-            stride_h,
-            stride_w,
-            pad_h,
-            pad_w,
-            ci_blocks,
-            k_tiles,
-            S,
-            SPLITS,
-            K_PER,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            SPLIT,
-        )
+        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(t, walk, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
         for _k in range(cnt):
             slot = use % STAGES
             mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
@@ -204,20 +153,7 @@ def _mma_partition(
     ready,
     empty,
     ws_ptr,
-    M,
-    Co,
-    Ci,
-    R,
-    S,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    GROUP_M,
-    SPLITS,
-    K_PER,
+    conv,
     LDW,
     SPLIT: gl.constexpr,
     num_warps: gl.constexpr,
@@ -229,36 +165,13 @@ def _mma_partition(
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     dtype: gl.constexpr = a_bufs.dtype
-    pid, nprog, num_pid_m, num_pid_n, my_units = _grid_walk(M, Co, SPLITS, BLOCK_M, BLOCK_N, SPLIT)
-    ci_blocks = gl.cdiv(Ci, BLOCK_K)
-    k_tiles = R * S * ci_blocks
+    M = conv[0]
+    my_units, walk = _grid_walk(conv, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     use = 0
     for t in range(my_units):
-        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(
-            t,
-            pid,
-            nprog,
-            num_pid_m,
-            num_pid_n,
-            GROUP_M,
-            PQ,
-            Q,
-            stride_h,
-            stride_w,
-            pad_h,
-            pad_w,
-            ci_blocks,
-            k_tiles,
-            S,
-            SPLITS,
-            K_PER,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            SPLIT,
-        )
+        m0, n0, img, h0, w0, cnt, c0, r, s, split = _unit_origin(t, walk, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
         acc, use = ghop.wgmma_steps(a_bufs, b_bufs, ready, empty, acc, cnt, use, False, True)
         if SPLIT:
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
@@ -315,17 +228,12 @@ def conv2d_fprop_kernel(
     Warp-specialized (the wgrad's and the dgrad's pipeline): a one-warp TMA loader and the
     WGMMA warps talk through ready/empty mbarrier rings."""
     a_bufs, b_bufs, c_smem, ready, empty = ghop.specialized_rings(x_desc, w_desc, y_desc, STAGES)
+    conv = (M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, GROUP_M, SPLITS, K_PER)
     # fmt: off
     gl.warp_specialize(
         [
-            (_mma_partition, (
-                a_bufs, b_bufs, c_smem, y_desc, ready, empty, ws_ptr, M, Co, Ci, R, S, PQ, Q, stride_h, stride_w,
-                pad_h, pad_w, GROUP_M, SPLITS, K_PER, LDW, SPLIT, num_warps,
-            )),
-            (_load_partition, (
-                x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h,
-                pad_w, GROUP_M, SPLITS, K_PER, IM2COL, SPLIT,
-            )),
+            (_mma_partition, (a_bufs, b_bufs, c_smem, y_desc, ready, empty, ws_ptr, conv, LDW, SPLIT, num_warps)),
+            (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, conv, IM2COL, SPLIT)),
         ],
         [1])
     # fmt: on
