@@ -12,6 +12,9 @@ shapes are pre-tuned first (`tunecache manifest --from-model` of this very model
 
     python benchmarks/bench_train.py [--batch 128] [--steps 20] [--rounds 3] [--loss-steps 50]
         [--max-candidates 48] [--no-pretune] [--first-step]
+
+--first-step starts from an empty store of the run's own, nothing pre-tuned, and times each
+model's first step (the summary's first_step_s) before the steps as usual.
     python benchmarks/bench_train.py --model small_cnn --batch 32 --modes eager,compile,reduce-overhead,cuda-graph
 
 --model small_cnn is the host-bound case (issue 39): ten 3x3 convolutions and a Linear on 32x32
@@ -240,12 +243,7 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=50)
     ap.add_argument("--max-candidates", type=int, default=None, help="TUNECACHE_MAX_CANDIDATES for the pre-tuning")
     ap.add_argument("--no-pretune", action="store_true", help="the store is tuned already (or tune on first use)")
-    ap.add_argument(
-        "--first-step",
-        action="store_true",
-        help="start from an empty store of this run's own, no pre-tuning: time each model's first step "
-        "(the summary's first_step_s), then the steps as usual",
-    )
+    ap.add_argument("--first-step", action="store_true", help="time each model's first step on an empty store")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="only plot the loss curves of a results JSON to a PNG")
     args = ap.parse_args()

@@ -15,8 +15,11 @@ Each finished shape is appended to benchmarks/results/tuning-ops-partial.jsonl a
         [--ops "matmul:M=4096,N=4096,K=4096,dtype=bfloat16;..."] [--held-out op:model/name,...]
         [--vs-inductor] [--no-dropin]
 
---vs-inductor: the `tunecache tune` process for matmul SIZE^3 fp16 beside Inductor
-max-autotune's first call of it, each cold in a process of its own.
+--held-out: shapes of bench_models' suite kept out of the ranking's training
+(benchmarks/gather_trials.py), e.g. conv2d_wgrad:sd-vae/encoder.256@256: scored apart from the
+kernel set. --vs-inductor: the `tunecache tune` process for matmul SIZE^3 fp16 beside Inductor
+max-autotune's first call of it, each cold in a process of its own (the summary's vs_inductor
+is Inductor's seconds over tunecache's).
 
 Prints the ratios and writes JSON with a `summary` to benchmarks/results/tuning-<device>.json.
 """
@@ -255,19 +258,9 @@ def main() -> None:
         default="",
         help="comma-separated op:name pairs of --kernel-set to keep (e.g. conv2d_fprop:r50_3x3_512@7)",
     )
-    ap.add_argument(
-        "--held-out",
-        default="",
-        help="comma-separated op:model/name of bench_models' suite (e.g. conv2d_wgrad:sd-vae/encoder.256@256), "
-        "shapes kept out of the ranking's training (benchmarks/gather_trials.py): scored apart from the kernel set",
-    )
+    ap.add_argument("--held-out", default="", help="op:model/name,... of bench_models' suite held out of the ranking")
     ap.add_argument("--no-dropin", action="store_true", help="skip the drop-in comparison")
-    ap.add_argument(
-        "--vs-inductor",
-        action="store_true",
-        help="time the `tunecache tune` process for matmul SIZE^3 fp16 against Inductor max-autotune's (cold, "
-        "same run); the summary's vs_inductor is Inductor's seconds over tunecache's",
-    )
+    ap.add_argument("--vs-inductor", action="store_true", help="tunecache tune against Inductor max-autotune")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tunecache-tuning-"))

@@ -45,16 +45,7 @@ import httpx
 
 from tunecache import settings
 from tunecache.errors import short
-from tunecache.fleet.protocol import (
-    ANY_RUNS,
-    REFUSED,
-    UNREACHABLE,
-    ClaimedJob,
-    FleetError,
-    Published,
-    Runs,
-    SyncAnswer,
-)
+from tunecache.fleet.protocol import ANY_RUNS, REFUSED, UNREACHABLE, ClaimedJob, FleetError, Published, Runs, SyncAnswer
 from tunecache.key import DeviceClass, TuneKey
 from tunecache.store.records import (
     ANNOUNCE_S,

@@ -116,11 +116,7 @@ class Fleet(Protocol):
     def publish_binaries(self, rec: ConfigRecord, binaries: list[Binary]) -> bool | None: ...
     def report(self, key: TuneKey, config: dict, error: str) -> bool | None: ...
     def sync(
-        self,
-        device: DeviceClass,
-        triton_version: str,
-        kernel_versions: Mapping[str, str] | None,
-        binaries: bool = True,
+        self, device: DeviceClass, triton_version: str, kernel_versions: Mapping[str, str] | None, binaries: bool = True
     ) -> SyncAnswer: ...
     # trusted trials of a kernel on an architecture, as (kernel, problem, config, milliseconds):
     # what a host ranks its tunes' candidates by (tunecache.tuning.ranking); None: unreachable

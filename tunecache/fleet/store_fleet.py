@@ -6,16 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Mapping
 
-from tunecache.fleet.protocol import (
-    ANY_RUNS,
-    KEPT_EXISTING,
-    WON,
-    ClaimedJob,
-    FleetError,
-    Published,
-    Runs,
-    SyncAnswer,
-)
+from tunecache.fleet.protocol import ANY_RUNS, KEPT_EXISTING, WON, ClaimedJob, FleetError, Published, Runs, SyncAnswer
 from tunecache.key import DeviceClass, TuneKey
 from tunecache.store.records import (
     ANNOUNCE_S,
@@ -81,11 +72,7 @@ class StoreFleet:
         return True
 
     def sync(
-        self,
-        device: DeviceClass,
-        triton_version: str,
-        kernel_versions: Mapping[str, str] | None,
-        binaries: bool = True,
+        self, device: DeviceClass, triton_version: str, kernel_versions: Mapping[str, str] | None, binaries: bool = True
     ) -> SyncAnswer:
         recs = self.store.device_configs(device.arch, device.sm_count, triton_version, kernel_versions)
         found = self.store.get_binaries([r.digest for r in recs]) if binaries and recs else {}
