@@ -183,6 +183,13 @@ def _tune(
         must = [default] if mod.prune([default], problem, device) else []
         short = shortlist(ranking.order(candidates, problem), candidates, must)
         candidates, siblings = short.candidates, MAX_SIBLINGS if short.siblings is None else short.siblings
+        log.info(
+            "tunecache: %s: %d candidates first (%s; %d tuned problems known)",
+            mod.KERNEL,
+            len(candidates),
+            short.why,
+            len(ranking),
+        )
     # on a GPU the vendor's op competes too (timed beside the settled leaders): a tuned call is
     # never slower than torch's; not on the CPU interpreter (it measures correctness, not speed),
     # nor where a caller gives the candidates (the kernels' own standing)
