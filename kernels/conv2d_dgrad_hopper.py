@@ -69,11 +69,14 @@ def store_layout(BLOCK_N, num_warps):
 
 
 @gluon.jit
-def _unit(t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT: gl.constexpr):
-    """This CTA's t-th work unit -> (its phase, first output pixel of the phase's walk, first
-    channel, split): a tile, or with SPLIT a (tile, split) pair, the splits of a tile adjacent.
-    Phase-major: phase-minor order gave each CTA a single phase (132 CTAs, 4 phases), the CTAs
-    of a 4-tap phase four times the work of a 1-tap one's (1.4x slower on an H200)."""
+def _unit(t, walk, BLOCK_M, BLOCK_N, SPLIT: gl.constexpr):
+    """This CTA's t-th work unit of its walk (_grid_walk) -> (its phase, first output pixel of
+    the phase's walk, first channel, split): a tile, or with SPLIT a (tile, split) pair, the
+    splits of a tile adjacent. Phase-major: phase-minor order gave each CTA a single phase (132
+    CTAs, 4 phases), the CTAs of a 4-tap phase four times the work of a 1-tap one's (1.4x
+    slower on an H200)."""
+    pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, _, conv = walk
+    GROUP_M, SPLITS = conv[18], conv[19]
     u = pid + t * nprog
     if SPLIT:
         tile = u // SPLITS
@@ -102,49 +105,39 @@ def _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K: gl.constexpr, SPLIT: gl.co
 
 
 @gluon.jit
-def _producer_at(
-    t,
-    pid,
-    nprog,
-    tiles_per_phase,
-    num_pid_m,
-    num_pid_n,
-    GROUP_M,
-    PQ2,
-    Q2,
-    PS,
-    R,
-    S,
-    H,
-    W,
-    sh,
-    sw,
-    pad_h,
-    pad_w,
-    c_blocks,
-    SPLITS,
-    K_PER,
-    BLOCK_M,
-    BLOCK_N,
-    BLOCK_K: gl.constexpr,
-    SPLIT: gl.constexpr,
-):
-    """What the loads of this CTA's t-th unit need: (its channel, image, row and column of its
-    first pixel, its phase's first taps, tap counts and first grad_out offsets, its k-steps and
-    the first one's channel block and tap)."""
-    phase, m0, n0, split = _unit(
-        t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
-    )
+def _unit_phase(t, walk, BLOCK_M, BLOCK_N, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
+    """This CTA's t-th unit (_unit) with its phase's taps (dgrad_phases.gl_dgrad_phase: first
+    taps, tap offsets, tap counts, grad_out corner, rows and columns) and its k-steps (_k_range):
+    (phase, m0, n0, split, the phase's 10 values, cnt, c0, tap row, tap column)."""
+    _, _, _, _, _, c_blocks, conv = walk
+    _, _, _, _, R, S, H, W, _, _, sh, sw, pad_h, pad_w, _, _, PS, _, _, _, K_PER = conv
+    phase, m0, n0, split = _unit(t, walk, BLOCK_M, BLOCK_N, SPLIT)
     kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = dph.gl_dgrad_phase(phase, PS, R, S, H, W, sh, sw, pad_h, pad_w)
     cnt, c0, tap, u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
-    pq = m0 % PQ2
-    return n0, m0 // PQ2, pq // Q2, pq % Q2, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u
+    return phase, m0, n0, split, kr0, ks0, a, b, kr, ks, ca, cb, rows, cols, cnt, c0, tap, u
 
 
 @gluon.jit
-def _grid_walk(M2, Ci, n_phases, SPLITS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
-    """(this CTA, the CTAs, tiles per phase, a phase's tile rows and columns, this CTA's units):
-    the walk both partitions take, unit by unit in the same order."""
+def _producer_at(t, walk, BLOCK_M, BLOCK_N, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
+    """What the loads of this CTA's t-th unit need: (its origin for _issue_load: image, row and
+    column of its first pixel, its channel, its phase's first taps and first grad_out offsets;
+    the phase's tap counts, its k-steps and the first one's channel block and tap)."""
+    PQ2, Q2 = walk[6][8], walk[6][9]
+    _, m0, n0, _, kr0, ks0, _, _, kr, ks, ca, cb, _, _, cnt, c0, tap, u = _unit_phase(
+        t, walk, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
+    )
+    pq = m0 % PQ2
+    return (m0 // PQ2, pq // Q2, pq % Q2, n0, kr0, ks0, ca, cb), kr, ks, cnt, c0, tap, u
+
+
+@gluon.jit
+def _grid_walk(conv, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr):
+    """The walk both partitions take, unit by unit in the same order, over the conv geometry
+    `conv` (the kernel's integer arguments, gluon_dgrad.DGRAD_INT_ARGS, GROUP_M, SPLITS, K_PER):
+    (this CTA's units, the walk _unit reads: this CTA, the CTAs, tiles per phase, a phase's tile
+    rows and columns, Co's channel blocks, conv)."""
+    M2, Ci, Co = conv[0], conv[1], conv[2]
+    n_phases, SPLITS = conv[17], conv[19]
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     num_pid_m = gl.cdiv(M2, BLOCK_M)
@@ -153,40 +146,16 @@ def _grid_walk(M2, Ci, n_phases, SPLITS, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
     units = n_phases * tiles_per_phase
     if SPLIT:
         units = units * SPLITS
-    return pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, gl.cdiv(units - pid, nprog)
+    my_units = gl.cdiv(units - pid, nprog)
+    return my_units, (pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, gl.cdiv(Co, BLOCK_K), conv)
 
 
 @gluon.jit
-def _issue_load(
-    slot,
-    img,
-    p0,
-    q0,
-    n0,
-    c0,
-    t,
-    u,
-    kr0,
-    ks0,
-    ca,
-    cb,
-    S,
-    Ciw,
-    stride_h,
-    stride_w,
-    PH,
-    PW,
-    g_desc,
-    w_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    PQ2,
-    Q2,
-    IM2COL: gl.constexpr,
-):
-    """TMA-load one k-step (the phase's tap (t, u), Co channels c0...) of the tile at output
-    pixel (img, p0, q0), grad_x channels n0..., into ring slot `slot`."""
+def _issue_load(slot, origin, c0, t, u, conv, g_desc, w_desc, a_bufs, b_bufs, ready, IM2COL: gl.constexpr):
+    """TMA-load one k-step (the phase's tap (t, u), Co channels c0...) of the unit at `origin`
+    (_producer_at: output pixel (img, p0, q0), grad_x channels n0...) into ring slot `slot`."""
+    img, p0, q0, n0, kr0, ks0, ca, cb = origin
+    _, _, _, Ciw, _, S, _, _, PQ2, Q2, stride_h, stride_w, _, _, PH, PW, _, _, _, _, _ = conv
     bar = ready.index(slot)
     mbarrier.expect(bar, g_desc.block_type.nbytes + w_desc.block_type.nbytes)
     if IM2COL:
@@ -206,27 +175,7 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    M2,
-    Ci,
-    Co,
-    Ciw,
-    R,
-    S,
-    H,
-    W,
-    PQ2,
-    Q2,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    PH,
-    PW,
-    PS,
-    n_phases,
-    GROUP_M,
-    SPLITS,
-    K_PER,
+    conv,
     IM2COL: gl.constexpr,
     SPLIT: gl.constexpr,
 ):
@@ -237,70 +186,15 @@ def _load_partition(
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-    pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, my_tiles = _grid_walk(
-        M2, Ci, n_phases, SPLITS, BLOCK_M, BLOCK_N, SPLIT
-    )
-    c_blocks = gl.cdiv(Co, BLOCK_K)
+    Co = conv[2]
+    my_tiles, walk = _grid_walk(conv, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
     use = 0
     for t in range(my_tiles):
-        n0, img, p0, q0, kr0, ks0, kr, ks, ca, cb, cnt, c0, tap, u = _producer_at(
-            t,
-            pid,
-            nprog,
-            tiles_per_phase,
-            num_pid_m,
-            num_pid_n,
-            GROUP_M,
-            PQ2,
-            Q2,
-            PS,
-            R,
-            S,
-            H,
-            W,
-            stride_h,
-            stride_w,
-            pad_h,
-            pad_w,
-            c_blocks,
-            SPLITS,
-            K_PER,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            SPLIT,
-        )
+        origin, kr, ks, cnt, c0, tap, u = _producer_at(t, walk, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
         for _k in range(cnt):
             slot = use % STAGES
             mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
-            _issue_load(
-                slot,
-                img,
-                p0,
-                q0,
-                n0,
-                c0,
-                tap,
-                u,
-                kr0,
-                ks0,
-                ca,
-                cb,
-                S,
-                Ciw,
-                stride_h,
-                stride_w,
-                PH,
-                PW,
-                g_desc,
-                w_desc,
-                a_bufs,
-                b_bufs,
-                ready,
-                PQ2,
-                Q2,
-                IM2COL,
-            )
+            _issue_load(slot, origin, c0, tap, u, conv, g_desc, w_desc, a_bufs, b_bufs, ready, IM2COL)
             c0, tap, u, wrapped = gdev.next_conv_k(c0, tap, u, Co, kr, ks, BLOCK_K)
             use += 1
 
@@ -315,24 +209,7 @@ def _mma_partition(
     empty,
     gx_ptr,
     ws_ptr,
-    M2,
-    Ci,
-    Co,
-    R,
-    S,
-    H,
-    W,
-    PQ2,
-    Q2,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    PS,
-    n_phases,
-    GROUP_M,
-    SPLITS,
-    K_PER,
+    conv,
     TMA_STORE: gl.constexpr,
     VEC: gl.constexpr,
     SPLIT: gl.constexpr,
@@ -344,10 +221,8 @@ def _mma_partition(
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
     dtype: gl.constexpr = a_bufs.dtype
-    pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, my_tiles = _grid_walk(
-        M2, Ci, n_phases, SPLITS, BLOCK_M, BLOCK_N, SPLIT
-    )
-    c_blocks = gl.cdiv(Co, BLOCK_K)
+    M2, Ci, _, _, _, _, H, W, PQ2, Q2, stride_h, stride_w, _, _, _, _, _, _, _, _, _ = conv
+    my_tiles, walk = _grid_walk(conv, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)
 
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
@@ -357,13 +232,9 @@ def _mma_partition(
 
     use = 0
     for t in range(my_tiles):
-        phase, m0, n0, split = _unit(
-            t, pid, nprog, tiles_per_phase, num_pid_m, num_pid_n, GROUP_M, SPLITS, BLOCK_M, BLOCK_N, SPLIT
+        _, m0, n0, split, _, _, a, b, _, _, _, _, rows, cols, cnt, _, _, _ = _unit_phase(
+            t, walk, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
         )
-        kr0, ks0, a, b, kr, ks, ca, cb, rows, cols = dph.gl_dgrad_phase(
-            phase, PS, R, S, H, W, stride_h, stride_w, pad_h, pad_w
-        )
-        cnt, k_c0, k_t, k_u = _k_range(split, kr, ks, c_blocks, K_PER, BLOCK_K, SPLIT)
         acc, use = ghop.wgmma_steps(a_bufs, b_bufs, ready, empty, acc, cnt, use, False, False)
         # pixel m of the phase's walk -> grad_x[img, a + sh * pi, b + sw * pj]
         m = m0 + rows0
@@ -445,17 +316,16 @@ def conv2d_dgrad_kernel(
     share of the time)."""
     a_bufs, b_bufs, c_smem, ready, empty = ghop.specialized_rings(g_desc, w_desc, y_desc, STAGES)
     # fmt: off
+    conv = (
+        M2, Ci, Co, Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, PS, n_phases,
+        GROUP_M, SPLITS, K_PER,
+    )
     gl.warp_specialize(
         [
             (_mma_partition, (
-                a_bufs, b_bufs, c_smem, y_desc, ready, empty, gx_ptr, ws_ptr, M2, Ci, Co, R, S, H, W, PQ2, Q2,
-                stride_h, stride_w, pad_h, pad_w, PS, n_phases, GROUP_M, SPLITS, K_PER, TMA_STORE, VEC, SPLIT,
-                num_warps,
+                a_bufs, b_bufs, c_smem, y_desc, ready, empty, gx_ptr, ws_ptr, conv, TMA_STORE, VEC, SPLIT, num_warps,
             )),
-            (_load_partition, (
-                g_desc, w_desc, a_bufs, b_bufs, ready, empty, M2, Ci, Co, Ciw, R, S, H, W, PQ2, Q2, stride_h,
-                stride_w, pad_h, pad_w, PH, PW, PS, n_phases, GROUP_M, SPLITS, K_PER, IM2COL, SPLIT,
-            )),
+            (_load_partition, (g_desc, w_desc, a_bufs, b_bufs, ready, empty, conv, IM2COL, SPLIT)),
         ],
         [1])
     # fmt: on
