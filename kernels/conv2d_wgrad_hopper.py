@@ -51,28 +51,14 @@ OP, BACKEND, KERNEL, problem, inputs, reference, flops = problems.backend_names(
 
 
 @gluon.jit
-def _issue_load(
-    slot,
-    m0,
-    co0,
-    ci0,
-    r,
-    s,
-    g_desc,
-    x_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    IM2COL: gl.constexpr,
-):
-    """TMA-load pixels m0... of grad_out (channels co0...) and of im2col(x) at tap (r, s) into
-    ring slot `slot`, completing on ready[slot]."""
+def _issue_load(slot, kk, co_blk, ci_blk, r, s, g_desc, x_desc, a_bufs, b_bufs, ready, conv, IM2COL: gl.constexpr):
+    """TMA-load k-step kk's pixels m0... of grad_out (output channel block co_blk) and of
+    im2col(x) at tap (r, s) (input channel block ci_blk) into ring slot `slot`, completing on
+    ready[slot]; conv: the kernel's integer arguments."""
+    m0 = kk * g_desc.block_type.shape[0]
+    co0 = co_blk * g_desc.block_type.shape[1]
+    ci0 = ci_blk * x_desc.block_type.shape[1]
+    _, _, _, _, PQ, Q, stride_h, stride_w, pad_h, pad_w, _, _, _ = conv
     bar = ready.index(slot)
     mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
     tma.async_load(g_desc, [m0, co0], bar, a_bufs.index(slot))
@@ -97,28 +83,16 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    Co,
-    Ci,
-    RS,
-    S,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    k_steps,
-    per,
-    num_splits,
+    conv,
     STREAM: gl.constexpr,
     IM2COL: gl.constexpr,
 ):
     """The loader warp: TMA loads of every piece of this CTA's work into the ring, each slot as
     soon as the WGMMA warps release it."""
     STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
+    Co, Ci, RS, S, _, _, _, _, _, _, k_steps, per, num_splits = conv
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles = co_blocks * ci_blocks * RS
@@ -130,26 +104,7 @@ def _load_partition(
         for kk in range(k_from, k_to):
             slot = use % STAGES
             mbarrier.wait(empty.index(slot), ((use // STAGES) & 1) ^ 1)
-            _issue_load(
-                slot,
-                kk * BLOCK_K,
-                co_blk * BLOCK_M,
-                ci_blk * BLOCK_N,
-                r,
-                s,
-                g_desc,
-                x_desc,
-                a_bufs,
-                b_bufs,
-                ready,
-                PQ,
-                Q,
-                stride_h,
-                stride_w,
-                pad_h,
-                pad_w,
-                IM2COL,
-            )
+            _issue_load(slot, kk, co_blk, ci_blk, r, s, g_desc, x_desc, a_bufs, b_bufs, ready, conv, IM2COL)
             use += 1
 
 
@@ -164,12 +119,7 @@ def _mma_partition(
     out_ptr,
     ws_ptr,
     flags_ptr,
-    Co,
-    Ci,
-    RS,
-    k_steps,
-    per,
-    num_splits,
+    conv,
     STREAM: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -195,6 +145,7 @@ def _mma_partition(
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     tile_offs = rows0[:, None] * BLOCK_N + cols0[None, :]
     pid = gl.program_id(0)
+    Co, Ci, RS, _, _, _, _, _, _, _, k_steps, per, num_splits = conv
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles = co_blocks * ci_blocks * RS
@@ -280,60 +231,19 @@ def conv2d_wgrad_kernel(
     mbarrier rings, so no k-step waits on a CTA-wide barrier (the single-partition version
     of this loop synchronized all warps several times per k-step and ran 10-35% slower)."""
     a_bufs, b_bufs, c_smem, ready, empty = ghop.specialized_rings(g_desc, x_desc, c_desc, STAGES)
+    conv = (Co, Ci, RS, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, k_steps, per, num_splits)  # gluon_wgrad.WGRAD_INTS
+    # fmt: off
     gl.warp_specialize(
         [
-            (
-                _mma_partition,
-                (
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    c_desc,
-                    c_smem,
-                    out_ptr,
-                    ws_ptr,
-                    flags_ptr,
-                    Co,
-                    Ci,
-                    RS,
-                    k_steps,
-                    per,
-                    num_splits,
-                    STREAM,
-                    num_warps,
-                ),
-            ),
-            (
-                _load_partition,
-                (
-                    g_desc,
-                    x_desc,
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    Co,
-                    Ci,
-                    RS,
-                    S,
-                    PQ,
-                    Q,
-                    stride_h,
-                    stride_w,
-                    pad_h,
-                    pad_w,
-                    k_steps,
-                    per,
-                    num_splits,
-                    STREAM,
-                    IM2COL,
-                ),
-            ),
+            (_mma_partition, (
+                a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr, ws_ptr, flags_ptr, conv, STREAM, num_warps,
+            )),
+            (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, conv, STREAM, IM2COL)),
         ],
         [1],
         [40],
     )
+    # fmt: on
     gdev.invalidate_rings(ready, empty)
 
 
