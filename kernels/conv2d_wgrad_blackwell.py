@@ -78,22 +78,16 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    co_blocks,
-    ci_blocks,
-    tiles,
-    k_steps,
-    per,
-    num_splits,
-    S,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
+    pieces,
+    window,
     STREAM: gl.constexpr,
     IM2COL: gl.constexpr,
 ):
+    """The loader warp: each piece's (gluon_wgrad.wgrad_piece; pieces: its walk, as the kernel
+    gives it) TMA loads of grad_out rows and of x's im2col window (window = (S, PQ, Q, stride_h,
+    stride_w, pad_h, pad_w)) into the ring."""
+    co_blocks, ci_blocks, tiles, k_steps, per, num_splits = pieces
+    S, PQ, Q, stride_h, stride_w, pad_h, pad_w = window
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
@@ -122,9 +116,10 @@ def _load_partition(
 
 
 @gluon.jit
-def _mma_partition(rings, co_blocks, ci_blocks, tiles, k_steps, per, num_splits, STREAM: gl.constexpr):
+def _mma_partition(rings, pieces, STREAM: gl.constexpr):
     """The MMA warp: each piece's k-steps into the next free accumulator (rings: pipeline_rings'),
     grad_out's tile fed through a permuted view (M-major A)."""
+    co_blocks, ci_blocks, tiles, k_steps, per, num_splits = pieces
     use = 0
     acc_use = 0
     for i in range(wgrad_num_pieces(tiles, k_steps, per, num_splits, STREAM)):
@@ -140,12 +135,7 @@ def _epilogue_partition(
     acc_tmem,
     acc_ready,
     acc_empty,
-    co_blocks,
-    ci_blocks,
-    tiles,
-    k_steps,
-    per,
-    num_splits,
+    pieces,
     Co,
     Ci,
     RS,
@@ -164,6 +154,7 @@ def _epilogue_partition(
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
+    co_blocks, ci_blocks, tiles, k_steps, per, num_splits = pieces
     pid = gl.program_id(0)
     row_stride = RS * Ci
     acc_use = 0
@@ -233,72 +224,21 @@ def conv2d_wgrad_kernel(
     co_blocks = gl.cdiv(Co, BLOCK_M)
     ci_blocks = gl.cdiv(Ci, BLOCK_N)
     tiles = co_blocks * ci_blocks * RS
+    pieces = (co_blocks, ci_blocks, tiles, k_steps, per, num_splits)
+    window = (S, PQ, Q, stride_h, stride_w, pad_h, pad_w)
+    # fmt: off
     gl.warp_specialize(
         [
-            (
-                _epilogue_partition,
-                (
-                    out_ptr,
-                    ws_ptr,
-                    flags_ptr,
-                    acc_tmem,
-                    acc_ready,
-                    acc_empty,
-                    co_blocks,
-                    ci_blocks,
-                    tiles,
-                    k_steps,
-                    per,
-                    num_splits,
-                    Co,
-                    Ci,
-                    RS,
-                    STREAM,
-                ),
-            ),
-            (
-                _mma_partition,
-                (
-                    rings,
-                    co_blocks,
-                    ci_blocks,
-                    tiles,
-                    k_steps,
-                    per,
-                    num_splits,
-                    STREAM,
-                ),
-            ),
-            (
-                _load_partition,
-                (
-                    g_desc,
-                    x_desc,
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    co_blocks,
-                    ci_blocks,
-                    tiles,
-                    k_steps,
-                    per,
-                    num_splits,
-                    S,
-                    PQ,
-                    Q,
-                    stride_h,
-                    stride_w,
-                    pad_h,
-                    pad_w,
-                    STREAM,
-                    IM2COL,
-                ),
-            ),
+            (_epilogue_partition, (
+                out_ptr, ws_ptr, flags_ptr, acc_tmem, acc_ready, acc_empty, pieces, Co, Ci, RS, STREAM,
+            )),
+            (_mma_partition, (rings, pieces, STREAM)),
+            (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, pieces, window, STREAM, IM2COL)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
     )
+    # fmt: on
     gdev.invalidate_rings(ready, empty, acc_ready, acc_empty)
 
 
