@@ -83,29 +83,15 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    num_pid_m,
-    num_pid_n,
-    group_m,
-    n_phases,
-    PS,
-    Co,
-    Ciw,
-    R,
-    S,
-    H,
-    W,
-    PQ2,
-    Q2,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    PH,
-    PW,
-    num_work,
-    K_PER,
+    walk,
+    conv,
     IM2COL: gl.constexpr,
 ):
+    """The loader warp: each work item's (walk = (tile rows, tile columns, work items)) TMA
+    loads of grad_out by im2col and w's tiles into the ring; conv: the kernel's integer
+    arguments."""
+    num_pid_m, num_pid_n, num_work = walk
+    _, _, Co, Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, PS, n_phases, group_m, _, K_PER = conv
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = g_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
@@ -144,10 +130,12 @@ def _load_partition(
 
 
 @gluon.jit
-def _mma_partition(rings, num_pid_m, num_pid_n, n_phases, PS, Co, R, S, stride_h, stride_w, num_work, K_PER):
+def _mma_partition(rings, walk, conv):
     """The MMA warp: each work item's k-steps (its phase's taps times Co's blocks, or its split's
     share of them) into the next free accumulator; B is w's own [BLOCK_K, BLOCK_N] tile,
-    N-major, fed as it lies. rings: pipeline_rings'."""
+    N-major, fed as it lies. rings: pipeline_rings'; walk, conv: the loader's."""
+    num_pid_m, num_pid_n, num_work = walk
+    _, _, Co, _, R, S, _, _, _, _, stride_h, stride_w, _, _, _, _, PS, n_phases, _, _, K_PER = conv
     BLOCK_K: gl.constexpr = rings[0].shape[2]
     tiles_per_phase = num_pid_m * num_pid_n
     use = 0
@@ -158,34 +146,14 @@ def _mma_partition(rings, num_pid_m, num_pid_n, n_phases, PS, Co, R, S, stride_h
 
 
 @gluon.jit
-def _phase_store_epilogue(
-    gx_ptr,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
-    num_pid_m,
-    num_pid_n,
-    group_m,
-    n_phases,
-    PS,
-    Ci,
-    R,
-    S,
-    H,
-    W,
-    M2,
-    PQ2,
-    Q2,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    VEC: gl.constexpr,
-):
+def _phase_store_epilogue(gx_ptr, acc_tmem, acc_ready, acc_empty, walk, conv, VEC: gl.constexpr):
     """Each tile's accumulator, one slice at a time, from registers to grad_x[img, a + sh * i,
     b + sw * j] for pixel (img, i, j) of the phase's walk. Ci as a multiple of VEC the compiler
     can see (Ci is not specialized): each thread's run of a pixel's channels starts 16-byte
-    aligned and its mask is constant over each VEC, so it is one wide store, not one per channel."""
+    aligned and its mask is constant over each VEC, so it is one wide store, not one per channel.
+    walk, conv: the loader's."""
+    num_pid_m, num_pid_n, _ = walk
+    M2, Ci, _, _, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, _, _, PS, n_phases, group_m, _, _ = conv
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
@@ -220,21 +188,19 @@ def _phase_store_epilogue(
 
 @gluon.jit
 def _epilogue(
-    y_desc, c_smem, gx_ptr, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work,
-    n_phases, PS, Ci, R, S, H, W, M2, PQ2, Q2, stride_h, stride_w, pad_h, pad_w,
+    y_desc, c_smem, gx_ptr, ws_ptr, acc_tmem, acc_ready, acc_empty, walk, conv,
     VEC: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT: gl.constexpr,
 ):  # fmt: skip
     """The binary's epilogue: a stride-1 split's fp32 partials into ws, a stride-1 tile by TMA
-    store, else each phase's pixels from registers."""
+    store, else each phase's pixels from registers (walk, conv: the loader's)."""
+    num_pid_m, num_pid_n, num_work = walk
+    M2, Ci, group_m = conv[0], conv[1], conv[18]
     if SPLIT:
         partial_epilogue(ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, num_work, M2, Ci)
     elif TMA_STORE:
         tma_store_epilogue(y_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)
     else:
-        _phase_store_epilogue(
-            gx_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Ci, R, S, H, W, M2,
-            PQ2, Q2, stride_h, stride_w, pad_h, pad_w, VEC,
-        )  # fmt: skip
+        _phase_store_epilogue(gx_ptr, acc_tmem, acc_ready, acc_empty, walk, conv, VEC)
 
 
 @gluon.jit(do_not_specialize=[*gdg.DGRAD_INT_ARGS, "group_m", "SPLITS", "K_PER"])  # one binary for every shape
@@ -291,23 +257,22 @@ def conv2d_dgrad_kernel(
         c_smem = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
     else:
         c_smem = a_bufs  # unused: these epilogues store from registers
+    walk = (num_pid_m, num_pid_n, num_work)
     # the partitions' arguments written out: Gluon takes each partition's function and arguments
-    # as written in the call (a tuple kept in a variable loses its constexpr members)
+    # as written in the call (a tuple kept in a variable loses its constexpr members); their
+    # integers as two values, the walk and the kernel's own (conv)
     # fmt: off
+    conv = (
+        M2, Ci, Co, Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, PS, n_phases,
+        group_m, SPLITS, K_PER,
+    )
     gl.warp_specialize(
         [
             (_epilogue, (
-                y_desc, c_smem, gx_ptr, ws_ptr, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m,
-                num_work, n_phases, PS, Ci, R, S, H, W, M2, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, VEC, TMA_STORE,
-                SPLIT,
+                y_desc, c_smem, gx_ptr, ws_ptr, acc_tmem, acc_ready, acc_empty, walk, conv, VEC, TMA_STORE, SPLIT,
             )),
-            (_mma_partition, (
-                rings, num_pid_m, num_pid_n, n_phases, PS, Co, R, S, stride_h, stride_w, num_work, K_PER,
-            )),
-            (_load_partition, (
-                g_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, n_phases, PS, Co,
-                Ciw, R, S, H, W, PQ2, Q2, stride_h, stride_w, pad_h, pad_w, PH, PW, num_work, K_PER, IM2COL,
-            )),
+            (_mma_partition, (rings, walk, conv)),
+            (_load_partition, (g_desc, w_desc, a_bufs, b_bufs, ready, empty, walk, conv, IM2COL)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
