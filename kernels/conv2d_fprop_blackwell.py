@@ -75,22 +75,15 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
-    num_pid_m,
-    num_pid_n,
-    group_m,
-    Ci,
-    R,
-    S,
-    PQ,
-    Q,
-    stride_h,
-    stride_w,
-    pad_h,
-    pad_w,
-    num_work,
-    k_per_split,
+    walk,
+    conv,
     IM2COL: gl.constexpr,
 ):
+    """The loader warp: each work item's (walk = (tile rows, tile columns, work items, k-steps
+    a work item)) TMA loads of x by im2col and w's tiles into the ring; conv: the kernel's
+    shape arguments (_SHAPE_ARGS)."""
+    num_pid_m, num_pid_n, num_work, k_per_split = walk
+    _, _, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, group_m = conv
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -185,6 +178,8 @@ def conv2d_fprop_kernel(
         num_work = tiles
         k_per_split = k_iters
         c_smem = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    walk = (num_pid_m, num_pid_n, num_work, k_per_split)
+    conv = (M, Co, Ci, R, S, PQ, Q, stride_h, stride_w, pad_h, pad_w, group_m)  # _SHAPE_ARGS
     # the partitions' argument lists written out: a tuple kept in a variable loses its
     # constexpr members
     # fmt: off
@@ -195,10 +190,7 @@ def conv2d_fprop_kernel(
                 LDW, SPLIT,
             )),
             (mma_partition, (rings, num_work, tiles, k_iters, k_per_split, False, True)),
-            (_load_partition, (
-                x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, group_m, Ci, R, S, PQ, Q,
-                stride_h, stride_w, pad_h, pad_w, num_work, k_per_split, IM2COL,
-            )),
+            (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, walk, conv, IM2COL)),
         ],
         [1, 1],
         [WORKER_REGS, WORKER_REGS],
