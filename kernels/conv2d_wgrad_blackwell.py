@@ -290,6 +290,20 @@ def _gathered_mainloop(
     wait_acc(acc_bar)
 
 
+@gluon.jit
+def _gather_setup(
+    a_desc, rows, cols, k_steps, per, ACC_BARS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr
+):
+    """The packed-taps and few-Co kernels' set-up: the operand rings (gluon_wgrad.gather_buffers),
+    their barriers and the accumulator (gather_rings, ACC_BARS barriers for it), then this CTA's
+    (split, tile) of the [rows, cols] output (gluon_wgrad.gather_unit). Returns (a_bufs, b_bufs,
+    ready, done, acc_bar, acc, (split, first row, first column, first k-step, k-steps))."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs, b_bufs = gwg.gather_buffers(a_desc, NUM_BUFFERS, NUM_BUFFERS, BLOCK_N)
+    ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, ACC_BARS, BLOCK_M, BLOCK_N)
+    return a_bufs, b_bufs, ready, done, acc_bar, acc, gwg.gather_unit(rows, cols, k_steps, per, BLOCK_M, BLOCK_N)
+
+
 @gluon.jit(do_not_specialize=list(gwg.PACKED_WGRAD_INTS))
 def conv2d_wgrad_packed_kernel(
     g_desc,
@@ -320,11 +334,10 @@ def conv2d_wgrad_packed_kernel(
     gathered one pixel step ahead (gluon_packed_taps.packed_gather) into the B ring as it lies, the
     fp32 accumulator in tensor memory; out_ptr: grad_w [Co, K] with one split, else fp32
     partials [splits, Co, K]."""
-    BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
-    a_bufs, b_bufs = gwg.gather_buffers(g_desc, NUM_BUFFERS, NUM_BUFFERS, BLOCK_N)
-    ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 2, BLOCK_M, BLOCK_N)
-
-    split, co0, n0, k_from, n = gwg.gather_unit(Co, K, k_steps, per, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, done, acc_bar, acc, unit = _gather_setup(
+        g_desc, Co, K, k_steps, per, 2, BLOCK_N, NUM_BUFFERS
+    )
+    split, co0, n0, k_from, n = unit
     gather = (x_ptr, n0, K, SCi, Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)
     _gathered_mainloop(g_desc, a_bufs, b_bufs, ready, done, acc, acc_bar, co0, k_from, n, gather, False, num_warps)
     # every split has at least one step (gluon_split_k.split_k_plan)
@@ -363,12 +376,11 @@ def conv2d_wgrad_few_co_kernel(
     fed transposed, each pixel read once), grad_out gathered one pixel step ahead
     (gluon_wgrad.few_co_gather) into the B ring as it lies, the fp32 accumulator in tensor
     memory; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials [splits, ...]."""
-    BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
-    a_bufs, b_bufs = gwg.gather_buffers(x_desc, NUM_BUFFERS, NUM_BUFFERS, BLOCK_N)
-    ready, done, acc_bar, acc = gather_rings(NUM_BUFFERS, 1, BLOCK_M, BLOCK_N)
-
     # one column block: BLOCK_N spans every tap
-    split, ci0, _, k_from, n = gwg.gather_unit(Ci, BLOCK_N, k_steps, per, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, done, acc_bar, acc, unit = _gather_setup(
+        x_desc, Ci, BLOCK_N, k_steps, per, 1, BLOCK_N, NUM_BUFFERS
+    )
+    split, ci0, _, k_from, n = unit
     gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED)
     _gathered_mainloop(x_desc, a_bufs, b_bufs, ready, done, acc, acc_bar, ci0, k_from, n, gather, True, num_warps)
     EPI_N: gl.constexpr = epilogue_width(BLOCK_N)

@@ -291,6 +291,18 @@ def _gathered_mainloop(
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
 
+@gluon.jit
+def _gather_setup(a_desc, rows, cols, k_steps, per, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The packed-taps and few-Co kernels' set-up: the A ring and the double-buffered B tile
+    (gluon_wgrad.gather_buffers) and the A ring's barriers, then this CTA's (split, tile) of the
+    [rows, cols] output (gluon_wgrad.gather_unit). Returns (a_bufs, b_bufs, ready, (split, first
+    row, first column, first k-step, k-steps))."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs, b_bufs = gwg.gather_buffers(a_desc, STAGES, 2, BLOCK_N)
+    ready = gdev.barrier_ring(STAGES)
+    return a_bufs, b_bufs, ready, gwg.gather_unit(rows, cols, k_steps, per, BLOCK_M, BLOCK_N)
+
+
 @gluon.jit(do_not_specialize=list(gwg.PACKED_WGRAD_INTS))
 def conv2d_wgrad_packed_kernel(
     g_desc,
@@ -322,10 +334,8 @@ def conv2d_wgrad_packed_kernel(
     pixel step ahead (gluon_packed_taps.packed_gather) into a double buffer that is the WGMMA's B as
     it lies; out_ptr: grad_w [Co, K] with one split, else fp32 partials [splits, Co, K]."""
     BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
-    a_bufs, b_bufs = gwg.gather_buffers(g_desc, STAGES, 2, BLOCK_N)
-    ready = gdev.barrier_ring(STAGES)
-
-    split, co0, n0, k_from, n = gwg.gather_unit(Co, K, k_steps, per, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, unit = _gather_setup(g_desc, Co, K, k_steps, per, BLOCK_N, STAGES)
+    split, co0, n0, k_from, n = unit
     gather = (x_ptr, n0, K, SCi, Ci, H, W, NPQ, PQ, Q, stride_h, stride_w, pad_h, pad_w)
     acc = _gathered_mainloop(g_desc, a_bufs, b_bufs, ready, co0, k_from, n, gather, False, num_warps)
     acc_layout: gl.constexpr = wgmma_acc_layout(BLOCK_M, BLOCK_N, num_warps)
@@ -369,12 +379,9 @@ def conv2d_wgrad_few_co_kernel(
     Co], gathered one pixel step ahead (gluon_wgrad.few_co_gather) into a double buffer that is
     the WGMMA's B as it lies; out_ptr: grad_w [Co, R, S, Ci] with one split, else fp32 partials
     [splits, Co, R, S, Ci]. The packed-taps kernel's schedule with the operands' roles swapped."""
-    BLOCK_M: gl.constexpr = x_desc.block_type.shape[1]
-    a_bufs, b_bufs = gwg.gather_buffers(x_desc, STAGES, 2, BLOCK_N)
-    ready = gdev.barrier_ring(STAGES)
-
     # one column block: BLOCK_N spans every tap
-    split, ci0, _, k_from, n = gwg.gather_unit(Ci, BLOCK_N, k_steps, per, BLOCK_M, BLOCK_N)
+    a_bufs, b_bufs, ready, unit = _gather_setup(x_desc, Ci, BLOCK_N, k_steps, per, BLOCK_N, STAGES)
+    split, ci0, _, k_from, n = unit
     gather = (g_ptr, Co, RS, S, HW, W, P, Q, stride_h, stride_w, pad_h, pad_w, NHW, STRIDED)
     acc = _gathered_mainloop(x_desc, a_bufs, b_bufs, ready, ci0, k_from, n, gather, True, num_warps)
     gwg.few_co_store(out_ptr, split, acc, ci0, 0, Co, RS, Ci, num_warps)
