@@ -100,28 +100,14 @@ def _load_partition(
 
 
 @gluon.jit
-def _register_epilogue(
-    ws_ptr,
-    c_ptr,
-    cnt_ptr,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
-    num_work,
-    tiles,
-    num_pid_n,
-    group_m,
-    M,
-    N,
-    LDW,
-    SPLITS,
-    SPLIT: gl.constexpr,
-    SWAP: gl.constexpr,
-):
-    """The epilogue of the split and swapped binaries, from registers. SPLIT: each work item's
-    fp32 partial into ws[split, rows of c, LDW], and the tile's last split to arrive sums them
-    into c (gluon_matmul.finish_split_tile). SWAP: the tile is c^T's ([BLOCK_M over c's columns,
-    BLOCK_N over its rows], BLOCK_N 32 at most: it is loaded whole) and goes out transposed."""
+def _register_epilogue(acc_tmem, acc_ready, acc_empty, out, walk, SPLIT: gl.constexpr, SWAP: gl.constexpr):
+    """The epilogue of the split and swapped binaries, from registers (out, walk: _epilogue's).
+    SPLIT: each work item's fp32 partial into ws[split, rows of c, LDW], and the tile's last
+    split to arrive sums them into c (gluon_matmul.finish_split_tile). SWAP: the tile is c^T's
+    ([BLOCK_M over c's columns, BLOCK_N over its rows], BLOCK_N 32 at most: it is loaded whole)
+    and goes out transposed."""
+    ws_ptr, c_ptr, cnt_ptr, M, N, LDW, SPLITS = out
+    num_work, tiles, _, num_pid_n, group_m = walk
     BLOCK_M: gl.constexpr = acc_tmem.shape[1]
     BLOCK_N: gl.constexpr = acc_tmem.shape[2]
     NUM_ACC: gl.constexpr = acc_tmem.shape[0]
@@ -183,34 +169,14 @@ def _register_epilogue(
 
 
 @gluon.jit
-def _epilogue(
-    c_desc,
-    c_smem,
-    ws_ptr,
-    c_ptr,
-    cnt_ptr,
-    acc_tmem,
-    acc_ready,
-    acc_empty,
-    num_work,
-    tiles,
-    num_pid_m,
-    num_pid_n,
-    group_m,
-    M,
-    N,
-    LDW,
-    SPLITS,
-    SPLIT: gl.constexpr,
-    SWAP: gl.constexpr,
-):
-    """The binary's epilogue: from registers (split, swapped), else the TMA store."""
+def _epilogue(c_desc, c_smem, acc_tmem, acc_ready, acc_empty, out, walk, SPLIT: gl.constexpr, SWAP: gl.constexpr):
+    """The binary's epilogue: from registers (split, swapped), else the TMA store. out: what the
+    register epilogue writes (ws_ptr, c_ptr, cnt_ptr, M, N, LDW, SPLITS); walk: (work items,
+    tiles, tile rows, tile columns, group_m)."""
     if SPLIT or SWAP:
-        _register_epilogue(
-            ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_n, group_m, M, N, LDW,
-            SPLITS, SPLIT, SWAP,
-        )  # fmt: skip
+        _register_epilogue(acc_tmem, acc_ready, acc_empty, out, walk, SPLIT, SWAP)
     else:
+        _, _, num_pid_m, num_pid_n, group_m = walk
         tma_store_epilogue(c_desc, c_smem, acc_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n, group_m)
 
 
@@ -262,15 +228,14 @@ def matmul_kernel(
         c_smem = a_bufs  # unused: the split and swapped binaries store from registers
     else:
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    out = (ws_ptr, c_ptr, cnt_ptr, M, N, LDW, SPLITS)
+    walk = (num_work, tiles, num_pid_m, num_pid_n, group_m)
     # the partitions' argument lists written out: a tuple kept in a variable would carry A_TRANS
     # and B_TRANS as values, not constexprs
     # fmt: off
     gl.warp_specialize(
         [
-            (_epilogue, (
-                c_desc, c_smem, ws_ptr, c_ptr, cnt_ptr, acc_tmem, acc_ready, acc_empty, num_work, tiles, num_pid_m,
-                num_pid_n, group_m, M, N, LDW, SPLITS, SPLIT, SWAP,
-            )),
+            (_epilogue, (c_desc, c_smem, acc_tmem, acc_ready, acc_empty, out, walk, SPLIT, SWAP)),
             (mma_partition, (rings, num_work, tiles, total_k, k_per_split, A_TRANS, B_TRANS)),
             (_load_partition, (
                 a_desc, b_desc, a_bufs, b_bufs, ready, empty, num_work, tiles, num_pid_n, total_k, k_per_split,
