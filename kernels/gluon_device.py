@@ -1,6 +1,6 @@
 """Device helpers both Gluon architectures' kernels call: a ring of mbarriers set up and torn
-down, the grouped tile order, and an implicit-GEMM conv's walk over (channel block, filter
-tap) k-steps.
+down, a ring stage's operands as an MMA reads them, the grouped tile order, and an
+implicit-GEMM conv's walk over (channel block, filter tap) k-steps.
 """
 
 from __future__ import annotations

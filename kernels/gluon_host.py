@@ -1,6 +1,7 @@
 """Host code both Gluon backends (Hopper and Blackwell) share, whatever the op: the dtypes as
 signatures name them, TMA's 16-byte rule and the channel padding it asks for, TMA descriptors
-(tiled and im2col) and the signature strings that name them for an explicit compile, SM counts
+(tiled and im2col; how a conv reads x: conv_x_desc) and the signature strings that name them
+for an explicit compile, SM counts
 and persistent grids, and the two helpers both architectures' candidate orders use.
 
 What one op's Gluon kernels share lives in a module named for it (gluon_matmul, gluon_dgrad,

@@ -8,7 +8,8 @@ k = (r*S + s)*Ci + c; TMA cannot gather such a tile, so it is loaded through poi
 given r, the (s, c) run is contiguous in x) and stored to shared memory for the MMA.
 
 Beside them, what both fprop backends decide alike: their splits (fprop_splits) and their
-compile specs (fprop_specs), the packed kernel's among them.
+compile specs (fprop_specs), the packed kernel's among them, and the packed kernel's rings and
+tile (packed_fprop_rings, packed_fprop_tile).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """How both Gluon wgrad kernels divide their work: split-K and stream-K over the output tiles
 (WgradWork on the host, wgrad_piece walking it on the device), the packed-taps wgrad's split,
-and the few-output-channels kernels' rules and device pieces.
+and the few-output-channels kernels' rules and device pieces; for both gathering kernels
+(packed taps, few Co) their buffers, gathered B tile and JIT launch set-up (gather_launch).
 """
 
 from __future__ import annotations
