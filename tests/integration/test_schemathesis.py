@@ -19,10 +19,24 @@ from schemathesis.config import SchemathesisConfig
 
 from support.fleet import reset_fleet_tables
 
+# what uvicorn's HTTP parser answers, before the API sees the request, to one it cannot parse
+# (schemathesis's extra headers can be malformed: `content-length: 0/0`)
+UNPARSABLE = b"Invalid HTTP request received."
+
+
+@schemathesis.check
+def api_content_type_conformance(ctx, response, case):
+    """schemathesis's content-type check, for the API's answers: the HTTP server's plain-text 400
+    to a request it could not parse never reached the API, whose schema does not describe it."""
+    if response.status_code == 400 and response.content == UNPARSABLE:
+        return None
+    return content_type_conformance(ctx, response, case)
+
+
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
-    content_type_conformance,
+    api_content_type_conformance,
     response_schema_conformance,
     response_headers_conformance,
     negative_data_rejection,
