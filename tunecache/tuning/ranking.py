@@ -29,8 +29,8 @@ from tunecache_kernels.spaces import is_vendor
 # how many tuned problems vote on a candidate's rank, and how far the nearest may lie (in
 # tunecache.shapes.problem_distance's units: natural-log size ratios, plus UNLIKE for each
 # dtype, filter, stride or padding that differs) for a short list to be trusted; past it the
-# tune widens (SHORT, WIDE below). Chosen on 191 problems gathered on an H200, each left out
-# in turn (benchmarks/eval_ranking.py).
+# tune widens (SHORT, WIDE below). Chosen on the 215 problems gathered on an H200, each left
+# out in turn (benchmarks/eval_ranking.py).
 NEIGHBOURS = 6
 NEAR = 2.5
 UNLIKE = 1.0
@@ -73,34 +73,39 @@ class Ranking:
 
     def __init__(self, trials: Iterable[Trial] = ()) -> None:
         self._times: dict[str, tuple[dict, dict[str, float]]] = {}  # problem -> (it, config -> fastest ms)
-        self._problems: list[tuple[dict, dict[str, float]]] = []
+        self._slowdowns: dict[str, tuple[dict, dict[str, float]]] = {}  # problem -> (it, config -> log(ms / best))
         self.add(trials)
 
     def add(self, trials: Iterable[Trial]) -> None:
-        """Learn from more trials (a tune this process just ran)."""
+        """Learn from more trials (a tune this process just ran): only the problems they are of
+        are worked out again."""
+        touched = set()
         for t in trials:
             if not (t.median_ms and t.median_ms > 0 and math.isfinite(t.median_ms)):
                 continue
-            problem, times = self._times.setdefault(_config_id(t.problem), (t.problem, {}))
+            pid = _config_id(t.problem)
+            problem, times = self._times.setdefault(pid, (t.problem, {}))
             cid = _config_id(t.config)
             times[cid] = min(times.get(cid, math.inf), t.median_ms)
-        self._problems = []
-        for problem, times in self._times.values():
-            if len(times) < 2:
-                continue  # one candidate says nothing about an order
-            best = min(times.values())
-            self._problems.append((problem, {c: math.log(ms / best) for c, ms in times.items()}))
+            touched.add(pid)
+        for pid in touched:
+            problem, times = self._times[pid]
+            if len(times) >= 2:  # one candidate says nothing about an order
+                best = min(times.values())
+                self._slowdowns[pid] = (problem, {c: math.log(ms / best) for c, ms in times.items()})
 
     def __len__(self) -> int:
-        return len(self._problems)
+        return len(self._slowdowns)
 
     def order(self, candidates: Sequence[dict], problem: dict, exclude_self: bool = False) -> Ranked:
         """`candidates` (in their static order), those the nearest tuned problems timed first,
         by their weighted mean slowdown there; the rest after, in their static order.
         `exclude_self`: leave out a tuned problem equal to this one (evaluating the ranking)."""
-        if not self._problems or not candidates:
+        if not self._slowdowns or not candidates:
             return Ranked(list(candidates), None)
-        near = sorted(((problem_distance(problem, p, UNLIKE), p, s) for p, s in self._problems), key=lambda x: x[0])
+        near = sorted(
+            ((problem_distance(problem, p, UNLIKE), p, s) for p, s in self._slowdowns.values()), key=lambda x: x[0]
+        )
         if exclude_self:
             near = [x for x in near if x[0] > 0]
         near = near[:NEIGHBOURS]
@@ -117,7 +122,7 @@ class Ranking:
                     weight += w
             if weight:
                 # a candidate only far neighbours timed counts less than one the nearest did
-                scores[i] = total / weight + 0.05 * (1.0 / (0.25 + near[0][0]) - weight) / (1.0 / (0.25 + near[0][0]))
+                scores[i] = total / weight + 0.05 * (1.0 - weight * (0.25 + near[0][0]))
         known = sorted(scores, key=lambda i: (scores[i], i))
         rest = [i for i in range(len(candidates)) if i not in scores]
         return Ranked([candidates[i] for i in known + rest], near[0][0])
