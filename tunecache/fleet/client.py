@@ -880,17 +880,12 @@ class FleetClient:
 
 
 def _trials(body: Any) -> list[tuple]:
-    """GET /v1/trials's packed answer as (kernel, problem, config, milliseconds) rows; rows
-    that point nowhere or hold no positive time are left out (the ranking only orders, every
-    candidate is still timed here)."""
-    problems, configs, kernel = body["problems"], body["configs"], str(body["kernel"])
-    out = []
-    for p, c, ms in body["rows"]:
-        if not (isinstance(p, int) and isinstance(c, int) and isinstance(ms, (int, float))):
-            continue
-        if 0 <= p < len(problems) and 0 <= c < len(configs) and ms > 0:
-            out.append((kernel, problems[p], configs[c], float(ms)))
-    return out
+    """GET /v1/trials's packed answer as (kernel, problem, config, milliseconds) rows, read as
+    the shipped trials are (tunecache.tuning.ranking.unpack_rows)."""
+    from tunecache.tuning.ranking import unpack_rows
+
+    kernel = str(body["kernel"])
+    return [(kernel, *row) for row in unpack_rows(body)]
 
 
 def _published(body: Any) -> Published:

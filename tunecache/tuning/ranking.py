@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import dataclass
 from importlib import resources
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from tunecache import settings
 from tunecache.shapes import problem_distance
@@ -205,9 +205,19 @@ def pack(trials: Iterable[tuple[str, Trial]]) -> dict:
 
 
 def unpack(data: dict) -> dict[str, list[Trial]]:
-    return {
-        kernel: [Trial(k["problems"][p], k["configs"][c], ms) for p, c, ms in k["rows"]] for kernel, k in data.items()
-    }
+    return {kernel: [Trial(*row) for row in unpack_rows(k)] for kernel, k in data.items()}
+
+
+def unpack_rows(packed: dict) -> Iterator[tuple[dict, dict, float]]:
+    """One kernel's packed trials (the shipped file's, GET /v1/trials's answer) as (problem,
+    config, milliseconds); rows that point nowhere or hold no positive time are left out (the
+    ranking only orders: every candidate is still timed where it runs)."""
+    problems, configs = packed["problems"], packed["configs"]
+    for p, c, ms in packed["rows"]:
+        if not (isinstance(p, int) and isinstance(c, int) and isinstance(ms, (int, float))):
+            continue
+        if 0 <= p < len(problems) and 0 <= c < len(configs) and ms > 0:
+            yield problems[p], configs[c], float(ms)
 
 
 def trial_rows(rows: Iterable[tuple]) -> Iterable[tuple[str, Trial]]:
