@@ -195,15 +195,32 @@ def profile_of(fn, calls: int = 300, top: int = 25) -> list[str]:
     return buf.getvalue().splitlines()
 
 
+def _entries() -> dict:
+    from tunecache.ops.tuned import OP_LAUNCHERS
+
+    return {(name, raw): e for name, op in OP_LAUNCHERS.items() for raw, e in op.memo.items()}
+
+
+def winners_of(fn) -> list[str]:
+    """fn called once: the winners its calls resolved that were not in the memo before (the
+    vendor's op, or the kernel and its config): which launch the host time is of."""
+    before = _entries()
+    fn()
+    new = [(k[0], e) for k, e in _entries().items() if k not in before]
+    return [f"{op}: vendor" if getattr(e, "vendor", False) else f"{op}: {e.kernel} {e.config}" for op, e in new]
+
+
 def layer_calls(profile: bool) -> list[dict]:
     import torch
 
     rows = []
     for name, ours, theirs in layer_cases():
-        for fn in (ours, theirs, ours, theirs):  # tuned, warm
+        won = winners_of(ours)
+        for fn in (theirs, ours, theirs):  # tuned, warm
             fn()
         torch.cuda.synchronize()
         row = {"call": name, "host_us_ours": host_us(ours, CALLS, 7), "host_us_torch": host_us(theirs, CALLS, 7)}
+        row["winners"] = won
         row["ratio"] = row["host_us_ours"] / row["host_us_torch"]
         if profile:
             row["profile"] = profile_of(ours)
@@ -254,16 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         for op, ours, vendor in cases(lay):
             if op not in wanted:
                 continue
-            ours()
+            won = winners_of(ours)
             vendor()
             torch.cuda.synchronize()
-            row = {"layer": name, "op": op}
+            row = {"layer": name, "op": op, "winners": won}
             row["host_us_ours"], row["host_us_vendor"] = host_us(ours, CALLS, 5), host_us(vendor, CALLS, 5)
             row["loop_us_ours"], row["loop_us_vendor"] = loop_us(ours), loop_us(vendor)
             row["loop_ratio"] = row["loop_us_vendor"] / row["loop_us_ours"]
             if args.breakdown:
                 row["stages_us"] = breakdown(op, ours, vendor)
             rows.append(row)
+            print(f"{name}: {'; '.join(won) or 'tuned before'}")
             print(
                 f"{name:38s} {op:13s} host {row['host_us_ours']:6.1f} us (vendor {row['host_us_vendor']:5.1f})"
                 f"  loop {row['loop_us_ours']:6.1f} us (vendor {row['loop_us_vendor']:5.1f})  {row['loop_ratio']:.3f}x",

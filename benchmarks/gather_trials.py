@@ -77,12 +77,12 @@ def named(op: str) -> list[dict]:
     return out
 
 
-def shapes(seed: int) -> list[tuple[str, dict]]:
+def shapes(seed: int, with_named: bool = True) -> list[tuple[str, dict]]:
     """(op, shape) pairs, ops taking turns, named and random shapes taking turns within an op."""
     rng = random.Random(seed)
     per_op = []
     for op in OPS:
-        mine = named(op)
+        mine = named(op) if with_named else []
         rng.shuffle(mine)
         drawn = [synthetic(op, rng) for _ in range(60)]
         mixed = [s for pair in itertools.zip_longest(mine, drawn) for s in pair if s is not None]
@@ -91,14 +91,24 @@ def shapes(seed: int) -> list[tuple[str, dict]]:
 
 
 def build(url: str, arch: str) -> int:
-    """The store's measured trials on `arch` into tunecache/tuning/trials/<arch>.json.gz."""
+    """The store's measured trials on `arch` added to tunecache/tuning/trials/<arch>.json.gz (a
+    later gathering adds to an earlier one's; a trial of the same problem and config the store
+    holds anew replaces the file's)."""
     import gzip
 
     from tunecache.store.store import Store
     from tunecache.tuning import ranking
 
-    rows = list(ranking.trial_rows(reversed(Store(url).ranking_trials(arch, limit=1_000_000))))
     path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
+    fresh = list(ranking.trial_rows(reversed(Store(url).ranking_trials(arch, limit=1_000_000))))
+    kept = {}
+    if path.is_file():
+        for kernel, packed in json.loads(gzip.decompress(path.read_bytes())).items():
+            for p, c, ms in ranking.unpack_rows(packed):
+                kept[_trial_id(kernel, p, c)] = (kernel, ranking.Trial(p, c, ms))
+    for kernel, t in fresh:
+        kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
+    rows = list(kept.values())
     path.parent.mkdir(exist_ok=True)
     data = json.dumps(ranking.pack(rows), separators=(",", ":")).encode()
     path.write_bytes(gzip.compress(data, 9, mtime=0))
@@ -107,12 +117,17 @@ def build(url: str, arch: str) -> int:
     return 0
 
 
+def _trial_id(kernel: str, problem: dict, config: dict) -> str:
+    return json.dumps([kernel, problem, config], sort_keys=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=500, help="stop starting tunes after this long")
     ap.add_argument("--cap", type=int, default=64, help="candidates per tune (TUNECACHE_MAX_CANDIDATES)")
     ap.add_argument("--seed", type=int, default=40, help="the random shapes' seed")
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated ops to gather")
+    ap.add_argument("--no-named", action="store_true", help="random shapes only (the models' were gathered)")
     ap.add_argument("--list", action="store_true", help="print the shapes and exit")
     ap.add_argument("--build", metavar="STORE_URL", help="write STORE_URL's trials to the shipped file and exit")
     ap.add_argument("--arch", default="sm_90", help="with --build: the architecture's trials")
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.build:
         return build(args.build, args.arch)
     wanted = set(args.ops.split(","))
-    todo = [(op, s) for op, s in shapes(args.seed) if op in wanted]
+    todo = [(op, s) for op, s in shapes(args.seed, not args.no_named) if op in wanted]
     if args.list:
         for op, s in todo:
             print(op, json.dumps(s))

@@ -4,7 +4,8 @@
   `torch.set_float32_matmul_precision` sets) for matmuls, `torch.backends.cudnn.allow_tf32` for
   convolutions; the precision is part of the key, and the kernel's dot is told it.
 - the vendor's op (cuBLAS / cuDNN, as torch calls them) is a config of every space: a stored
-  vendor winner runs torch's op.
+  vendor winner runs torch's op, at torch's own host cost (a pointwise conv straight on it, a
+  linear layer's bias in the same launch).
 - a patch embedding (filter = stride, no padding) runs as the matmul it is.
 """
 
@@ -111,6 +112,70 @@ def test_a_stored_vendor_winner_runs_torchs_op(db_url):
     (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     assert entry.config == VENDOR and entry.run == mod.reference
     assert default_store().counts()["trials"] == 0, "nothing was tuned"
+
+
+def _vendor_won(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The store holds the vendor's op as the winner of the matmul a @ b's key."""
+    from tunecache import backends
+    from tunecache.key import interpreter_device
+    from tunecache.store.records import ConfigRecord
+    from tunecache.tuning.tuner import make_key
+
+    dev, p = interpreter_device(), problems.matmul_problem(a, b)
+    mod = backends.backends_for("matmul", dev, p)[0]
+    rec = ConfigRecord(key=make_key(mod, p, dev), config=dict(VENDOR), median_ms=0.01, tflops=None, candidates=5)
+    default_store().put_config(rec, [])
+
+
+@pytest.fixture
+def views_counted(monkeypatch) -> list:
+    """Each call that reaches the matmul's memo through views and its key (not the fast path)."""
+    from tunecache.ops import tuned
+
+    real, calls = tuned._run_matmul, []
+
+    def counted(raw, a, b):
+        calls.append(raw)
+        return real(raw, a, b)
+
+    monkeypatch.setattr(tuned, "_run_matmul", counted)
+    return calls
+
+
+@interpreter_only
+def test_a_pointwise_conv_whose_matmul_the_vendor_won_runs_it_without_the_views_path(db_url, views_counted):
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 5, 6, 24), torch.randn(36, 1, 1, 24)
+    _vendor_won(x.view(60, 24), w.view(36, 24).t())
+    torch.testing.assert_close(ops.conv2d_fprop(x, w), problems.conv2d_fprop_reference(x, w))
+    assert len(ops.OP_LAUNCHERS["conv2d_fprop"].as_matmul) == 1, "the conv's later calls were not kept"
+    views_counted.clear()
+    x.normal_(), w.normal_()  # new data at the same addresses
+    torch.testing.assert_close(ops.conv2d_fprop(x, w), problems.conv2d_fprop_reference(x, w))
+    assert not views_counted, "a later call took the views' path"
+    assert default_store().counts()["trials"] == 0, "nothing was tuned"
+
+
+@interpreter_only
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_linear_layer_whose_matmul_the_vendor_won_adds_its_bias_in_the_same_launch(db_url, views_counted, grad):
+    import tunecache.nn
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(24, 36)
+    lin = tunecache.nn.convert(torch.nn.Linear(24, 36))
+    lin.load_state_dict(ref.state_dict())
+    x = torch.randn(10, 24, requires_grad=grad)
+    _vendor_won(x, lin.weight.t())
+    with torch.set_grad_enabled(grad):
+        lin(x)  # the first call reads the winner from the store
+        views_counted.clear()
+        y = lin(x)
+    torch.testing.assert_close(y, ref(x))
+    assert not views_counted, "the product and its bias ran apart (the tuned matmul, then an add)"
+    if grad:
+        y.sum().backward()
+        torch.testing.assert_close(lin.bias.grad, torch.full((36,), 10.0))
 
 
 @pytest.mark.parametrize("hw", [(8, 12), (9, 14)])  # whole patches, and a border no patch reaches

@@ -181,9 +181,7 @@ class _Conv2d(torch.autograd.Function):
 def _linear_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """(y, x as 2-D)."""
     a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y = _tuned_matmul(a, w.t())
-    if bias is not None:
-        y += bias
+    y = _tuned_matmul(a, w.t()) if bias is None else ops.matmul_add(_operand(a), _operand(w.t()), bias)
     return (y if a is x else y.reshape(*x.shape[:-1], w.shape[0])), a
 
 

@@ -55,6 +55,7 @@ class Entry:
     device: DeviceClass | None = None
     from_cache: bool = False  # tuned or read from the store or the fleet (dropped if it fails)
     fallbacks: tuple = ()  # the next backends, in order, should this one fail at launch
+    vendor: bool = False  # the vendor's op won: `run` is torch's call of it
 
 
 class Op:
@@ -263,7 +264,9 @@ class AsMatmul:
     a batch-1 1x1 conv (a 3-6 us kernel) the host's time is the call's. It stands while the
     matmul memo holds that entry (a recheck or a fallback replaces it); there, and where the
     plan cannot launch a call as is, and past a default entry's recheck time, it returns None
-    and the caller takes the views' path."""
+    and the caller takes the views' path. Where the vendor's op won the matmul, that op runs on
+    the operands as the matmul's key states them (shapes and strides on the same storage): a
+    vendor winner costs the host what torch's own call does, not the views' path."""
 
     __slots__ = ("memo", "mraw", "entry", "launch", "out_shape")
 
@@ -271,7 +274,11 @@ class AsMatmul:
     def of(cls, matmul: Op, mraw: tuple, out_shape: tuple) -> "AsMatmul | None":
         entry = matmul.memo.get(mraw)
         launch = None if entry is None else entry.run
-        if type(launch) is not _Launch or launch.plan is None or not getattr(launch.plan, "reshapeable", False):
+        if entry is None:
+            return None
+        if not entry.vendor and (
+            type(launch) is not _Launch or launch.plan is None or not getattr(launch.plan, "reshapeable", False)
+        ):
             return None
         fast = cls()
         fast.memo, fast.mraw, fast.entry, fast.launch, fast.out_shape = matmul.memo, mraw, entry, launch, out_shape
@@ -284,6 +291,9 @@ class AsMatmul:
             return None
         if entry.provisional and time.monotonic() >= entry.recheck_at:
             return None  # the matmul's resolve rechecks it
+        if entry.vendor:
+            m = self.mraw  # the matmul's operands: (a.shape, a.stride(), .., .., b.shape, b.stride(), ..)
+            return self.launch(a.as_strided(m[0], m[1]), b.as_strided(m[4], m[5])).view(self.out_shape)
         try:
             return self.launch.planned(a, b, self.out_shape)
         except Exception:  # noqa: BLE001 - the views' path launches it again, and falls back if it must
@@ -317,6 +327,7 @@ def _entry(
         device=device,
         from_cache=not provisional,
         fallbacks=fallbacks,
+        vendor=is_vendor(config),
     )
 
 
