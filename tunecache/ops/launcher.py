@@ -265,8 +265,8 @@ class AsMatmul:
     matmul memo holds that entry (a recheck or a fallback replaces it); there, and where the
     plan cannot launch a call as is, and past a default entry's recheck time, it returns None
     and the caller takes the views' path. Where the vendor's op won the matmul, that op runs on
-    the operands as the matmul's key states them (shapes and strides on the same storage): a
-    vendor winner costs the host what torch's own call does, not the views' path."""
+    the operands as the matmul's key states them (shapes and strides on the same storage), past
+    the views' path too."""
 
     __slots__ = ("memo", "mraw", "entry", "launch", "out_shape")
 
