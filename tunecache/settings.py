@@ -311,6 +311,7 @@ MAX_CONNECTIONS = 4096  # open connections per process (more are answered 503)
 BYTES_PER_DAY = 128 << 20  # request bodies a token may send from one address in any 24 h
 TRIALS_PER_KEY = 2000  # trials kept per key, the newest
 RETENTION_S = 30 * 86400.0  # trials, submissions and finished jobs older than this are pruned
+PUBLISH_SHARE = 0.15  # of a service process's time that publishes may take (lookups keep the rest)
 
 
 def max_header_bytes() -> int:
@@ -355,6 +356,16 @@ def retention_s() -> float:
     """TUNECACHE_RETENTION_S: the service prunes trials, submissions and finished jobs older
     than this, once an hour (as `tunecache db prune --older-than`; 0: never)."""
     return _env_number("TUNECACHE_RETENTION_S", RETENTION_S, float, 0, strict=False)
+
+
+def publish_share() -> float:
+    """TUNECACHE_PUBLISH_SHARE: the share of a service process's time that publishes may take
+    (one at a time, each followed by a pause that keeps them within it: tunecache.server.pacing);
+    lookups keep the rest. 1: no pacing."""
+    share = _env_number("TUNECACHE_PUBLISH_SHARE", PUBLISH_SHARE, float, 0, strict=True)
+    if share > 1:
+        raise ValueError(f"TUNECACHE_PUBLISH_SHARE must be a share of the time, above 0 and at most 1, got {share}")
+    return share
 
 
 def metrics_address() -> tuple[str, int] | None:

@@ -45,6 +45,8 @@ def test_every_variable_is_documented():
         ("TUNECACHE_COMPILE_WORKERS", "0", "compile_workers"),
         ("TUNECACHE_GLUON_DIRECT_LAUNCH", "maybe", "gluon_direct_launch"),
         ("TUNECACHE_CANDIDATE_TIMEOUT_S", "-1", "candidate_timeout_s"),
+        ("TUNECACHE_PUBLISH_SHARE", "0", "publish_share"),
+        ("TUNECACHE_PUBLISH_SHARE", "1.5", "publish_share"),
     ],
 )
 def test_a_bad_value_is_an_error_that_names_the_variable(monkeypatch, name, value, reader):

@@ -24,6 +24,7 @@ from tunecache.server.gate import TokenGate
 from tunecache.server.guards import BodyDeadline, BodyLimit, RateLimits
 from tunecache.server.lookups import LookupCache
 from tunecache.server.metrics import Metrics
+from tunecache.server.pacing import PublishPacer
 from tunecache.server.schemas import ErrorOut
 from tunecache.store import Store
 
@@ -95,6 +96,7 @@ def create_app(
     app.state.tokens = TokenCache(on_query=app.state.metrics.token_checks.inc)
     app.state.rate_limits = RateLimits.from_settings()
     app.state.lookups = LookupCache(settings.lookup_cache_s())
+    app.state.publish_pacer = PublishPacer(settings.publish_share())
     # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off
     app.state.metrics_address = settings.metrics_address()
     app.state.anonymous_read = settings.anonymous_read() if anonymous_read is None else anonymous_read

@@ -175,8 +175,10 @@ def _unique_digest(store: Store, prefix: str) -> str:
 async def _answer(request: Request, digest: str, metrics: Metrics, missing: Callable[[], str]) -> Response:
     """The lookup's answer: from this process's LookupCache, else from the store (on the
     thread pool) and kept there. Every answer, a miss too, says the fleet's generation."""
-    lookups: LookupCache = request.app.state.lookups
-    store = request.app.state.store
+    state = request.app.state
+    lookups: LookupCache = state.lookups
+    store = state.store
+    state.publish_pacer.reads += 1  # publishes make room for readers (tunecache.server.pacing)
     if lookups.generation_due():
         await run_in_threadpool(lookups.generation, store.generation)
     cached = lookups.answer(digest)
@@ -274,10 +276,12 @@ def list_configs(
     openapi_extra=_body_schema(ConfigIn),
 )
 async def publish(token: PublishToken, request: Request, metrics: MetricsDep) -> PublishOut:
-    # the body is parsed, checked and stored on the thread pool: FastAPI would parse and
-    # validate a 2,000-trial body (~900 KB) on the event loop, which answers every lookup
+    # the body is parsed, checked and stored on the thread pool (FastAPI would parse and
+    # validate a 2,000-trial body, ~900 KB, on the event loop, which answers every lookup), one
+    # publish at a time and within the process's publish share (tunecache.server.pacing)
     raw = await request.body()
-    return await run_in_threadpool(_publish, raw, token, request.app.state, metrics)
+    state = request.app.state
+    return await state.publish_pacer.run(lambda: run_in_threadpool(_publish, raw, token, state, metrics))
 
 
 def _publish(raw: bytes, token: TokenRecord, state, metrics: Metrics) -> PublishOut:
