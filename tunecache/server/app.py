@@ -96,7 +96,8 @@ def create_app(
     app.state.tokens = TokenCache(on_query=app.state.metrics.token_checks.inc)
     app.state.rate_limits = RateLimits.from_settings()
     app.state.lookups = LookupCache(settings.lookup_cache_s())
-    app.state.publish_pacer = PublishPacer(settings.publish_share())
+    m = app.state.metrics
+    app.state.publish_pacer = PublishPacer(settings.publish_share(), m.publish_seconds.inc, m.publish_held_seconds.inc)
     # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off
     app.state.metrics_address = settings.metrics_address()
     app.state.anonymous_read = settings.anonymous_read() if anonymous_read is None else anonymous_read

@@ -28,6 +28,14 @@ class Metrics:
             "Lookups this process answered from the store (not from its lookup cache)",
             registry=r,
         )
+        self.publish_seconds = Counter(
+            "tunecache_publish_seconds", "Seconds this process spent taking publishes", registry=r
+        )
+        self.publish_held_seconds = Counter(
+            "tunecache_publish_held_seconds",
+            "Seconds publishes waited so that lookups kept the rest (TUNECACHE_PUBLISH_SHARE)",
+            registry=r,
+        )
         self.token_checks = Counter(
             "tunecache_token_checks", "Tokens looked up in the database (the token cache did not know them)", registry=r
         )
