@@ -7,6 +7,7 @@ compared with the best of all it timed. Times are the tune's own (quick round; s
 ratio below 1 by a percent or two is within their noise.
 
     python benchmarks/eval_ranking.py STORE_URL
+    python benchmarks/eval_ranking.py shipped    # the trials the package ships (tunecache/tuning/trials)
 
 The ranking's list is what a tune at default settings times (`ranking.shortlist`: 16, or 32
 where no tuned problem is near; its run-time variants stood in for by the ranking's next
@@ -30,19 +31,31 @@ sys.path.insert(0, str(HERE))
 from common import write_results  # noqa: E402
 
 
+def _trials(store: str, arch: str):
+    """(kernel, Trial) of the store's trials on `arch`, oldest first (a tune's in the order it
+    timed them), or of the shipped file's (kept in that order)."""
+    from tunecache.tuning import ranking
+
+    if store == "shipped":
+        for kernel in ("matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad"):
+            yield from ((f"{kernel}.hopper", t) for t in ranking.shipped(f"{kernel}.hopper", arch))
+        return
+    from tunecache.store.store import Store
+
+    yield from ranking.trial_rows(reversed(Store(store).ranking_trials(arch)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("store", help="the store's URL (sqlite:///trials.sqlite)")
+    ap.add_argument("store", help="the store's URL (sqlite:///trials.sqlite), or 'shipped': the package's trials")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from tunecache.store.store import Store
-    from tunecache.tuning.ranking import Ranking, Trial, shortlist, trial_rows
+    from tunecache.tuning.ranking import Ranking, Trial, shortlist
 
-    store = Store(args.store)
     per_kernel: dict[str, list[Trial]] = defaultdict(list)
     order: dict[tuple[str, str], list[dict]] = {}  # the tune's own candidates, static order
-    for kernel, t in trial_rows(reversed(store.ranking_trials(args.arch))):
+    for kernel, t in _trials(args.store, args.arch):
         per_kernel[kernel].append(t)
         seen = order.setdefault((kernel, json.dumps(t.problem, sort_keys=True)), [])
         if t.config not in seen:
