@@ -26,13 +26,20 @@ from tunecache_kernels import problems
 
 def _operand(t: Tensor) -> Tensor:
     """`t` itself when the GEMM kernels read it in place (`problems.matrix_layout`), else a copy."""
-    if t.is_contiguous() or t.t().is_contiguous():  # row- or column-major: what matrix_layout takes
+    if t.is_contiguous() or _column_major(t) or t.t().is_contiguous():  # what matrix_layout takes
         return t
     try:
         problems.matrix_layout(t, "operand")
     except ValueError:
         return t.contiguous()
     return t
+
+
+def _column_major(t: Tensor) -> bool:
+    """Whether 2-D `t` is a row-major tensor's transpose (a linear layer's weight.t()), read
+    off its strides: `t.t().is_contiguous()` makes a view to ask, a layer call's host time."""
+    (n0, n1), (s0, s1) = t.shape, t.stride()
+    return (s0 == 1 or n0 == 1) and (s1 == n0 or n1 == 1)
 
 
 def _tuned_matmul(a: Tensor, b: Tensor) -> Tensor:
