@@ -273,9 +273,9 @@ class AsMatmul:
     @classmethod
     def of(cls, matmul: Op, mraw: tuple, out_shape: tuple) -> "AsMatmul | None":
         entry = matmul.memo.get(mraw)
-        launch = None if entry is None else entry.run
         if entry is None:
             return None
+        launch = entry.run
         if not entry.vendor and (
             type(launch) is not _Launch or launch.plan is None or not getattr(launch.plan, "reshapeable", False)
         ):

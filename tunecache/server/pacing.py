@@ -1,17 +1,17 @@
 """Publishes take at most a set share of a service process's time, so lookups are never starved.
 
 A publish of a 2,000-trial result costs the process ~40 ms of Python (validation, the trials'
-rows), holding the interpreter's lock while lookups wait. Three clients publishing back to back
-took lookups at 100 in flight down to two thirds of their quiet rate on a 2-core host.
+rows), holding the interpreter's lock while lookups wait: three clients publishing back to back
+took lookups at 100 in flight down to 66-78 % of their quiet rate on a 2-core host.
 `PublishPacer` runs one publish at a time per process and, after each, holds the next one back
-for as long as it keeps publishes within `share` of the process's time
-(TUNECACHE_PUBLISH_SHARE): a publish that took 40 ms at share 0.15 holds the next for 227 ms.
-Only while there are readers to make room for: when no lookup came (`reads`, counted by the
-lookup path) since the publish before ended, nothing is held back, so a quiet service takes
-publishes at full speed. (Not "during this publish": a publish holding the interpreter keeps
-the lookups it starves from being counted.) Publishers wait (their requests stay open; a host publishes from its writer thread, which no
-training step waits on); lookups keep the rest. Scale-out (`tunecache serve --workers N`) paces
-each process on its own.
+for as long as it takes to keep publishes within `share` of the process's time (TUNECACHE_PUBLISH_SHARE):
+after a publish that took 40 ms, at share 0.15, the next waits 227 ms. Only while there are
+readers to make room for: when no lookup came (`reads`, counted by the lookup path) since the
+publish before ended, nothing is held back, so a quiet service takes publishes at full speed.
+(Not "during this publish": a publish holding the interpreter keeps the lookups it starves
+from being counted.) Publishers wait, their requests open (a host publishes from its writer
+thread, which no training step waits on). Scale-out (`tunecache serve --workers N`) paces each
+process on its own.
 """
 
 from __future__ import annotations
