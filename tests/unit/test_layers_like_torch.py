@@ -178,6 +178,39 @@ def test_a_linear_layer_whose_matmul_the_vendor_won_adds_its_bias_in_the_same_la
         torch.testing.assert_close(lin.bias.grad, torch.full((36,), 10.0))
 
 
+@interpreter_only
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_conv_layer_whose_conv_the_vendor_won_runs_torchs_conv_with_its_bias(db_url, monkeypatch, grad):
+    import tunecache.nn
+    from tunecache import backends
+    from tunecache.key import interpreter_device
+    from tunecache.ops import tuned
+    from tunecache.store.records import ConfigRecord
+    from tunecache.tuning.tuner import make_key
+
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(6, 10, 3, padding=1)
+    conv = tunecache.nn.convert(torch.nn.Conv2d(6, 10, 3, padding=1))
+    conv.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, 5, 7).to(memory_format=torch.channels_last).requires_grad_(grad)
+    xn, wn = x.detach().permute(0, 2, 3, 1), conv.weight.detach().permute(0, 2, 3, 1).contiguous()
+    dev, p = interpreter_device(), problems.conv2d_fprop_problem(xn, wn, 1, 1)
+    mod = backends.backends_for("conv2d_fprop", dev, p)[0]
+    rec = ConfigRecord(key=make_key(mod, p, dev), config=dict(VENDOR), median_ms=0.01, tflops=None, candidates=5)
+    default_store().put_config(rec, [])
+    real, ours = tuned.conv2d_fprop, []
+    monkeypatch.setattr(tuned, "conv2d_fprop", lambda *a: ours.append(1) or real(*a))
+    with torch.set_grad_enabled(grad):
+        conv(x)  # the first call reads the winner from the store
+        ours.clear()
+        y = conv(x)
+    torch.testing.assert_close(y, ref(x))
+    assert not ours, "the layer ran the NHWC conv and its bias apart, not torch's conv"
+    if grad:
+        y.sum().backward()
+        torch.testing.assert_close(conv.bias.grad, torch.full((10,), 2.0 * 5 * 7))
+
+
 @pytest.mark.parametrize("hw", [(8, 12), (9, 14)])  # whole patches, and a border no patch reaches
 def test_a_patch_embedding_runs_as_the_matmul_it_is(db_url, hw):
     torch.manual_seed(0)

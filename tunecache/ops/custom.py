@@ -156,10 +156,7 @@ conv2d_nhwc.register_autograd(_conv_backward, setup_context=_conv_setup)
 def _conv2d_forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple, padding: tuple):
     """(y NCHW, x NHWC, w NHWC): NHWC views of channels_last tensors, copies of others."""
     xn, wn = x.permute(0, 2, 3, 1).contiguous(), w.permute(0, 2, 3, 1).contiguous()
-    y = ops.conv2d_fprop(xn, wn, stride, padding)
-    if bias is not None:
-        y += bias
-    return y.permute(0, 3, 1, 2), xn, wn
+    return ops.conv2d_layer(x, w, xn, wn, bias, stride, padding), xn, wn
 
 
 class _Conv2d(torch.autograd.Function):

@@ -5,6 +5,7 @@ up in its op's memo (`tunecache.ops.launcher.Op`) and launches; a miss resolves 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tunecache.ops.launcher import Op
 from tunecache_kernels import problems
@@ -81,9 +82,7 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
     A pointwise conv runs as the matmul it is (geometry.runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:  # lists cannot key the memo
         stride, padding = _hashable(stride), _hashable(padding)
-    raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
-    if x.dtype is _F32:
-        raw += _fp32("conv")
+    raw = _fprop_key(x, w, stride, padding)
     args = (x, w, stride, padding)
     y = _settled(_fprop, raw, args, x, w)
     if y is not None:
@@ -102,6 +101,25 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
         co = w.shape[0]
         return matmul(rows, w.reshape(co, -1).t()).view(*npq, co)
     return _fprop.resolve(raw, args, x).run(*args)
+
+
+def _fprop_key(x: torch.Tensor, w: torch.Tensor, stride, padding) -> tuple:
+    raw = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, stride, padding)
+    return raw + _fp32("conv") if x.dtype is _F32 else raw
+
+
+def conv2d_layer(x, w, xn, wn, bias, stride: tuple, padding: tuple) -> torch.Tensor:
+    """A conv layer's output, NCHW, from its NCHW tensors x and w and their NHWC views xn and
+    wn (stride and padding as pairs): torch's own conv2d with its bias, as the layer would run
+    it, where the vendor's op won the NHWC conv's key; else conv2d_fprop on the views, then the
+    bias."""
+    entry = _fprop.memo.get(_fprop_key(xn, wn, stride, padding))
+    if entry is not None and entry.vendor:
+        return F.conv2d(x, w, bias, stride, padding)
+    y = conv2d_fprop(xn, wn, stride, padding)
+    if bias is not None:
+        y += bias
+    return y.permute(0, 3, 1, 2)
 
 
 def _patch_conv(x: torch.Tensor, R: int, S: int, ci: int, stride, padding) -> bool:
