@@ -207,7 +207,7 @@ def winners_of(fn) -> list[str]:
     before = _entries()
     fn()
     new = [(k[0], e) for k, e in _entries().items() if k not in before]
-    return [f"{op}: vendor" if getattr(e, "vendor", False) else f"{op}: {e.kernel} {e.config}" for op, e in new]
+    return [f"{op}: vendor" if e.vendor else f"{op}: {e.kernel} {e.config}" for op, e in new]
 
 
 def layer_calls(profile: bool) -> list[dict]:

@@ -37,8 +37,8 @@ def _trials(store: str, arch: str):
     from tunecache.tuning import ranking
 
     if store == "shipped":
-        for kernel in ("matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad"):
-            yield from ((f"{kernel}.hopper", t) for t in ranking.shipped(f"{kernel}.hopper", arch))
+        for kernel, trials in ranking.shipped_by_kernel(arch).items():
+            yield from ((kernel, t) for t in trials)
         return
     from tunecache.store.store import Store
 

@@ -102,10 +102,9 @@ def build(url: str, arch: str) -> int:
     path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
     fresh = list(ranking.trial_rows(reversed(Store(url).ranking_trials(arch, limit=1_000_000))))
     kept = {}
-    if path.is_file():
-        for kernel, packed in json.loads(gzip.decompress(path.read_bytes())).items():
-            for p, c, ms in ranking.unpack_rows(packed):
-                kept[_trial_id(kernel, p, c)] = (kernel, ranking.Trial(p, c, ms))
+    for kernel, trials in ranking.shipped_by_kernel(arch).items():  # this file, as the package reads it
+        for t in trials:
+            kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
     for kernel, t in fresh:
         kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
     rows = list(kept.values())

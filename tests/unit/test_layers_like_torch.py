@@ -4,8 +4,8 @@
   `torch.set_float32_matmul_precision` sets) for matmuls, `torch.backends.cudnn.allow_tf32` for
   convolutions; the precision is part of the key, and the kernel's dot is told it.
 - the vendor's op (cuBLAS / cuDNN, as torch calls them) is a config of every space: a stored
-  vendor winner runs torch's op, at torch's own host cost (a pointwise conv straight on it, a
-  linear layer's bias in the same launch).
+  vendor winner runs torch's op, called as a layer's own would (a pointwise conv straight on it,
+  a linear or conv layer's bias in the same call).
 - a patch embedding (filter = stride, no padding) runs as the matmul it is.
 """
 
@@ -95,36 +95,29 @@ def test_the_vendor_is_a_config_of_every_op_space():
             space_for("matmul.hopper").check(bad)
 
 
-@interpreter_only
-def test_a_stored_vendor_winner_runs_torchs_op(db_url):
+def _vendor_won(op: str, *args) -> object:
+    """The store holds the vendor's op as the winner of `op`'s key for these arguments (on the
+    interpreter's device class); its backend module."""
     from tunecache import backends
     from tunecache.key import interpreter_device
     from tunecache.store.records import ConfigRecord
     from tunecache.tuning.tuner import make_key
 
-    a, b = torch.randn(40, 24), torch.randn(24, 36)
-    dev = interpreter_device()
-    p = problems.matmul_problem(a, b)
-    (mod,) = backends.backends_for("matmul", dev, p)[:1]
+    dev, p = interpreter_device(), problems.OP_FUNCTIONS[op].problem(*args)
+    mod = backends.backends_for(op, dev, p)[0]
     rec = ConfigRecord(key=make_key(mod, p, dev), config=dict(VENDOR), median_ms=0.01, tflops=None, candidates=5)
     default_store().put_config(rec, [])
+    return mod
+
+
+@interpreter_only
+def test_a_stored_vendor_winner_runs_torchs_op(db_url):
+    a, b = torch.randn(40, 24), torch.randn(24, 36)
+    mod = _vendor_won("matmul", a, b)
     torch.testing.assert_close(ops.matmul(a, b), a @ b)
     (entry,) = ops.OP_LAUNCHERS["matmul"].memo.values()
     assert entry.config == VENDOR and entry.run == mod.reference
     assert default_store().counts()["trials"] == 0, "nothing was tuned"
-
-
-def _vendor_won(a: torch.Tensor, b: torch.Tensor) -> None:
-    """The store holds the vendor's op as the winner of the matmul a @ b's key."""
-    from tunecache import backends
-    from tunecache.key import interpreter_device
-    from tunecache.store.records import ConfigRecord
-    from tunecache.tuning.tuner import make_key
-
-    dev, p = interpreter_device(), problems.matmul_problem(a, b)
-    mod = backends.backends_for("matmul", dev, p)[0]
-    rec = ConfigRecord(key=make_key(mod, p, dev), config=dict(VENDOR), median_ms=0.01, tflops=None, candidates=5)
-    default_store().put_config(rec, [])
 
 
 @pytest.fixture
@@ -146,7 +139,7 @@ def views_counted(monkeypatch) -> list:
 def test_a_pointwise_conv_whose_matmul_the_vendor_won_runs_it_without_the_views_path(db_url, views_counted):
     torch.manual_seed(0)
     x, w = torch.randn(2, 5, 6, 24), torch.randn(36, 1, 1, 24)
-    _vendor_won(x.view(60, 24), w.view(36, 24).t())
+    _vendor_won("matmul", x.view(60, 24), w.view(36, 24).t())
     torch.testing.assert_close(ops.conv2d_fprop(x, w), problems.conv2d_fprop_reference(x, w))
     assert len(ops.OP_LAUNCHERS["conv2d_fprop"].as_matmul) == 1, "the conv's later calls were not kept"
     views_counted.clear()
@@ -166,7 +159,7 @@ def test_a_linear_layer_whose_matmul_the_vendor_won_adds_its_bias_in_the_same_la
     lin = tunecache.nn.convert(torch.nn.Linear(24, 36))
     lin.load_state_dict(ref.state_dict())
     x = torch.randn(10, 24, requires_grad=grad)
-    _vendor_won(x, lin.weight.t())
+    _vendor_won("matmul", x, lin.weight.t())
     with torch.set_grad_enabled(grad):
         lin(x)  # the first call reads the winner from the store
         views_counted.clear()
@@ -182,11 +175,7 @@ def test_a_linear_layer_whose_matmul_the_vendor_won_adds_its_bias_in_the_same_la
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_conv_layer_whose_conv_the_vendor_won_runs_torchs_conv_with_its_bias(db_url, monkeypatch, grad):
     import tunecache.nn
-    from tunecache import backends
-    from tunecache.key import interpreter_device
     from tunecache.ops import tuned
-    from tunecache.store.records import ConfigRecord
-    from tunecache.tuning.tuner import make_key
 
     torch.manual_seed(0)
     ref = torch.nn.Conv2d(6, 10, 3, padding=1)
@@ -194,12 +183,9 @@ def test_a_conv_layer_whose_conv_the_vendor_won_runs_torchs_conv_with_its_bias(d
     conv.load_state_dict(ref.state_dict())
     x = torch.randn(2, 6, 5, 7).to(memory_format=torch.channels_last).requires_grad_(grad)
     xn, wn = x.detach().permute(0, 2, 3, 1), conv.weight.detach().permute(0, 2, 3, 1).contiguous()
-    dev, p = interpreter_device(), problems.conv2d_fprop_problem(xn, wn, 1, 1)
-    mod = backends.backends_for("conv2d_fprop", dev, p)[0]
-    rec = ConfigRecord(key=make_key(mod, p, dev), config=dict(VENDOR), median_ms=0.01, tflops=None, candidates=5)
-    default_store().put_config(rec, [])
-    real, ours = tuned.conv2d_fprop, []
-    monkeypatch.setattr(tuned, "conv2d_fprop", lambda *a: ours.append(1) or real(*a))
+    _vendor_won("conv2d_fprop", xn, wn, 1, 1)
+    real, ours = tuned._conv2d_fprop, []  # the NHWC conv of a layer's call
+    monkeypatch.setattr(tuned, "_conv2d_fprop", lambda *a: ours.append(1) or real(*a))
     with torch.set_grad_enabled(grad):
         conv(x)  # the first call reads the winner from the store
         ours.clear()

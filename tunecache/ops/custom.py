@@ -38,6 +38,8 @@ def _operand(t: Tensor) -> Tensor:
 def _column_major(t: Tensor) -> bool:
     """Whether 2-D `t` is a row-major tensor's transpose (a linear layer's weight.t()), read
     off its strides: `t.t().is_contiguous()` makes a view to ask, a layer call's host time."""
+    if t.dim() != 2:
+        return False  # matrix_layout's checks say what is wrong
     (n0, n1), (s0, s1) = t.shape, t.stride()
     return (s0 == 1 or n0 == 1) and (s1 == n0 or n1 == 1)
 

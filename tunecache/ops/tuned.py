@@ -82,7 +82,11 @@ def conv2d_fprop(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0) -> torch
     A pointwise conv runs as the matmul it is (geometry.runs_as_matmul)."""
     if type(stride) is list or type(padding) is list:  # lists cannot key the memo
         stride, padding = _hashable(stride), _hashable(padding)
-    raw = _fprop_key(x, w, stride, padding)
+    return _conv2d_fprop(_fprop_key(x, w, stride, padding), x, w, stride, padding)
+
+
+def _conv2d_fprop(raw: tuple, x: torch.Tensor, w: torch.Tensor, stride, padding) -> torch.Tensor:
+    """conv2d_fprop of the call whose memo key is `raw` (_fprop_key)."""
     args = (x, w, stride, padding)
     y = _settled(_fprop, raw, args, x, w)
     if y is not None:
@@ -113,10 +117,11 @@ def conv2d_layer(x, w, xn, wn, bias, stride: tuple, padding: tuple) -> torch.Ten
     wn (stride and padding as pairs): torch's own conv2d with its bias, as the layer would run
     it, where the vendor's op won the NHWC conv's key; else conv2d_fprop on the views, then the
     bias."""
-    entry = _fprop.memo.get(_fprop_key(xn, wn, stride, padding))
+    raw = _fprop_key(xn, wn, stride, padding)
+    entry = _fprop.memo.get(raw)
     if entry is not None and entry.vendor:
         return F.conv2d(x, w, bias, stride, padding)
-    y = conv2d_fprop(xn, wn, stride, padding)
+    y = _conv2d_fprop(raw, xn, wn, stride, padding)
     if bias is not None:
         y += bias
     return y.permute(0, 3, 1, 2)

@@ -176,13 +176,18 @@ _SHIPPED: dict[str, dict[str, list[Trial]]] = {}
 
 def shipped(kernel: str, arch: str) -> list[Trial]:
     """The trials this package ships for `kernel` on `arch` (none for others)."""
+    return shipped_by_kernel(arch).get(kernel, [])
+
+
+def shipped_by_kernel(arch: str) -> dict[str, list[Trial]]:
+    """Every kernel's trials this package ships for `arch`, read once."""
     if arch not in _SHIPPED:
         _SHIPPED[arch] = {}
         path = resources.files("tunecache.tuning").joinpath("trials", f"{arch}.json.gz")
         if path.is_file():
             with path.open("rb") as f:
                 _SHIPPED[arch] = unpack(json.loads(gzip.decompress(f.read())))
-    return _SHIPPED[arch].get(kernel, [])
+    return _SHIPPED[arch]
 
 
 def pack(trials: Iterable[tuple[str, Trial]]) -> dict:
