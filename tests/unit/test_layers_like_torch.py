@@ -149,6 +149,15 @@ def test_a_pointwise_conv_whose_matmul_the_vendor_won_runs_it_without_the_views_
     assert default_store().counts()["trials"] == 0, "nothing was tuned"
 
 
+def _second_call(layer, x: torch.Tensor, grad: bool, counted: list) -> torch.Tensor:
+    """The layer's second call on x (the first reads the winner from the store), with `counted`
+    emptied between them, autograd recording both where `grad`."""
+    with torch.set_grad_enabled(grad):
+        layer(x)
+        counted.clear()
+        return layer(x)
+
+
 @interpreter_only
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_linear_layer_whose_matmul_the_vendor_won_adds_its_bias_in_the_same_launch(db_url, views_counted, grad):
@@ -160,10 +169,7 @@ def test_a_linear_layer_whose_matmul_the_vendor_won_adds_its_bias_in_the_same_la
     lin.load_state_dict(ref.state_dict())
     x = torch.randn(10, 24, requires_grad=grad)
     _vendor_won("matmul", x, lin.weight.t())
-    with torch.set_grad_enabled(grad):
-        lin(x)  # the first call reads the winner from the store
-        views_counted.clear()
-        y = lin(x)
+    y = _second_call(lin, x, grad, views_counted)
     torch.testing.assert_close(y, ref(x))
     assert not views_counted, "the product and its bias ran apart (the tuned matmul, then an add)"
     if grad:
@@ -186,10 +192,7 @@ def test_a_conv_layer_whose_conv_the_vendor_won_runs_torchs_conv_with_its_bias(d
     _vendor_won("conv2d_fprop", xn, wn, 1, 1)
     real, ours = tuned._conv2d_fprop, []  # the NHWC conv of a layer's call
     monkeypatch.setattr(tuned, "_conv2d_fprop", lambda *a: ours.append(1) or real(*a))
-    with torch.set_grad_enabled(grad):
-        conv(x)  # the first call reads the winner from the store
-        ours.clear()
-        y = conv(x)
+    y = _second_call(conv, x, grad, ours)
     torch.testing.assert_close(y, ref(x))
     assert not ours, "the layer ran the NHWC conv and its bias apart, not torch's conv"
     if grad:
