@@ -215,8 +215,11 @@ def test_tune_all_splits_the_shapes_over_the_processes_that_run_it(tmp_path):
             [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
 
+    said: list[str] = []
+
     def result(p: subprocess.Popen) -> dict:
         out, err = p.communicate(timeout=600)
+        said.append(err[-3000:])
         assert p.returncode == 0, err[-3000:]
         return json.loads(out.strip().splitlines()[-1])
 
@@ -224,7 +227,7 @@ def test_tune_all_splits_the_shapes_over_the_processes_that_run_it(tmp_path):
     assert alone["tuned"] == alone["total"] == 6 and not alone["failed"]
     pair = [start("pair.sqlite") for _ in range(2)]
     a, b = (result(p) for p in pair)
-    assert a["tuned"] + b["tuned"] == 6 and a["tuned"] > 0 and b["tuned"] > 0, (a, b)
+    assert a["tuned"] + b["tuned"] == 6 and a["tuned"] > 0 and b["tuned"] > 0, (a, b, said[1:])
     assert a["tuned"] + a["by_others"] == 6 and b["tuned"] + b["by_others"] == 6
     # each shape tuned by one run (how many candidates a run times depends on what its process
     # learnt from the shapes it tuned before: tunecache.tuning.ranking)

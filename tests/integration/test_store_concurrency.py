@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
+import threading
 
 from tunecache.store import Store
 
@@ -49,3 +51,22 @@ def test_parallel_writers_lose_nothing(tmp_path):
     assert counts["tuning_jobs"] == n
     # the shared keys kept the fastest writer's result (writer 0: 1.0 ms)
     assert {r.median_ms for r in Store(url).list_configs() if r.key.problem["M"] <= 0} == {1.0}
+
+
+def test_a_store_opened_while_another_process_writes_the_fresh_file_waits_and_is_writable(tmp_path):
+    """The ranks of a job on a new host open one fresh store together: SQLite refuses at once,
+    without waiting, to switch a file to WAL while another connection is about to write it. The
+    store waits (as for any lock) and opens writable, instead of keeping its results in memory."""
+    from tunecache.key import TuneKey
+    from tunecache.store import ConfigRecord
+    from tunecache.store.local import open_local_store
+
+    path = tmp_path / "fresh.sqlite"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # the write lock, as the first process creating its tables
+    threading.Timer(0.5, lambda: other.execute("COMMIT")).start()
+    handle = open_local_store(f"sqlite:///{path}")
+    assert handle.outcome == "ok", handle.fault
+    key = TuneKey("matmul.portable", "v", "3.9.0", "cpu", 0, {"M": 1})
+    handle.store.put_config(ConfigRecord(key, {"BLOCK_M": 32}, 1.0))
+    assert handle.store.get_config(key.digest).config == {"BLOCK_M": 32}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -66,6 +67,24 @@ def _url_hint(u) -> str:
     return ""
 
 
+def _wal(cur: sqlite3.Cursor, busy_s: float) -> None:
+    """Put the file in WAL mode. SQLite answers "database is locked" at once, without its busy
+    handler, while another connection reads a file still in rollback mode: two processes that
+    open one fresh store together (the ranks of a job on a new host). Asked again until the
+    busy timeout, as any other lock wait."""
+    deadline = time.monotonic() + busy_s
+    pause = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
 def make_engine(url: str, *, writable: bool = True) -> Engine:
     try:
         u = make_url(url)
@@ -106,9 +125,9 @@ def make_engine(url: str, *, writable: bool = True) -> Engine:
             # let SQLAlchemy, not pysqlite, decide when transactions begin (see _on_begin)
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
-            if writable:  # setting the journal mode writes the file's header
-                cur.execute("PRAGMA journal_mode=WAL")
             cur.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
+            if writable:  # setting the journal mode writes the file's header
+                _wal(cur, busy_s)
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
