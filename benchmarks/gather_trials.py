@@ -4,7 +4,8 @@ Calls `tunecache.ops` on a list of training shapes, one op after another, with a
 candidate cap than a user's tune (TUNECACHE_MAX_CANDIDATES, 64 here), into the store named by
 TUNECACHE_DB_URL; the store's trials are what `tunecache.tuning.ranking` learns from
 (`gather_trials.py --build STORE_URL` writes them to the file the package ships,
-tunecache/tuning/trials/<arch>.json.gz).
+tunecache/tuning/trials/<arch>.json.gz, and the trees trained on them beside it,
+<arch>.trees.json.gz: tunecache.tuning.rank_model; `--trees` trains those alone).
 
 The training shapes are drawn at random (seeded) from ranges a model's layers fall in, plus
 the layers of two models of bench_models' suite (resnet50 at batch 32, llama3-8b). Held out,
@@ -113,6 +114,20 @@ def build(url: str, arch: str) -> int:
     path.write_bytes(gzip.compress(data, 9, mtime=0))
     problems = {k: len(v["problems"]) for k, v in ranking.pack(rows).items()}
     print(f"wrote {path}: {len(rows)} trials, problems per kernel {problems}, {path.stat().st_size // 1024} KiB")
+    return build_trees(arch)
+
+
+def build_trees(arch: str) -> int:
+    """The trees (tunecache.tuning.rank_model) trained on the shipped trials of `arch`, written
+    beside them (needs LightGBM: pip install -e ".[learn]")."""
+    import gzip
+
+    from tunecache.tuning import rank_model, ranking
+
+    path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.trees.json.gz"
+    trees = {kernel: rank_model.train(trials) for kernel, trials in sorted(ranking.shipped_by_kernel(arch).items())}
+    path.write_bytes(gzip.compress(json.dumps(trees, separators=(",", ":")).encode(), 9, mtime=0))
+    print(f"wrote {path}: trees of {', '.join(trees)}, {path.stat().st_size // 1024} KiB")
     return 0
 
 
@@ -129,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-named", action="store_true", help="random shapes only (the models' were gathered)")
     ap.add_argument("--list", action="store_true", help="print the shapes and exit")
     ap.add_argument("--build", metavar="STORE_URL", help="write STORE_URL's trials to the shipped file and exit")
-    ap.add_argument("--arch", default="sm_90", help="with --build: the architecture's trials")
+    ap.add_argument("--arch", default="sm_90", help="with --build or --trees: the architecture's trials")
+    ap.add_argument("--trees", action="store_true", help="train the trees on the shipped trials only, and exit")
     args = ap.parse_args(argv)
     if args.build:
         return build(args.build, args.arch)
+    if args.trees:
+        return build_trees(args.arch)
     wanted = set(args.ops.split(","))
     todo = [(op, s) for op, s in shapes(args.seed, not args.no_named) if op in wanted]
     if args.list:

@@ -231,7 +231,7 @@ class ConfigCache:
         when, known = self._rankings.get((kernel, device.arch), (-math.inf, None))
         if known is not None and time.monotonic() - when < RANKING_S:
             return known
-        known = ranking.Ranking(ranking.shipped(kernel, device.arch))
+        known = ranking.Ranking.shipped(kernel, device.arch, device.sm_count)
         store = store or self.store()
         if store is not None:
             rows = self.store_call("read past trials", lambda: store.ranking_trials(device.arch, kernel), [])

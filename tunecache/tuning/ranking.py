@@ -24,6 +24,8 @@ from typing import Iterable, Iterator, Sequence
 
 from tunecache import settings
 from tunecache.shapes import problem_distance
+from tunecache.tuning import rank_model
+from tunecache.tuning.rank_model import TreeModel
 from tunecache_kernels.spaces import is_vendor
 
 # how many tuned problems vote on a candidate's rank, and how far the nearest may lie (in
@@ -51,30 +53,40 @@ def _config_id(config: dict) -> str:
 
 @dataclass
 class Ranked:
-    """A ranking's answer: the candidates in the order to time them, and how near the nearest
-    tuned problem was (None: nothing was known, the static order stands)."""
+    """A ranking's answer: the candidates in the order to time them, how near the nearest tuned
+    problem was (None: none known), and whether the learned trees ordered them (else the
+    neighbours did; neither: the static order stands)."""
 
     candidates: list[dict]
     nearest: float | None
+    modelled: bool = False
 
     @property
     def learned(self) -> bool:
-        return self.nearest is not None
+        return self.modelled or self.nearest is not None
 
     @property
     def confident(self) -> bool:
-        """Whether a tuned problem lies near enough to trust a short list."""
-        return self.nearest is not None and self.nearest <= NEAR
+        """Whether a short list can be trusted: the trees ordered it, or a tuned problem lies near."""
+        return self.modelled or (self.nearest is not None and self.nearest <= NEAR)
 
 
 class Ranking:
-    """Tuned problems of one kernel on one architecture, and each candidate's time relative to
-    the problem's best."""
+    """Tuned problems of one kernel on one architecture, each candidate's time relative to the
+    problem's best, and the learned trees of the kernel (tunecache.tuning.rank_model), if any."""
 
-    def __init__(self, trials: Iterable[Trial] = ()) -> None:
+    def __init__(
+        self, trials: Iterable[Trial] = (), model: TreeModel | None = None, sm_count: int = rank_model.SM_COUNT
+    ) -> None:
         self._times: dict[str, tuple[dict, dict[str, float]]] = {}  # problem -> (it, config -> fastest ms)
         self._slowdowns: dict[str, tuple[dict, dict[str, float]]] = {}  # problem -> (it, config -> log(ms / best))
+        self.model, self.sm_count = model, sm_count
         self.add(trials)
+
+    @classmethod
+    def shipped(cls, kernel: str, arch: str, sm_count: int = rank_model.SM_COUNT) -> "Ranking":
+        """What the package ships for `kernel` on `arch`: its trials and its trees."""
+        return cls(shipped(kernel, arch), rank_model.shipped_model(kernel, arch), sm_count)
 
     def add(self, trials: Iterable[Trial]) -> None:
         """Learn from more trials (a tune this process just ran): only the problems they are of
@@ -98,17 +110,22 @@ class Ranking:
         return len(self._slowdowns)
 
     def order(self, candidates: Sequence[dict], problem: dict, exclude_self: bool = False) -> Ranked:
-        """`candidates` (in their static order), those the nearest tuned problems timed first,
-        by their weighted mean slowdown there; the rest after, in their static order.
-        `exclude_self`: leave out a tuned problem equal to this one (evaluating the ranking)."""
-        if not self._slowdowns or not candidates:
-            return Ranked(list(candidates), None)
-        near = sorted(
-            ((problem_distance(problem, p, UNLIKE), p, s) for p, s in self._slowdowns.values()), key=lambda x: x[0]
-        )
-        if exclude_self:
-            near = [x for x in near if x[0] > 0]
-        near = near[:NEIGHBOURS]
+        """`candidates` (in their static order) as the trees score them, the best of the nearest
+        tuned problem first where one lies within NEAR; without trees, those the nearest tuned
+        problems timed first, by their weighted mean slowdown there, the rest after in their
+        static order. `exclude_self`: leave out a tuned problem equal to this one (evaluating)."""
+        if not candidates:
+            return Ranked([], None)
+        near = self._nearest(problem, exclude_self)
+        if self.model is not None:
+            ordered = self.model.order(candidates, problem, self.sm_count)
+            if near and near[0][0] <= NEAR:  # what won nearby leads: the trees learn only where trials are gathered
+                slowdown = near[0][2]
+                known = [c for c in candidates if _config_id(c) in slowdown]
+                if known:
+                    first = min(known, key=lambda c: slowdown[_config_id(c)])
+                    ordered = [first, *(c for c in ordered if c != first)]
+            return Ranked(ordered, near[0][0] if near else None, modelled=True)
         if not near:
             return Ranked(list(candidates), None)
         scores: dict[int, float] = {}
@@ -126,6 +143,15 @@ class Ranking:
         known = sorted(scores, key=lambda i: (scores[i], i))
         rest = [i for i in range(len(candidates)) if i not in scores]
         return Ranked([candidates[i] for i in known + rest], near[0][0])
+
+    def _nearest(self, problem: dict, exclude_self: bool) -> list[tuple[float, dict, dict[str, float]]]:
+        """The NEIGHBOURS tuned problems nearest `problem`: (distance, it, config -> slowdown)."""
+        near = sorted(
+            ((problem_distance(problem, p, UNLIKE), p, s) for p, s in self._slowdowns.values()), key=lambda x: x[0]
+        )
+        if exclude_self:
+            near = [x for x in near if x[0] > 0]
+        return near[:NEIGHBOURS]
 
 
 # ---- how many a tune times ------------------------------------------------------------------
@@ -161,7 +187,10 @@ def shortlist(ranked: Ranked, static: list[dict], must: Sequence[dict] = ()) -> 
     room = n - variants
     room -= sum(m not in order[:room] for m in must)
     out = order[:room]
-    why = "a tuned problem near" if ranked.confident else f"nearest tuned problem {ranked.nearest:.1f} away"
+    if ranked.modelled:
+        why = "the learned trees"
+    else:
+        why = "a tuned problem near" if ranked.confident else f"nearest tuned problem {ranked.nearest:.1f} away"
     return Shortlist(out + [m for m in must if m not in out], variants, why)
 
 

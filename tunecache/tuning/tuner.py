@@ -21,7 +21,7 @@ from tunecache.key import DeviceClass, TuneKey, triton_version
 from tunecache.store.records import ConfigRecord, TrialRecord, whoami
 from tunecache.tuning.accuracy import tolerance
 from tunecache.tuning.binaries import Binary
-from tunecache.tuning.ranking import Ranking, shipped, shortlist
+from tunecache.tuning.ranking import Ranking, shortlist
 from tunecache.tuning.timing import QUICK_REP_MS, QUICK_WARMUP_MS, SETTLE_REP_MS, SETTLE_WARMUP_MS, leaders, settle
 from tunecache_kernels.spaces import VENDOR, is_vendor
 
@@ -178,7 +178,8 @@ def _tune(
     siblings = MAX_SIBLINGS
     if configs is None and hint is None:
         if ranking is None:
-            ranking = Ranking(shipped(mod.KERNEL, device.arch)) if settings.ranking_learned() else Ranking()
+            learned = settings.ranking_learned()
+            ranking = Ranking.shipped(mod.KERNEL, device.arch, device.sm_count) if learned else Ranking()
         # the untuned default always competes, so a tuned entry is never slower than no tuning
         must = [default] if mod.prune([default], problem, device) else []
         short = shortlist(ranking.order(candidates, problem), candidates, must)
