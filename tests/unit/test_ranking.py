@@ -107,7 +107,8 @@ def test_an_unlike_neighbour_is_far_but_not_infinitely():
 
 def test_held_out_problems_are_ranked_well_by_what_the_rest_teach(tmp_path):
     """Offline, the shipped trials dealt into folds, each ranked by trees and trials of the others
-    (benchmarks/eval_ranking.py): a tune times at most 16 candidates, and for at least 90% of the
+    (benchmarks/eval_ranking.py): a tune times 16 candidates (8 more where the ranking did not set
+    its leaders apart), and for at least 90% of the
     problems they hold one within 2% of its best (the worst within 15%), better than the static
     order's first as many, for every Hopper backend."""
     import json
@@ -123,7 +124,7 @@ def test_held_out_problems_are_ranked_well_by_what_the_rest_teach(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert len(summary) == 4
     for kernel, s in summary.items():
-        assert s["timed_max"] <= 16, (kernel, s)
+        assert s["timed_median"] <= 16 and s["timed_max"] <= SHORT[0] + ranking.WIDEN, (kernel, s)
         assert s["learned"]["within_2pct"] >= 0.9 and s["learned"]["worst"] >= 0.85, (kernel, s)
         assert s["learned"]["within_2pct"] > s["static"]["within_2pct"], (kernel, s)
         assert s["learned"]["geomean"] >= 0.99, (kernel, s)
@@ -187,3 +188,15 @@ def test_the_package_ships_trees_for_every_hopper_backend_and_none_elsewhere():
     for kernel in ("matmul.hopper", "conv2d_fprop.hopper", "conv2d_wgrad.hopper", "conv2d_dgrad.hopper"):
         assert shipped_model(kernel, "sm_90") is not None, kernel
     assert shipped_model("matmul.blackwell", "sm_100") is None  # no trials gathered: neighbours, then static
+
+
+def test_a_short_list_whose_fastest_came_late_times_the_rankings_next_ones_too():
+    """Where the quick round's fastest stood LATE or later in a short list, the ranking did not set
+    the leaders apart: its next WIDEN candidates are timed too; a wide or static list never grows."""
+    ranked = Ranking(tuned(mm(4096), [STATIC[70]])).order(STATIC, mm(4096, 4096, 2048))
+    short = shortlist(ranked, STATIC, [STATIC[89]])
+    assert short.widen(0) == [] and short.widen(ranking.LATE - 1) == []
+    more = short.widen(ranking.LATE)
+    assert len(more) == ranking.WIDEN and more == [c for c in ranked.candidates if c not in short.candidates][:8]
+    far = shortlist(Ranking(tuned(mm(16384, 512, 512, "float16"), [STATIC[70]])).order(STATIC, mm(1, 28672)), STATIC)
+    assert far.widen(30) == [] and shortlist(Ranking().order(STATIC, mm(64)), STATIC).widen(30) == []

@@ -176,6 +176,7 @@ def _tune(
         space = [c for i, c in enumerate(space) if c not in space[:i]]
     candidates = mod.prune(space, problem, device) if configs is None else list(configs)
     siblings = MAX_SIBLINGS
+    short = None
     if configs is None and hint is None:
         if ranking is None:
             learned = settings.ranking_learned()
@@ -183,7 +184,7 @@ def _tune(
         # the untuned default always competes, so a tuned entry is never slower than no tuning
         must = [default] if mod.prune([default], problem, device) else []
         short = shortlist(ranking.order(candidates, problem), candidates, must)
-        candidates, siblings = short.candidates, MAX_SIBLINGS if short.siblings is None else short.siblings
+        candidates, siblings = list(short.candidates), MAX_SIBLINGS if short.siblings is None else short.siblings
         log.info(
             "tunecache: %s: %d candidates first (%s; %d tuned problems known)",
             mod.KERNEL,
@@ -226,6 +227,13 @@ def _tune(
             progress("time", n, len(candidates), min(quick.values()) if quick else None)
         time_quickly(i)
         mark("first_timed")
+    more = short.widen(min(quick, key=quick.get)) if short is not None and quick else []
+    if more:  # the ranking did not set the leaders apart: its next ones too
+        start = len(candidates)
+        candidates.extend(more)
+        for i in _compiled(mod, problem, device, more, trials, progress, timeline):
+            time_quickly(start + i)
+        mark("widened")
     mark("quick_round")
     # the leaders' variants in run-time arguments only (GROUP_M, SPLIT_K): the same binaries,
     # so they cost a timing each and no compile; the capped list holds each kernel once
