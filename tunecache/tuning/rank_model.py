@@ -5,8 +5,9 @@ Ranking by the nearest tuned problems (tunecache.tuning.ranking) needs a tuned p
 convolutions' shapes lie far apart (the nearest 3-7 log units away), and there a tune timed 40
 candidates to find the best. Trees over features that say how a tile fits a problem (tiles per
 wave, the padding a tile wastes, iterations along K) carry what was learnt across shapes: held
-out of training, their first 12 hold a candidate within 2 % of the best for 86-99 % of problems
-against 57-88 % for the neighbours' order (benchmarks/eval_ranking.py).
+out of training (benchmarks/eval_ranking.py), a tune's 16 candidates in their order (24 at most)
+held one within 2 % of the best for 94-100 % of problems per backend, where the neighbours'
+order needed 40 for 83-96 %.
 
 The trees are trained by LightGBM (a LambdaRank objective: the order of a problem's candidates,
 not their times) where the trials are gathered (`benchmarks/gather_trials.py --build`, with the
