@@ -176,16 +176,17 @@ def fit(trials: Iterable[Any]) -> Any:
 _SHIPPED: dict[str, dict[str, TreeModel]] = {}
 
 
-def model_path(arch: str) -> Any:
-    return resources.files("tunecache.tuning").joinpath("trials", f"{arch}.trees.json.gz")
+def read_shipped(name: str) -> Any:
+    """The gzipped JSON file `name` of tunecache/tuning/trials/ (the trials, the trees), or None."""
+    path = resources.files("tunecache.tuning").joinpath("trials", name)
+    if not path.is_file():
+        return None
+    with path.open("rb") as f:
+        return json.loads(gzip.decompress(f.read()))
 
 
 def shipped_model(kernel: str, arch: str) -> TreeModel | None:
     """The trees this package ships for `kernel` on `arch`, or None."""
     if arch not in _SHIPPED:
-        _SHIPPED[arch] = {}
-        path = model_path(arch)
-        if path.is_file():
-            with path.open("rb") as f:
-                _SHIPPED[arch] = {k: TreeModel(t) for k, t in json.loads(gzip.decompress(f.read())).items()}
+        _SHIPPED[arch] = {k: TreeModel(t) for k, t in (read_shipped(f"{arch}.trees.json.gz") or {}).items()}
     return _SHIPPED[arch].get(kernel)

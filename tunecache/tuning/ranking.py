@@ -15,11 +15,9 @@ the static order stands, and a tune times as many candidates as it always did.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Iterable, Iterator, Sequence
 
 from tunecache import settings
@@ -222,11 +220,7 @@ def shipped(kernel: str, arch: str) -> list[Trial]:
 def shipped_by_kernel(arch: str) -> dict[str, list[Trial]]:
     """Every kernel's trials this package ships for `arch`, read once."""
     if arch not in _SHIPPED:
-        _SHIPPED[arch] = {}
-        path = resources.files("tunecache.tuning").joinpath("trials", f"{arch}.json.gz")
-        if path.is_file():
-            with path.open("rb") as f:
-                _SHIPPED[arch] = unpack(json.loads(gzip.decompress(f.read())))
+        _SHIPPED[arch] = unpack(rank_model.read_shipped(f"{arch}.json.gz") or {})
     return _SHIPPED[arch]
 
 
