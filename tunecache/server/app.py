@@ -22,7 +22,7 @@ from tunecache.server import audit, best, configs, identity, jobs, system
 from tunecache.server.deps import TokenCache, known_query_only
 from tunecache.server.gate import TokenGate
 from tunecache.server.guards import BodyDeadline, BodyLimit, RateLimits
-from tunecache.server.lookups import LookupCache
+from tunecache.server.lookups import BatchedReads, LookupCache
 from tunecache.server.metrics import Metrics
 from tunecache.server.pacing import PublishPacer
 from tunecache.server.schemas import ErrorOut
@@ -96,6 +96,7 @@ def create_app(
     app.state.tokens = TokenCache(on_query=app.state.metrics.token_checks.inc)
     app.state.rate_limits = RateLimits.from_settings()
     app.state.lookups = LookupCache(settings.lookup_cache_s())
+    app.state.reads = BatchedReads(lambda digests: configs.read_answers(app.state.store, app.state.lookups, digests))
     m = app.state.metrics
     app.state.publish_pacer = PublishPacer(settings.publish_share(), m.publish_seconds.inc, m.publish_held_seconds.inc)
     # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off

@@ -179,11 +179,11 @@ async def _answer(request: Request, digest: str, metrics: Metrics, missing: Call
     lookups: LookupCache = state.lookups
     store = state.store
     state.publish_pacer.reads += 1  # publishes make room for readers (tunecache.server.pacing)
-    if lookups.generation_due():
-        await run_in_threadpool(lookups.generation, store.generation)
+    if lookups.poll_generation():  # one request reads it; the others answer with the one known
+        await run_in_threadpool(lookups.refresh_generation, store.generation)
     cached = lookups.answer(digest)
     if cached is None:
-        cached = await run_in_threadpool(_read, store, lookups, digest)
+        cached = await state.reads.get(digest)
         metrics.lookup_reads.inc()
     body, generation = cached
     metrics.lookup(body is not None)
@@ -193,13 +193,18 @@ async def _answer(request: Request, digest: str, metrics: Metrics, missing: Call
     return Response(body, media_type="application/json", headers=headers)
 
 
-def _read(store: Store, lookups: LookupCache, digest: str) -> tuple[bytes | None, int]:
+def read_answers(store: Store, lookups: LookupCache, digests: list[str]) -> dict[str, tuple[bytes | None, int]]:
+    """The answers of lookups the cache lacked, read together (`lookups.BatchedReads`) and kept."""
     generation = lookups.generation(store.generation)
     epoch = lookups.epoch  # after the generation: a move it noted dropped what was kept before
-    rec = store.get_config(digest) if len(digest) == 64 else None
-    body = None if rec is None else out(rec).model_dump_json().encode()
-    lookups.keep(digest, body, generation, epoch)
-    return body, generation
+    recs = store.get_configs(d for d in digests if len(d) == 64)
+    answers = {}
+    for digest in digests:
+        rec = recs.get(digest)
+        body = None if rec is None else out(rec).model_dump_json().encode()
+        lookups.keep(digest, body, generation, epoch)
+        answers[digest] = (body, generation)
+    return answers
 
 
 @router.post("/lookup", response_model=ConfigOut, responses=NOT_FOUND, summary="Look up by key fields")

@@ -50,19 +50,29 @@ class ConfigStore(StoreBase):
 
     def get_config(self, digest: str) -> ConfigRecord | None:
         """The stored winner, or None. A corrupt row is reported and treated as a miss."""
+        return self.get_configs([digest]).get(digest)
+
+    def get_configs(self, digests: Iterable[str]) -> dict[str, ConfigRecord]:
+        """The stored winners of `digests` that have one, in one query (the service reads the
+        lookups that missed its cache together). A corrupt row is reported and left out."""
+        wanted = sorted(set(digests))
+        found: dict[str, ConfigRecord] = {}
+        if not wanted:
+            return found
         with self._read() as s:
-            row = s.execute(select(TunedConfigRow).where(TunedConfigRow.digest == digest)).scalar_one_or_none()
-            if row is None:
-                return None
-            try:
-                rec = config_record(row)
-            except (ValueError, TypeError, KeyError) as e:
-                log.warning("tunecache: skipping corrupt store row %s (%s)", digest[:12], e)
-                return None
-        if rec.digest != digest:
-            log.warning("tunecache: skipping store row %s whose fields hash to %s", digest[:12], rec.digest[:12])
-            return None
-        return rec
+            for row in s.execute(select(TunedConfigRow).where(TunedConfigRow.digest.in_(wanted))).scalars():
+                try:
+                    rec = config_record(row)
+                except (ValueError, TypeError, KeyError) as e:
+                    log.warning("tunecache: skipping corrupt store row %s (%s)", row.digest[:12], e)
+                    continue
+                if rec.digest != row.digest:
+                    log.warning(
+                        "tunecache: skipping store row %s whose fields hash to %s", row.digest[:12], rec.digest[:12]
+                    )
+                    continue
+                found[row.digest] = rec
+        return found
 
     def put_config(
         self, rec: ConfigRecord, trials: Iterable[TrialRecord] = (), run_id: str | None = None
