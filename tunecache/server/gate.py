@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import HTTPException
-from starlette.concurrency import run_in_threadpool
 
 from tunecache.server.deps import live_token
 from tunecache.server.guards import _reply, large_body
@@ -62,7 +61,7 @@ class TokenGate:
         try:
             known, token = self.state.tokens.cached(secret) if len(secret) <= 256 else (True, None)
             if not known:
-                token = await run_in_threadpool(live_token, self.state, secret, address)
+                token = await live_token(self.state, secret, address)
             if token is None:
                 await _reply(send, 401, INVALID, {"WWW-Authenticate": "Bearer"})
                 return
