@@ -90,9 +90,11 @@ class _ClosedLoop:
             d = rng.choice(self.misses) if rng.random() < self.miss_rate else rng.choice(self.digests)
             yield d, rng.choice(self.tokens)
 
-    def client_error(self, e: BaseException) -> int:
-        """The client failed the request (no status): counted by the error's type."""
-        self.kinds[type(e).__name__] = self.kinds.get(type(e).__name__, 0) + 1
+    def client_error(self, e: BaseException, when: str = "") -> int:
+        """The client failed the request (no status): counted by the error's type (and `when`:
+        opening the connection or awaiting the answer)."""
+        kind = f"{type(e).__name__}{f' ({when})' if when else ''}"
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
         return -1
 
     def answered(self, t0: float, code: int) -> None:
@@ -190,7 +192,7 @@ async def _raw_load(url: str, loop: _ClosedLoop, concurrency: int, addresses: in
                     writer.close()
                     writer = None
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, AttributeError) as e:
-                code = loop.client_error(e)
+                code = loop.client_error(e, "answer" if writer is not None else "connect")
                 if writer is not None:
                     writer.close()
                 writer = None

@@ -135,7 +135,8 @@ class BatchedReads(Generic[T]):
     """The lookups that missed the cache, read from the store together: one read at a time (a
     thread of the pool and one query for up to MAX_BATCH keys), the keys missed meanwhile all
     in the next. A read per miss, each a thread that waits its turn for the interpreter beside a
-    saturated event loop, left one lookup in ten seconds behind at 1,000 in flight on 2 cores.
+    saturated event loop, left a tenth of the lookups seconds behind at 1,000 in flight on 2
+    cores (docs/fleet.md, Readers beside writers).
     `read(keys)` runs on the thread pool and answers every key. Used on the event loop's thread."""
 
     def __init__(self, read: Callable[[list[str]], dict[str, T]]) -> None:
