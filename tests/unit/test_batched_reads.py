@@ -89,3 +89,14 @@ def test_a_store_reads_several_winners_in_one_call(tmp_path, n):
     found = store.get_configs([*(k.digest for k in keys), missing])
     assert sorted(found) == sorted(k.digest for k in keys) and missing not in found
     assert all(found[k.digest].key == k for k in keys)
+
+
+def test_a_store_checks_several_tokens_in_one_call(tmp_path):
+    from tunecache.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 's.sqlite'}")
+    live, _ = store.create_token("live", ["read"])
+    revoked, _ = store.create_token("revoked", ["read"])
+    store.revoke_token("revoked")
+    found = store.verify_tokens([live, revoked, "made-up"])
+    assert found[live].name == "live" and found[revoked] is None and found["made-up"] is None

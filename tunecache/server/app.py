@@ -98,7 +98,7 @@ def create_app(
     app.state.lookups = LookupCache(settings.lookup_cache_s())
     # what the caches lack, read beside a saturated event loop together (tunecache.server.lookups)
     app.state.reads = BatchedReads(lambda digests: configs.read_answers(app.state.store, app.state.lookups, digests))
-    app.state.token_reads = BatchedReads(lambda keys: {k: app.state.tokens.verify(app.state.store, k) for k in keys})
+    app.state.token_reads = BatchedReads(lambda secrets: app.state.tokens.verify(app.state.store, secrets))
     m = app.state.metrics
     app.state.publish_pacer = PublishPacer(settings.publish_share(), m.publish_seconds.inc, m.publish_held_seconds.inc)
     # /metrics on its own address (`tunecache serve --metrics-port`); the API's route is then off

@@ -62,29 +62,38 @@ class TokenCache:
         miss = self._unknown.get(h)
         return (True, None) if miss is not None and miss > now else (False, None)
 
-    def verify(self, store: Store, secret: str) -> TokenRecord | None:
-        known, rec = self.cached(secret)
-        if known:
-            return rec
-        rec = store.verify_token(secret)
+    def verify(self, store: Store, secrets: list[str]) -> dict[str, TokenRecord | None]:
+        """Each secret's live token or None, the ones this cache does not know asked in one query."""
+        answers: dict[str, TokenRecord | None] = {}
+        ask = []
+        for secret in secrets:
+            known, rec = self.cached(secret)
+            if known:
+                answers[secret] = rec
+            else:
+                ask.append(secret)
+        if not ask:
+            return answers
+        found = store.verify_tokens(ask)
         if self._on_query is not None:
             self._on_query()
-        h = hash_token(secret)
         with self._lock:
             now = time.monotonic()
-            if rec is None:
-                self._known.pop(h, None)
-                if len(self._unknown) >= TOKEN_CACHE_MAX:
-                    self._unknown.clear()
-                self._unknown[h] = now + UNKNOWN_TOKEN_CACHE_S
-            else:
-                if len(self._known) >= TOKEN_CACHE_MAX:
-                    self._known.clear()
-                until = now + TOKEN_CACHE_S
-                if rec.live_for_s is not None:  # not trusted past its expiry (the database's clock)
-                    until = min(until, now + rec.live_for_s)
-                self._known[h] = (rec, until)
-        return rec
+            for secret, rec in found.items():
+                h = hash_token(secret)
+                if rec is None:
+                    self._known.pop(h, None)
+                    if len(self._unknown) >= TOKEN_CACHE_MAX:
+                        self._unknown.clear()
+                    self._unknown[h] = now + UNKNOWN_TOKEN_CACHE_S
+                else:
+                    if len(self._known) >= TOKEN_CACHE_MAX:
+                        self._known.clear()
+                    until = now + TOKEN_CACHE_S
+                    if rec.live_for_s is not None:  # not trusted past its expiry (the database's clock)
+                        until = min(until, now + rec.live_for_s)
+                    self._known[h] = (rec, until)
+        return {**answers, **found}
 
 
 async def authenticate(request: Request, secret: str) -> TokenRecord:

@@ -255,7 +255,7 @@ class TokenRecord:
     created_at: datetime
     revoked_at: datetime | None = None
     expires_at: datetime | None = None
-    # seconds left before expiry by the database's clock, when verify_token read it
+    # seconds left before expiry by the database's clock, when verify_tokens read it
     live_for_s: float | None = None
 
     def allows(self, scope: str) -> bool:

@@ -350,27 +350,29 @@ class TrustStore(StoreBase):
         except IntegrityError:  # created at the same moment by someone else
             raise taken from None
 
-    def verify_token(self, secret: str) -> TokenRecord | None:
-        """The live token with this secret, or None (unknown, revoked or expired). Expiry is by
-        the database's clock, as leases are (create_token sets it by that clock too), so a
-        service whose clock is off neither refuses a live token nor takes an expired one;
-        `live_for_s` says how long it has left by that clock."""
+    def verify_tokens(self, secrets: list[str]) -> dict[str, TokenRecord | None]:
+        """Each secret's live token, or None (unknown, revoked or expired), in one query (the
+        service checks the tokens its cache lacks together). Expiry is by the database's clock,
+        as leases are (create_token sets it by that clock too), so a service whose clock is off
+        neither refuses a live token nor takes an expired one; `live_for_s` says how long it has
+        left by that clock."""
+        hashes = {hash_token(x): x for x in secrets}
+        found: dict[str, TokenRecord | None] = dict.fromkeys(secrets)
         now = self._now_sql()
         with self._read() as s:
-            found = s.execute(
+            rows = s.execute(
                 select(ApiTokenRow, now).where(
-                    ApiTokenRow.token_hash == hash_token(secret),
+                    ApiTokenRow.token_hash.in_(sorted(hashes)),
                     ApiTokenRow.revoked_at.is_(None),
                     or_(ApiTokenRow.expires_at.is_(None), ApiTokenRow.expires_at > now),
                 )
-            ).first()
-            if found is None:
-                return None
-            row, db_now = found
-            rec = token_record(row)
-            if rec.expires_at is not None and db_now is not None:
-                rec.live_for_s = (rec.expires_at - db_now).total_seconds()
-            return rec
+            )
+            for row, db_now in rows:
+                rec = token_record(row)
+                if rec.expires_at is not None and db_now is not None:
+                    rec.live_for_s = (rec.expires_at - db_now).total_seconds()
+                found[hashes[row.token_hash]] = rec
+        return found
 
     def list_tokens(self) -> list[TokenRecord]:
         with self._read() as s:
