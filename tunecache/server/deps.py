@@ -46,11 +46,11 @@ class TokenCache:
     never becomes valid later: secrets are made fresh), so a flood of made-up or revoked
     tokens does not reach the database either; entries expire."""
 
-    def __init__(self, on_query: Callable[[], Any] | None = None) -> None:
+    def __init__(self, on_query: Callable[[int], Any] | None = None) -> None:
         self._known: dict[str, tuple[TokenRecord, float]] = {}
         self._unknown: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._on_query = on_query  # counts the queries (a metric)
+        self._on_query = on_query  # counts the tokens asked of the database (a metric)
 
     def cached(self, secret: str) -> tuple[bool, TokenRecord | None]:
         """(whether the cache knows this secret, its token or None for a known miss)."""
@@ -76,7 +76,7 @@ class TokenCache:
             return answers
         found = store.verify_tokens(ask)
         if self._on_query is not None:
-            self._on_query()
+            self._on_query(len(ask))
         with self._lock:
             now = time.monotonic()
             for secret, rec in found.items():

@@ -59,9 +59,7 @@ class TokenGate:
         client = scope.get("client")
         address = client[0] if client else "unknown"
         try:
-            known, token = self.state.tokens.cached(secret) if len(secret) <= 256 else (True, None)
-            if not known:
-                token = await live_token(self.state, secret, address)
+            token = await live_token(self.state, secret, address)
             if token is None:
                 await _reply(send, 401, INVALID, {"WWW-Authenticate": "Bearer"})
                 return

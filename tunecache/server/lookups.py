@@ -142,34 +142,29 @@ class BatchedReads(Generic[T]):
     def __init__(self, read: Callable[[list[str]], dict[str, T]]) -> None:
         self._read = read
         self._pending: dict[str, asyncio.Future] = {}
-        self._reading = False
-        self._task: asyncio.Future | None = None  # the running read (kept: the loop holds tasks weakly)
+        self._task: asyncio.Future | None = None  # the reads under way (kept: the loop holds tasks weakly)
 
     async def get(self, key: str) -> T:
         future = self._pending.get(key)
         if future is None:
             future = self._pending[key] = asyncio.get_running_loop().create_future()
-            if not self._reading:
-                self._reading = True
+            if self._task is None or self._task.done():
                 self._task = asyncio.ensure_future(self._drain())
         return await asyncio.shield(future)  # a caller that goes away cancels only its own wait
 
     async def _drain(self) -> None:
         from starlette.concurrency import run_in_threadpool
 
-        try:
-            while self._pending:
-                keys = list(self._pending)[:MAX_BATCH]
-                batch = {k: self._pending.pop(k) for k in keys}
-                try:
-                    answers = await run_in_threadpool(self._read, keys)
-                except Exception as e:  # noqa: BLE001 - each waiting lookup answers it (a 503 for the database away)
-                    for f in batch.values():
-                        if not f.done():
-                            f.set_exception(e)
-                    continue
-                for k, f in batch.items():
+        while self._pending:  # no await between the last look and the end: a get() sees it done
+            keys = list(self._pending)[:MAX_BATCH]
+            batch = {k: self._pending.pop(k) for k in keys}
+            try:
+                answers = await run_in_threadpool(self._read, keys)
+            except Exception as e:  # noqa: BLE001 - each waiting lookup answers it (a 503 for the database away)
+                for f in batch.values():
                     if not f.done():
-                        f.set_result(answers[k])
-        finally:
-            self._reading = False
+                        f.set_exception(e)
+                continue
+            for k, f in batch.items():
+                if not f.done():
+                    f.set_result(answers[k])
