@@ -478,9 +478,10 @@ class _PackedPlan:
         if kept is None:
             if len(self.w_bufs) >= sk.KEPT_STREAMS:
                 self.w_bufs.clear()  # streams made as a program goes: keep only the recent ones
-            wp = gpt.packed_weights(w)
-            self.w_bufs[stream] = (wp, wp[:, : w[0].numel()].unflatten(1, w.shape[1:]))
-            return wp
+            # kept across calls: made outside a CUDA-graph pool that torch.compile's warm-up
+            # would otherwise allocate it in (gluon_host.kept_buffer), then filled on this stream
+            wp = gh.kept_buffer(w.device, lambda: w.new_zeros((w.shape[0], gpt.packed_width(w))))
+            kept = self.w_bufs[stream] = (wp, wp[:, : w[0].numel()].unflatten(1, w.shape[1:]))
         wp, rows = kept
         rows.copy_(w)
         return wp

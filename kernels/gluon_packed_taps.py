@@ -50,8 +50,12 @@ def packed_weights(w: torch.Tensor) -> torch.Tensor:
     """w [Co, R, S, Ci] as the packed GEMM's [Co, K] with K padded to TMA's 16-byte rows (the
     zeros past K meet the gather's zeros)."""
     co = w.shape[0]
-    k = w[0].numel()
-    return pad_last_dim(w.reshape(co, k), round_up(k, tma_multiple(w.dtype)))
+    return pad_last_dim(w.reshape(co, w[0].numel()), packed_width(w))
+
+
+def packed_width(w: torch.Tensor) -> int:
+    """The packed GEMM's K of w [Co, R, S, Ci]: R*S*Ci padded to TMA's 16-byte rows."""
+    return round_up(w[0].numel(), tma_multiple(w.dtype))
 
 
 @gluon.jit

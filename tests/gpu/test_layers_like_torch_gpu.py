@@ -11,6 +11,8 @@ import torch
 
 from tunecache import ops
 from tunecache.key import device_of
+from tunecache.tuning.timing import HOST_BOUND_MS
+from tunecache.tuning.tuner import VENDOR_MARGIN
 from tunecache_kernels import problems
 from tunecache_kernels.spaces import is_vendor
 
@@ -65,7 +67,13 @@ def test_a_tune_is_never_slower_than_the_vendor_it_timed(db_url, op, args):
     mod = backends.backends_for(op, dev, p)[0]
     result = tune(mod, p, dev)
     assert result.vendor_ms is not None
-    assert result.median_ms <= result.vendor_ms, (result.config, result.median_ms, result.vendor_ms)
+    loops = result.timeline.get("loop_us_kernel"), result.timeline.get("loop_us_vendor")
+    if min(result.median_ms, result.vendor_ms) < HOST_BOUND_MS:  # host-bound: judged by calls back to back
+        assert None not in loops, result.timeline
+        ours = loops[1] if is_vendor(result.config) else loops[0]
+        assert ours <= min(loops) / (1 - VENDOR_MARGIN), (result.config, loops)
+    else:
+        assert result.median_ms <= result.vendor_ms, (result.config, result.median_ms, result.vendor_ms)
     if is_vendor(result.config):
         assert result.median_ms == result.vendor_ms and not result.binaries
 

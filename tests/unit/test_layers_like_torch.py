@@ -6,6 +6,8 @@
 - the vendor's op (cuBLAS / cuDNN, as torch calls them) is a config of every space: a stored
   vendor winner runs torch's op, called as a layer's own would (a pointwise conv straight on it,
   a linear or conv layer's bias in the same call).
+- the vendor's op wins a tune by GPU time, or, where either takes under HOST_BOUND_MS, by the
+  time of calls back to back (each one's host launch included).
 - a patch embedding (filter = stride, no padding) runs as the matmul it is.
 """
 
@@ -215,3 +217,41 @@ def test_a_patch_embedding_runs_as_the_matmul_it_is(db_url, hw):
     tuned = {op: len(o.memo) for op, o in ops.OP_LAUNCHERS.items()}
     assert tuned["conv2d_fprop"] == tuned["conv2d_wgrad"] == tuned["conv2d_dgrad"] == 0, tuned
     assert tuned["matmul"] == 3, "fprop, wgrad and dgrad each one matmul"
+
+
+class _Timed:
+    """A trial runner's answers: GPU times given, loop times (calls back to back) as given."""
+
+    def __init__(self, kernel_loop_ms: float, vendor_loop_ms: float) -> None:
+        self.kernel_loop_ms, self.vendor_loop_ms = kernel_loop_ms, vendor_loop_ms
+
+    def run(self, config, timing, check=True):
+        assert timing.get("loop_calls"), timing
+        return {"status": "ok", "median_ms": self.kernel_loop_ms}
+
+    def vendor_ms(self, timing):
+        assert timing.get("loop_calls"), timing
+        return self.vendor_loop_ms
+
+
+@pytest.mark.parametrize(
+    "kernel_ms,vendor_ms,loops,vendor_wins",
+    [
+        (1.0, 0.9, None, True),  # GPU-bound: the faster GPU time wins
+        (0.99, 1.0, None, True),  # a kernel faster by less than VENDOR_MARGIN: the vendor, the safe side
+        (0.96, 1.0, None, False),  # beyond it: the kernel
+        (0.010, 0.008, (0.012, 0.038), False),  # host-bound: cuBLAS faster on the GPU, slower in a loop
+        (0.010, 0.012, (0.030, 0.015), True),  # host-bound: the kernel's launch costs more
+    ],
+)
+def test_the_vendor_wins_by_gpu_time_or_where_the_host_bounds_by_calls_back_to_back(
+    kernel_ms, vendor_ms, loops, vendor_wins
+):
+    from tunecache.store.records import TrialRecord
+    from tunecache.tuning.tuner import _vendor_wins
+
+    runner = _Timed(*(loops or (float("nan"), float("nan"))))
+    timeline: dict = {}
+    best = TrialRecord({"BLOCK_M": 64}, "ok", median_ms=kernel_ms)
+    assert _vendor_wins(runner, best, vendor_ms, timeline) is vendor_wins
+    assert ("loop_us_kernel" in timeline) is (loops is not None)
