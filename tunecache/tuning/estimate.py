@@ -89,15 +89,24 @@ def runner_start(guess: float, past: "Sequence[ConfigRecord]") -> float:
     return statistics.median(alike) if alike else guess
 
 
+# a GPU tune with nothing to learn from, as measured on an H200 host whose Triton cache was cold
+# (a new host's first tunes; bench_tuning's held-out shapes, 13-24 candidates in 2.5-6.1 s): the
+# runner's inputs and reference, then compiles in rounds of the pool's width, ~30 ms of checks
+# and timings a candidate, and after them the leaders' run-time variants, their settling and the
+# vendor's op
+GPU_SETUP_S, COLD_ROUND_S, CANDIDATE_S, GPU_SETTLE_S = 0.7, 1.8, 0.03, 1.0
+
+
 def first_guess(candidates: int, device: "DeviceClass", start: float) -> float:
-    """With no past tune to learn from: the interpreter on small shapes, or as measured on an
-    H100 host (compiles in rounds of the pool's width, then ~30 ms of checks and timings a
-    candidate)."""
+    """With no past tune to learn from: the interpreter on small shapes, or a GPU's tune as
+    measured with Triton's cache cold (a warm one compiles in a tenth of the time: the next
+    tunes here learn that)."""
     if device.arch == "cpu":
         return candidates * 0.1
     from tunecache.tuning.compile_pool import default_workers
 
-    return start + -(-candidates // default_workers()) * 0.6 + candidates * 0.03
+    rounds = -(-candidates // default_workers())
+    return start + GPU_SETUP_S + rounds * COLD_ROUND_S + candidates * CANDIDATE_S + GPU_SETTLE_S
 
 
 def seconds_per_candidate(past: "Sequence[ConfigRecord]", size: float | None, size_of) -> list[float]:
