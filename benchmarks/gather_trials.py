@@ -11,7 +11,10 @@ The training shapes are drawn at random (seeded) from ranges a model's layers fa
 the layers of two models of bench_models' suite (resnet50 at batch 32, llama3-8b). Held out,
 never gathered here: bench_kernels' set (bench_tuning --kernel-set) and bench_models' other
 models (resnet50 at batch 1 and 128, sd-vae, inception-v3, llama3-70b, moe-expert), on which
-bench_tuning measures the ranked tune against the whole space.
+bench_tuning measures the ranked tune against the whole space. Those whole-space runs are
+training data afterwards (`--add-results`): the shipped file holds 9 such layers of sd-vae,
+inception-v3 and llama3-70b (benchmarks/results/tuning-trees-h200-20261128-s49*.json), so a
+held-out measurement since then names shapes of none of bench_models' layers.
 
     TUNECACHE_DB_URL=sqlite:///trials.sqlite python benchmarks/gather_trials.py --seconds 500
 
@@ -117,6 +120,37 @@ def build(url: str, arch: str) -> int:
     return build_trees(arch)
 
 
+def add_results(paths: list[str], arch: str) -> int:
+    """The whole-space trials of bench_tuning runs (results JSON: each shape's `exhaustive` tune,
+    every candidate of its pruned space timed) added to the shipped file of `arch`, then the
+    trees trained again: what a whole-space tune measured on a shape the trees ranked badly is
+    what they learn from next."""
+    import gzip
+
+    from tunecache.tuning import ranking
+
+    path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
+    kept = {}
+    for kernel, trials in ranking.shipped_by_kernel(arch).items():
+        for t in trials:
+            kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
+    added = 0
+    for name in paths:
+        for row in json.loads(Path(name).read_text())["ops"]:
+            whole = row["exhaustive"]
+            for config, status, ms in whole["trials"]:
+                if status == "ok" and ms and not config.get("vendor"):
+                    t = ranking.Trial(whole["problem"], config, ms)
+                    kept[_trial_id(whole["kernel"], t.problem, t.config)] = (whole["kernel"], t)
+                    added += 1
+    rows = list(kept.values())
+    path.write_bytes(gzip.compress(json.dumps(ranking.pack(rows), separators=(",", ":")).encode(), 9, mtime=0))
+    problems = {k: len(v["problems"]) for k, v in ranking.pack(rows).items()}
+    print(f"wrote {path}: {added} trials added, {len(rows)} in all, problems per kernel {problems}")
+    ranking._SHIPPED.clear()  # the trees are trained on the file as now written
+    return build_trees(arch)
+
+
 def build_trees(arch: str) -> int:
     """The trees (tunecache.tuning.rank_model) trained on the shipped trials of `arch`, written
     beside them (needs LightGBM: pip install -e ".[learn]")."""
@@ -146,7 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", metavar="STORE_URL", help="write STORE_URL's trials to the shipped file and exit")
     ap.add_argument("--arch", default="sm_90", help="with --build or --trees: the architecture's trials")
     ap.add_argument("--trees", action="store_true", help="train the trees on the shipped trials only, and exit")
+    ap.add_argument(
+        "--add-results",
+        nargs="+",
+        metavar="JSON",
+        help="add bench_tuning results' whole-space trials to the shipped file, train the trees, and exit",
+    )
     args = ap.parse_args(argv)
+    if args.add_results:
+        return add_results(args.add_results, args.arch)
     if args.build:
         return build(args.build, args.arch)
     if args.trees:
