@@ -506,6 +506,26 @@ def sync(
 
 
 @app.command()
+def learn(
+    arch: str = typer.Option("sm_90", help="the architecture whose trials train the trees (sm_90: Hopper)"),
+    fleet: bool = typer.Option(True, "--fleet/--no-fleet", help="add the fleet's trials (TUNECACHE_SERVER_URL)"),
+) -> None:
+    """Train the candidate ranking's trees again on the trials the package ships, this store's
+    and the fleet's: later tunes on this host rank their candidates by them (written under
+    TUNECACHE_TREES_DIR). Run it now and then, e.g. after `tunecache pretune` or a week of
+    workers' tunes. Needs LightGBM: pip install 'tunecache[learn]'."""
+    from tunecache.cache.config_cache import CACHE
+    from tunecache.tuning.learn import learn as train
+
+    try:
+        got = train(arch, _store(), CACHE.fleet() if fleet else None, say=lambda line: err.print(line, highlight=False))
+    except (ImportError, ValueError) as e:
+        _fail(str(e))
+    if got and not any(g.trained for g in got):
+        _fail(f"no kernel has trials enough on {arch} to train on: the package's trees keep ranking")
+
+
+@app.command()
 def doctor() -> None:
     """Versions, device, store location and counts."""
     from importlib.metadata import PackageNotFoundError, version

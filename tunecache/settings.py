@@ -168,6 +168,17 @@ def max_candidates_given() -> bool:
     return bool(os.environ.get("TUNECACHE_MAX_CANDIDATES", "").strip())
 
 
+def trees_dir() -> Path:
+    """TUNECACHE_TREES_DIR, else `trees` under the user cache dir: where `tunecache learn` writes
+    the trees this host's tunes rank candidates by (the package's own where it wrote none)."""
+    given = os.environ.get("TUNECACHE_TREES_DIR", "").strip()
+    if given:
+        return Path(given)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("tunecache")) / "trees"
+
+
 def ranking_learned() -> bool:
     """TUNECACHE_RANKING: `learned` (the default) orders a tune's candidates by past trials of
     the kernel (shipped, the store's, the fleet's); `static` keeps the backend's own order."""

@@ -11,7 +11,8 @@ order needed 40 for 83-96 %.
 
 The trees are trained by LightGBM (a LambdaRank objective: the order of a problem's candidates,
 not their times) where the trials are gathered (`benchmarks/gather_trials.py --build`, with the
-`learn` extra installed) and kept as plain JSON: scoring a tune's candidates is a few thousand
+`learn` extra installed), and again on a host on what it and the fleet measured since
+(`tunecache learn`: tunecache.tuning.learn), and kept as plain JSON: scoring a tune's candidates is a few thousand
 comparisons in Python, so the library a training job imports loads no learning library.
 """
 
@@ -19,9 +20,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import math
+import os
 from importlib import resources
+from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+log = logging.getLogger("tunecache")
 
 # the device class's SMs, where a problem's tiles fill waves; the shipped trials' (an H200's)
 # unless the caller knows its own
@@ -190,3 +196,46 @@ def shipped_model(kernel: str, arch: str) -> TreeModel | None:
     if arch not in _SHIPPED:
         _SHIPPED[arch] = {k: TreeModel(t) for k, t in (read_shipped(f"{arch}.trees.json.gz") or {}).items()}
     return _SHIPPED[arch].get(kernel)
+
+
+# ---- what a tune ranks by: this host's trees (`tunecache learn`), else the package's ---------
+
+_LEARNED: dict[str, dict[str, TreeModel]] = {}
+
+
+def model(kernel: str, arch: str) -> TreeModel | None:
+    """The trees a tune ranks `kernel`'s candidates on `arch` by: those `tunecache learn` trained
+    on this host (read once per process), else the package's, else None."""
+    if arch not in _LEARNED:
+        _LEARNED[arch] = {k: TreeModel(t) for k, t in (_read_learned(arch) or {}).items()}
+    return _LEARNED[arch].get(kernel) or shipped_model(kernel, arch)
+
+
+def learned_path(arch: str) -> Path:
+    """Where `tunecache learn` writes the trees of `arch` (settings.trees_dir)."""
+    from tunecache import settings
+
+    return settings.trees_dir() / f"{arch}.trees.json.gz"
+
+
+def _read_learned(arch: str) -> Any:
+    path = learned_path(arch)
+    try:
+        return json.loads(gzip.decompress(path.read_bytes()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, EOFError) as e:  # a tune never fails on them: the package's rank
+        log.warning("tunecache: the learned trees in %s cannot be read (%s); the package's rank candidates", path, e)
+        return None
+
+
+def write_learned(arch: str, trees: dict[str, list]) -> Path:
+    """`trees` (kernel -> compact trees) as this host's for `arch`, replacing the file whole (a
+    tune that reads it meanwhile reads the old one or the new one)."""
+    path = learned_path(arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(gzip.compress(json.dumps(trees, separators=(",", ":")).encode(), 9, mtime=0))
+    os.replace(tmp, path)
+    _LEARNED.pop(arch, None)
+    return path

@@ -83,8 +83,9 @@ class Ranking:
 
     @classmethod
     def shipped(cls, kernel: str, arch: str, sm_count: int = rank_model.SM_COUNT) -> "Ranking":
-        """What the package ships for `kernel` on `arch`: its trials and its trees."""
-        return cls(shipped(kernel, arch), rank_model.shipped_model(kernel, arch), sm_count)
+        """What the package ships for `kernel` on `arch`: its trials, and its trees (or this
+        host's, where `tunecache learn` trained them)."""
+        return cls(shipped(kernel, arch), rank_model.model(kernel, arch), sm_count)
 
     def add(self, trials: Iterable[Trial]) -> None:
         """Learn from more trials (a tune this process just ran): only the problems they are of
