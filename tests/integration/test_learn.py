@@ -138,3 +138,17 @@ def test_learn_takes_the_fleets_trials_from_its_workers(clean_fleet, db_url, tmp
     proc = _learn(env=env)
     assert proc.returncode == 0, proc.stderr
     assert "conv2d_fprop.hopper: trained on 45 problems (44 package, 0 store, 1 fleet)" in proc.stderr
+
+
+def test_trees_learned_beside_other_package_trees_give_way_to_the_packages(tmp_path, monkeypatch, caplog):
+    """An upgrade ships trees trained on more: a host's older learned file does not outrank them."""
+    from tunecache.tuning import rank_model
+
+    monkeypatch.setenv("TUNECACHE_TREES_DIR", str(tmp_path))
+    rank_model.write_learned("sm_90", {"matmul.hopper": [1.0]})  # one tree, a leaf: every config alike
+    assert rank_model.model("matmul.hopper", "sm_90").trees == [1.0]
+    monkeypatch.setattr(rank_model, "_package_trees", lambda arch: "another-version")
+    rank_model._LEARNED.clear()
+    assert rank_model.model("matmul.hopper", "sm_90") is rank_model.shipped_model("matmul.hopper", "sm_90")
+    assert "`tunecache learn` runs again" in caplog.text
+    rank_model._LEARNED.clear()

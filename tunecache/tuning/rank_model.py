@@ -219,14 +219,33 @@ def learned_path(arch: str) -> Path:
 
 
 def _read_learned(arch: str) -> Any:
+    """This host's trees of `arch`, unless they were trained beside other trees than the
+    package's now (an upgrade ships trees trained on more: those rank until `tunecache learn`
+    runs again)."""
     path = learned_path(arch)
     try:
-        return json.loads(gzip.decompress(path.read_bytes()))
+        data = json.loads(gzip.decompress(path.read_bytes()))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, EOFError) as e:  # a tune never fails on them: the package's rank
         log.warning("tunecache: the learned trees in %s cannot be read (%s); the package's rank candidates", path, e)
         return None
+    if not isinstance(data, dict) or data.get("package") != _package_trees(arch):
+        log.warning(
+            "tunecache: the learned trees in %s were trained with another version of tunecache's own; its trees "
+            "rank candidates until `tunecache learn` runs again",
+            path,
+        )
+        return None
+    return data.get("trees")
+
+
+def _package_trees(arch: str) -> str:
+    """A digest of the trees the package ships for `arch` ('' for none)."""
+    import hashlib
+
+    path = resources.files("tunecache.tuning").joinpath("trials", f"{arch}.trees.json.gz")
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else ""
 
 
 def write_learned(arch: str, trees: dict[str, list]) -> Path:
@@ -235,7 +254,8 @@ def write_learned(arch: str, trees: dict[str, list]) -> Path:
     path = learned_path(arch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(gzip.compress(json.dumps(trees, separators=(",", ":")).encode(), 9, mtime=0))
+    data = {"package": _package_trees(arch), "trees": trees}
+    tmp.write_bytes(gzip.compress(json.dumps(data, separators=(",", ":")).encode(), 9, mtime=0))
     os.replace(tmp, path)
     _LEARNED.pop(arch, None)
     return path
