@@ -98,26 +98,11 @@ def build(url: str, arch: str) -> int:
     """The store's measured trials on `arch` added to tunecache/tuning/trials/<arch>.json.gz (a
     later gathering adds to an earlier one's; a trial of the same problem and config the store
     holds anew replaces the file's)."""
-    import gzip
-
     from tunecache.store.store import Store
     from tunecache.tuning import ranking
 
-    path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
     fresh = list(ranking.trial_rows(reversed(Store(url).ranking_trials(arch, limit=1_000_000))))
-    kept = {}
-    for kernel, trials in ranking.shipped_by_kernel(arch).items():  # this file, as the package reads it
-        for t in trials:
-            kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
-    for kernel, t in fresh:
-        kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
-    rows = list(kept.values())
-    path.parent.mkdir(exist_ok=True)
-    data = json.dumps(ranking.pack(rows), separators=(",", ":")).encode()
-    path.write_bytes(gzip.compress(data, 9, mtime=0))
-    problems = {k: len(v["problems"]) for k, v in ranking.pack(rows).items()}
-    print(f"wrote {path}: {len(rows)} trials, problems per kernel {problems}, {path.stat().st_size // 1024} KiB")
-    return build_trees(arch)
+    return _add_to_shipped(arch, fresh, "from the store")
 
 
 def add_results(paths: list[str], arch: str) -> int:
@@ -125,29 +110,39 @@ def add_results(paths: list[str], arch: str) -> int:
     every candidate of its pruned space timed) added to the shipped file of `arch`, then the
     trees trained again: what a whole-space tune measured on a shape the trees ranked badly is
     what they learn from next."""
+    from tunecache.tuning import ranking
+
+    fresh = []
+    for name in paths:
+        for row in json.loads(Path(name).read_text())["ops"]:
+            whole = row["exhaustive"]
+            for config, status, ms in whole["trials"]:
+                if status == "ok" and ms and not config.get("vendor"):
+                    fresh.append((whole["kernel"], ranking.Trial(whole["problem"], config, ms)))
+    return _add_to_shipped(arch, fresh, f"from {len(paths)} result file(s)")
+
+
+def _add_to_shipped(arch: str, fresh: list, source: str) -> int:
+    """(kernel, trial) pairs merged into the shipped trials of `arch` (a trial of the same
+    problem and config replaces the file's), the file written, then the trees trained on it."""
     import gzip
 
     from tunecache.tuning import ranking
 
     path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
     kept = {}
-    for kernel, trials in ranking.shipped_by_kernel(arch).items():
+    for kernel, trials in ranking.shipped_by_kernel(arch).items():  # this file, as the package reads it
         for t in trials:
             kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
-    added = 0
-    for name in paths:
-        for row in json.loads(Path(name).read_text())["ops"]:
-            whole = row["exhaustive"]
-            for config, status, ms in whole["trials"]:
-                if status == "ok" and ms and not config.get("vendor"):
-                    t = ranking.Trial(whole["problem"], config, ms)
-                    kept[_trial_id(whole["kernel"], t.problem, t.config)] = (whole["kernel"], t)
-                    added += 1
+    for kernel, t in fresh:
+        kept[_trial_id(kernel, t.problem, t.config)] = (kernel, t)
     rows = list(kept.values())
-    path.write_bytes(gzip.compress(json.dumps(ranking.pack(rows), separators=(",", ":")).encode(), 9, mtime=0))
-    problems = {k: len(v["problems"]) for k, v in ranking.pack(rows).items()}
-    print(f"wrote {path}: {added} trials added, {len(rows)} in all, problems per kernel {problems}")
-    ranking._SHIPPED.clear()  # the trees are trained on the file as now written
+    packed = ranking.pack(rows)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(gzip.compress(json.dumps(packed, separators=(",", ":")).encode(), 9, mtime=0))
+    problems = {k: len(v["problems"]) for k, v in packed.items()}
+    print(f"wrote {path}: {len(fresh)} trials {source}, {len(rows)} in all, problems per kernel {problems}")
+    ranking.forget_shipped()  # the trees are trained on the file as now written
     return build_trees(arch)
 
 

@@ -225,6 +225,11 @@ def shipped_by_kernel(arch: str) -> dict[str, list[Trial]]:
     return _SHIPPED[arch]
 
 
+def forget_shipped() -> None:
+    """Read the shipped trials again at the next call: for whoever just rewrote the file."""
+    _SHIPPED.clear()
+
+
 def pack(trials: Iterable[tuple[str, Trial]]) -> dict:
     """(kernel, trial) pairs as the shipped file holds them: per kernel its problems and its
     configs once each, and rows of [problem index, config index, milliseconds]."""
