@@ -117,8 +117,7 @@ class Keep(logging.Handler):
             timelines.append(record.timeline)
         elif "roughly" in record.getMessage():  # the launcher's announcement of a tune, with its estimate
             announced.append(record.getMessage())
-logging.getLogger("tunecache.tuning.tuner").addHandler(Keep())
-logging.getLogger("tunecache").addHandler(Keep())
+logging.getLogger("tunecache").addHandler(Keep())  # the tuner's records reach it too: kept once
 logging.getLogger("tunecache.tuning.tuner").setLevel(logging.INFO)
 from tunecache.shapes import canonical_problem
 import tunecache.ops as ops
