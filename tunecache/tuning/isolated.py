@@ -72,6 +72,7 @@ class Worker:
         self._lock = threading.RLock()
         self.proc: subprocess.Popen | None = None
         self._greeted = False
+        self.warming = 0  # warm-ups still running on threads (in_background): the child is not ready
         self._buf = b""
         self._err = None
         self.started = 0  # how many processes this worker has started (replacements included)
@@ -126,12 +127,15 @@ class Worker:
         start-up overlaps the caller's own work. A failure there is left for the next call to
         meet (and report)."""
         self.spawn()
+        self.warming += 1
 
         def run() -> None:
             try:
                 work()
             except Exception:  # noqa: BLE001 - met again, and reported, by the next call
                 pass
+            finally:
+                self.warming -= 1
 
         t = threading.Thread(target=run, name=f"tunecache-warm-{self.role}", daemon=True)
         t.start()
@@ -284,10 +288,11 @@ def runner_for(torch_device: str) -> Worker:
 
 
 def runner_is_warm(torch_device: str) -> bool:
-    """Whether this process's trial runner for the device is up and has answered (a tune that
-    uses it waits for no start)."""
+    """Whether this process's trial runner for the device is up, has answered and is done
+    warming up (a tune that uses it waits for no start: a runner that greeted and still imports
+    torch in the background is seconds away, a new host's first tune)."""
     w = _RUNNERS.get((torch_device, env_fingerprint()))
-    return w is not None and w.proc is not None and w.proc.poll() is None and w._greeted
+    return w is not None and w.proc is not None and w.proc.poll() is None and w._greeted and not w.warming
 
 
 def runner_start_s(torch_device: str) -> float:
