@@ -173,17 +173,20 @@ print(json.dumps({n: statistics.median(v) for n, v in ms.items()}))
 """
 
 
-def ops_case(op: str, shape: dict, tmp: Path, case: int) -> dict:
+def ops_case(op: str, shape: dict, tmp: Path, case: int, whole_space: bool = True) -> dict:
     """One shape: the cold first call at default settings, then the whole pruned space (its
     compiles cached across the op's shapes: only its winner matters, not its seconds), both
-    winners timed side by side."""
+    winners timed side by side (without `whole_space`: the cold first call alone)."""
     out = {}
-    for name, cap in (("default", None), ("exhaustive", "0")):
+    for name, cap in (("default", None), ("exhaustive", "0"))[: 2 if whole_space else 1]:
         cache = tmp / (f"triton-{op}-{case}-default" if name == "default" else f"triton-{op}-exhaustive")
         env = cold_env(cache, tmp / f"store-{op}-{case}-{name}.sqlite")
         if cap is not None:
             env["TUNECACHE_MAX_CANDIDATES"] = cap
         out[name] = run_child(["-c", OPS_CHILD, op, json.dumps(shape)], env, f"{op} {shape} ({name})", 1800)
+    if not whole_space:
+        out["winner_vs_exhaustive"] = None
+        return out
     configs = {n: r["config"] for n, r in out.items()}
     if configs["default"] == configs["exhaustive"]:
         # the same kernel: timing it twice would measure only the GPU's drift between rounds
@@ -271,6 +274,11 @@ def main() -> None:
     )
     ap.add_argument("--held-out", default="", help="op:model/name,... of bench_models' suite held out of the ranking")
     ap.add_argument("--no-dropin", action="store_true", help="skip the drop-in comparison")
+    ap.add_argument(
+        "--cold-only",
+        action="store_true",
+        help="the ops' cold first calls alone (their seconds against the announced estimate), no whole-space tune",
+    )
     ap.add_argument("--vs-inductor", action="store_true", help="tunecache tune against Inductor max-autotune")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -296,29 +304,32 @@ def main() -> None:
         rows = []
         log = (args.out.parent if args.out else RESULTS) / "tuning-ops-partial.jsonl"
         for n, (name, op, shape) in enumerate(cases):
-            r = ops_case(op, shape, tmp, n)
+            r = ops_case(op, shape, tmp, n, whole_space=not args.cold_only)
             rows.append({"op": op, "name": name, "shape": shape, **r})
             with open(log, "a") as f:  # a run cut short still leaves its cases
                 f.write(json.dumps(rows[-1]) + "\n")
-            d, e = r["default"], r["exhaustive"]
+            d, e = r["default"], r.get("exhaustive")
             vendor = f"; {d['vendor_ms'] / d['median_ms']:.3f}x the vendor" if d.get("vendor_ms") else ""
+            whole = ""
+            if e:
+                whole = f"; whole space {e['candidates']} candidates; winner {r['winner_vs_exhaustive']:.3f}x its best"
             print(
                 f"{op} {name}: {d['seconds']:.1f} s cold (estimated {estimated_s(d.get('announced'))} s; "
                 f"{d['candidates']} candidates, {d['compiled']} compiled, "
-                f"{d['timed']} timed); whole space {e['candidates']} candidates; winner "
-                f"{r['winner_vs_exhaustive']:.3f}x the exhaustive best{vendor}\n    {d['timeline']}"
+                f"{d['timed']} timed){whole}{vendor}\n    {d['timeline']}"
             )
         secs = sorted(r["default"]["seconds"] for r in rows)
         over = [r["default"]["seconds"] / est for r in rows if (est := estimated_s(r["default"].get("announced")))]
         median = statistics.median(secs)
-        held = [r for r in rows if r["name"].startswith("held-out:")]
-        in_set = [r for r in rows if not r["name"].startswith("held-out:")]
+        compared = [r for r in rows if r["winner_vs_exhaustive"] is not None]  # not with --cold-only
+        held = [r for r in compared if r["name"].startswith("held-out:")]
+        in_set = [r for r in compared if not r["name"].startswith("held-out:")]
         summary.update(
             {
                 "median_tune_s": median,
                 "max_tune_s": secs[-1],
                 "candidates_timed_median": statistics.median(r["default"]["candidates"] for r in rows),
-                "min_winner_vs_exhaustive": min(r["winner_vs_exhaustive"] for r in rows),
+                "min_winner_vs_exhaustive": min((r["winner_vs_exhaustive"] for r in compared), default=None),
                 "min_winner_vs_exhaustive_kernel_set": min((r["winner_vs_exhaustive"] for r in in_set), default=None),
                 "min_winner_vs_exhaustive_held_out": min((r["winner_vs_exhaustive"] for r in held), default=None),
                 "shapes": len(rows),
@@ -337,7 +348,11 @@ def main() -> None:
         )
         print(
             f"cold tuning through tunecache.ops, {len(rows)} shapes: median {median:.1f} s, max {secs[-1]:.1f} s, "
-            f"worst winner {summary['min_winner_vs_exhaustive']:.3f}x the exhaustive best"
+            + (
+                f", worst winner {worst:.3f}x the exhaustive best"
+                if (worst := summary["min_winner_vs_exhaustive"])
+                else ""
+            )
         )
         payload["ops"] = rows
     if args.vs_inductor:
