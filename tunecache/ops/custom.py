@@ -21,6 +21,25 @@ from torch import Tensor
 from tunecache.ops import tuned as ops
 from tunecache_kernels import problems
 
+# the ops' kernels for CPU and CUDA tensors, registered with the dispatcher as they are:
+# custom_op's own kernel wraps each call in a pytree walk and an alias check (5 us of a compiled
+# model's call of the op on a 2-core host, a third of the op's dispatch)
+_KERNELS = torch.library.Library("tunecache", "IMPL")
+
+
+def _custom_op(name: str):
+    """`fn` as the custom op tunecache::`name` (its schema from fn's annotations), with fn
+    itself as its CPU and CUDA kernels."""
+
+    def make(fn):
+        op = torch.library.custom_op(f"tunecache::{name}", fn, mutates_args=())
+        for key in ("CPU", "CUDA"):
+            _KERNELS.impl(name, fn, key)
+        return op
+
+    return make
+
+
 # ---- matmul ------------------------------------------------------------------------------
 
 
@@ -48,7 +67,7 @@ def _tuned_matmul(a: Tensor, b: Tensor) -> Tensor:
     return ops.matmul(_operand(a), _operand(b))
 
 
-@torch.library.custom_op("tunecache::matmul", mutates_args=())
+@_custom_op("matmul")
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b of 2-D tensors, tuned (`tunecache.ops.matmul`)."""
     return _tuned_matmul(a, b)
@@ -84,7 +103,7 @@ def _out_size(size, k: int, stride: int, pad: int):
     return (size + 2 * pad - k) // stride + 1
 
 
-@torch.library.custom_op("tunecache::conv2d_nhwc", mutates_args=())
+@_custom_op("conv2d_nhwc")
 def conv2d_nhwc(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     """y[N, P, Q, Co] = conv2d(x[N, H, W, Ci], w[Co, R, S, Ci]), tuned (`tunecache.ops.conv2d_fprop`)."""
     return ops.conv2d_fprop(x.contiguous(), w.contiguous(), tuple(stride), tuple(padding))
@@ -101,7 +120,7 @@ def _(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     return x.new_empty((n, p, q, co))
 
 
-@torch.library.custom_op("tunecache::conv2d_wgrad_nhwc", mutates_args=())
+@_custom_op("conv2d_wgrad_nhwc")
 def conv2d_wgrad_nhwc(x: Tensor, grad_out: Tensor, R: int, S: int, stride: list[int], padding: list[int]) -> Tensor:
     """grad_w[Co, R, S, Ci] of conv2d_nhwc, tuned (`tunecache.ops.conv2d_wgrad`)."""
     return ops.conv2d_wgrad(x.contiguous(), grad_out.contiguous(), R, S, tuple(stride), tuple(padding))
@@ -112,7 +131,7 @@ def _(x: Tensor, grad_out: Tensor, R: int, S: int, stride: list[int], padding: l
     return x.new_empty((grad_out.shape[3], R, S, x.shape[3]))
 
 
-@torch.library.custom_op("tunecache::conv2d_dgrad_nhwc", mutates_args=())
+@_custom_op("conv2d_dgrad_nhwc")
 def conv2d_dgrad_nhwc(grad_out: Tensor, w: Tensor, H: int, W: int, stride: list[int], padding: list[int]) -> Tensor:
     """grad_x[N, H, W, Ci] of conv2d_nhwc, tuned (`tunecache.ops.conv2d_dgrad`)."""
     return ops.conv2d_dgrad(grad_out, w, H, W, tuple(stride), tuple(padding))
