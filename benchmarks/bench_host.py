@@ -167,6 +167,8 @@ def layer_cases() -> list[tuple[str, object, object]]:
 
     cw, cb = conv_t.weight.detach(), conv_t.bias.detach()
     lw, lb = lin_t.weight.detach(), lin_t.bias.detach()
+    xn, wn = x.permute(0, 2, 3, 1), cw.permute(0, 2, 3, 1)  # NHWC views, as a compiled graph passes them
+    aten_conv = torch.ops.aten.convolution.default
     return [
         ("nn.Conv2d forward, no grad", no_grad(lambda: conv_o(x)), no_grad(lambda: conv_t(x))),
         ("nn.Conv2d forward", lambda: conv_o(xg), lambda: conv_t(xg)),
@@ -176,6 +178,12 @@ def layer_cases() -> list[tuple[str, object, object]]:
         ("nn.Linear forward", lambda: lin_o(ag), lambda: lin_t(ag)),
         ("nn.Linear forward+backward", fwd_bwd(lin_o, ag, ga), fwd_bwd(lin_t, ag, ga)),
         ("ops.linear", lambda: tunecache.ops.linear(a, lw, lb), lambda: F.linear(a, lw, lb)),
+        # a torch.compile'd model's conv: Inductor calls the custom op, or aten's convolution
+        (
+            "compiled graph's conv op, no grad",
+            no_grad(lambda: torch.ops.tunecache.conv2d_nhwc.default(xn, wn, [1, 1], [1, 1])),
+            no_grad(lambda: aten_conv(x, cw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+        ),
     ]
 
 
