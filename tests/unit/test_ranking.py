@@ -200,3 +200,33 @@ def test_a_short_list_whose_fastest_came_late_times_the_rankings_next_ones_too()
     assert len(more) == ranking.WIDEN and more == [c for c in ranked.candidates if c not in short.candidates][:8]
     far = shortlist(Ranking(tuned(mm(16384, 512, 512, "float16"), [STATIC[70]])).order(STATIC, mm(1, 28672)), STATIC)
     assert far.widen(30) == [] and shortlist(Ranking().order(STATIC, mm(64)), STATIC).widen(30) == []
+
+
+def test_a_ranking_read_ahead_on_a_thread_is_the_one_the_tune_gets(monkeypatch, tmp_path):
+    """The launcher reads a tune's ranking on a thread while Triton's driver builds (the store's
+    open is a second of a host's first call); the tune that asks meanwhile waits for that read
+    instead of making its own."""
+    import threading
+    import time
+
+    from tunecache.cache.config_cache import CACHE
+
+    monkeypatch.setenv("TUNECACHE_DB_URL", f"sqlite:///{tmp_path / 's.sqlite'}")
+    CACHE.forget_rankings()
+    reads = []
+    shipped = Ranking.shipped
+
+    def slow_shipped(*args):
+        reads.append(args)
+        time.sleep(0.3)
+        return shipped(*args)
+
+    monkeypatch.setattr(Ranking, "shipped", staticmethod(slow_shipped))
+    ahead = {}
+    t = threading.Thread(target=lambda: ahead.setdefault("r", CACHE.ranking("matmul.hopper", H100)))
+    t.start()
+    time.sleep(0.05)
+    mine = CACHE.ranking("matmul.hopper", H100)
+    t.join()
+    assert len(reads) == 1 and mine is ahead["r"] and len(mine) > 0
+    CACHE.forget_rankings()

@@ -87,6 +87,7 @@ class ConfigCache:
         self._generation_at = -float("inf")
         self._copied: set[str] = set()  # digests whose fleet copy this process has written (or queued)
         self._rankings: dict[tuple[str, str], tuple[float, Ranking]] = {}  # (kernel, arch) -> (read at, it)
+        self._ranking_lock = threading.Lock()  # read once: a tune waits for the read started ahead of it
 
     # ---- where configs live ---------------------------------------------------------------
 
@@ -228,19 +229,20 @@ class ConfigCache:
 
         if not settings.ranking_learned():
             return ranking.Ranking()
-        when, known = self._rankings.get((kernel, device.arch), (-math.inf, None))
-        if known is not None and time.monotonic() - when < RANKING_S:
+        with self._ranking_lock:
+            when, known = self._rankings.get((kernel, device.arch), (-math.inf, None))
+            if known is not None and time.monotonic() - when < RANKING_S:
+                return known
+            known = ranking.Ranking.shipped(kernel, device.arch, device.sm_count)
+            store = store or self.store()
+            if store is not None:
+                rows = self.store_call("read past trials", lambda: store.ranking_trials(device.arch, kernel), [])
+                known.add(t for _, t in ranking.trial_rows(rows))
+            fleet = fleet if fleet is not None else self.fleet()
+            if fleet is not None:
+                known.add(t for _, t in ranking.trial_rows(fleet.trials(kernel, device.arch) or []))
+            self._rankings[(kernel, device.arch)] = (time.monotonic(), known)
             return known
-        known = ranking.Ranking.shipped(kernel, device.arch, device.sm_count)
-        store = store or self.store()
-        if store is not None:
-            rows = self.store_call("read past trials", lambda: store.ranking_trials(device.arch, kernel), [])
-            known.add(t for _, t in ranking.trial_rows(rows))
-        fleet = fleet if fleet is not None else self.fleet()
-        if fleet is not None:
-            known.add(t for _, t in ranking.trial_rows(fleet.trials(kernel, device.arch) or []))
-        self._rankings[(kernel, device.arch)] = (time.monotonic(), known)
-        return known
 
     def forget_rankings(self) -> None:
         """The next tune reads its trials again (tunecache.ops.clear_memo)."""

@@ -394,8 +394,10 @@ def tune_announcement(mod: ModuleType, problem: dict, device: DeviceClass, candi
 def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> None:
     """A call this process will likely tune (policy `tune`, and the local store surely has no
     winner): start the trial runner now, so that its imports (torch alone takes seconds) run
-    while the fleet is asked and the store opened, not after. If the fleet answers after all,
-    the runner waits, idle and without a CUDA context, for this process's next miss."""
+    while the fleet is asked and the store opened, not after; and read the ranking (the store
+    opened, SQLAlchemy and the schema: a second on an H200 host's first call) on a thread while
+    Triton's driver builds and the lookups run. If the fleet answers after all, the runner
+    waits, idle and without a CUDA context, for this process's next miss."""
     try:
         if settings.miss_policy() != "tune" or not CACHE.surely_missing(make_key(mod, problem, device).digest):
             return
@@ -404,8 +406,16 @@ def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_dev
         runner = runner_for(torch_device)
         if runner.proc is None:  # torch, not CUDA: a runner left idle holds no GPU memory
             runner.in_background(lambda: runner.warm_up(torch=True))
+        threading.Thread(target=_read_ranking, args=(mod.KERNEL, device), name="tunecache-ranking", daemon=True).start()
     except Exception as e:  # noqa: BLE001 - only a head start: the tune starts it (or says why) itself
         log.debug("tunecache: could not start the trial runner ahead: %s", e)
+
+
+def _read_ranking(kernel: str, device: DeviceClass) -> None:
+    try:
+        CACHE.ranking(kernel, device)
+    except Exception as e:  # noqa: BLE001 - the tune reads it again and meets the same fault
+        log.debug("tunecache: could not read the ranking ahead: %s", e)
 
 
 def _look_up_first(mod: ModuleType, problem: dict, device: DeviceClass) -> "list[ConfigRecord | None]":
