@@ -125,12 +125,14 @@ class Op:
                     mods = selfcheck.trusted(every, device, where)
                 if mods and mods[0] is not every[0]:
                     looked_up = None  # another backend's key
-                triton_driver.ready()  # nothing below may make Triton's driver beside the thread
                 entry = (
                     _decide(self, raw, mods, problem, device, where, looked_up)
                     if mods
                     else _reference_entry(every[0], problem, device)
                 )
+                # the entry's launch is the first use of Triton's driver here (a tune compiles,
+                # checks and times in processes of its own): its build ran beside the tune
+                triton_driver.ready()
                 self.memo[raw] = entry
         return entry
 

@@ -4,12 +4,13 @@ its config up.
 On a host (or a Triton cache) that never ran Triton, Triton's first launch builds its C
 utilities with gcc: 0.7 s on an H100 host, kept in Triton's cache afterwards. gcc is a
 subprocess, so started when a call's slow path begins it runs beside the kernel modules'
-imports, the hashing of Triton's cache key and the fleet lookup instead of after them.
+imports, the hashing of Triton's cache key, the fleet lookup and a tune (whose compiles, checks
+and timings run in processes of their own) instead of before them.
 (Triton's key is not hashed in a thread: it imports Triton's packages as it walks them.)
 
 Triton makes `driver.active` lazily and without a lock: two threads that both reach it first
-both build it. So the launcher waits for the thread (`ready`) before anything of tunecache
-can touch the driver; any failure is left to that touch, which reports it as before.
+both build it. So the launcher waits for the thread (`ready`) before it publishes the call's
+entry, whose launch is the first touch of the driver; any failure is left to that touch, which reports it as before.
 """
 
 from __future__ import annotations
