@@ -73,6 +73,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self._greeted = False
         self.warming = 0  # warm-ups still running on threads (in_background): the child is not ready
+        self._warming_lock = threading.Lock()  # counted from two threads; not the request lock, held for seconds
         self._buf = b""
         self._err = None
         self.started = 0  # how many processes this worker has started (replacements included)
@@ -127,7 +128,8 @@ class Worker:
         start-up overlaps the caller's own work. A failure there is left for the next call to
         meet (and report)."""
         self.spawn()
-        self.warming += 1
+        with self._warming_lock:
+            self.warming += 1
 
         def run() -> None:
             try:
@@ -135,7 +137,8 @@ class Worker:
             except Exception:  # noqa: BLE001 - met again, and reported, by the next call
                 pass
             finally:
-                self.warming -= 1
+                with self._warming_lock:
+                    self.warming -= 1
 
         t = threading.Thread(target=run, name=f"tunecache-warm-{self.role}", daemon=True)
         t.start()
