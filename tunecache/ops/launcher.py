@@ -396,10 +396,11 @@ def tune_announcement(mod: ModuleType, problem: dict, device: DeviceClass, candi
 def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_device: str) -> None:
     """A call this process will likely tune (policy `tune`, and the local store surely has no
     winner): start the trial runner now, so that its imports (torch alone takes seconds) run
-    while the fleet is asked and the store opened, not after; and read the ranking (the store
-    opened, SQLAlchemy and the schema: a second on an H200 host's first call) on a thread while
-    Triton's driver builds and the lookups run. If the fleet answers after all, the runner
-    waits, idle and without a CUDA context, for this process's next miss."""
+    while the fleet is asked and the store opened, not after; and, with no fleet to answer,
+    read the ranking (the store opened, SQLAlchemy and the schema: a second on an H200 host's
+    first call) on a thread while Triton's driver builds and the lookups run. If the fleet
+    answers after all, the runner waits, idle and without a CUDA context, for this process's
+    next miss."""
     try:
         if settings.miss_policy() != "tune" or not CACHE.surely_missing(make_key(mod, problem, device).digest):
             return
@@ -408,7 +409,10 @@ def _runner_ahead(mod: ModuleType, problem: dict, device: DeviceClass, torch_dev
         runner = runner_for(torch_device)
         if runner.proc is None:  # torch, not CUDA: a runner left idle holds no GPU memory
             runner.in_background(lambda: runner.warm_up(torch=True))
-        threading.Thread(target=_read_ranking, args=(mod.KERNEL, device), name="tunecache-ranking", daemon=True).start()
+        if not settings.server_url():  # a fleet winner's first launch would share the interpreter with it
+            reader = threading.Thread(target=_read_ranking, args=(mod.KERNEL, device), name="tunecache-ranking")
+            reader.daemon = True
+            reader.start()
     except Exception as e:  # noqa: BLE001 - only a head start: the tune starts it (or says why) itself
         log.debug("tunecache: could not start the trial runner ahead: %s", e)
 
