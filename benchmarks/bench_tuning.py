@@ -321,6 +321,7 @@ def main() -> None:
         secs = sorted(r["default"]["seconds"] for r in rows)
         over = [r["default"]["seconds"] / est for r in rows if (est := estimated_s(r["default"].get("announced")))]
         median = statistics.median(secs)
+        outside = [r["default"]["seconds"] - r["default"]["tune_s"] for r in rows if r["default"]["tune_s"] is not None]
         compared = [r for r in rows if r["winner_vs_exhaustive"] is not None]  # not with --cold-only
         held = [r for r in compared if r["name"].startswith("held-out:")]
         in_set = [r for r in compared if not r["name"].startswith("held-out:")]
@@ -335,6 +336,9 @@ def main() -> None:
                 "shapes": len(rows),
                 # the first call's seconds over the estimate its announcement gave (issue 42: within 2x)
                 "call_over_estimate": [round(min(over), 2), round(max(over), 2)] if over else None,
+                # a call's seconds beside its tune: the lookups, the store's open, the ranking's
+                # read, Triton's driver, the winner's keeping and first launch (issue 40 item 3)
+                "outside_tune_s_median": statistics.median(outside) if outside else None,
                 # the run's first tune started the host's runner server (it imported torch itself)
                 "first_tune_on_host_s": rows[0]["default"]["seconds"],
                 "runner_forked": sum(bool((r["default"]["timeline"] or {}).get("runner_forked")) for r in rows),
