@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TRIALS = HERE.parent / "tunecache" / "tuning" / "trials"  # the source tree's shipped trials and trees, written here
 sys.path.insert(0, str(HERE))
 
 OPS = ("matmul", "conv2d_fprop", "conv2d_wgrad", "conv2d_dgrad")
@@ -129,7 +130,7 @@ def _add_to_shipped(arch: str, fresh: list, source: str) -> int:
 
     from tunecache.tuning import ranking
 
-    path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.json.gz"
+    path = TRIALS / f"{arch}.json.gz"
     kept = {}
     for kernel, trials in ranking.shipped_by_kernel(arch).items():  # this file, as the package reads it
         for t in trials:
@@ -153,7 +154,7 @@ def build_trees(arch: str) -> int:
 
     from tunecache.tuning import rank_model, ranking
 
-    path = HERE.parent / "tunecache" / "tuning" / "trials" / f"{arch}.trees.json.gz"
+    path = TRIALS / f"{arch}.trees.json.gz"
     trees = {kernel: rank_model.train(trials) for kernel, trials in sorted(ranking.shipped_by_kernel(arch).items())}
     path.write_bytes(gzip.compress(json.dumps(trees, separators=(",", ":")).encode(), 9, mtime=0))
     print(f"wrote {path}: trees of {', '.join(trees)}, {path.stat().st_size // 1024} KiB")

@@ -182,9 +182,14 @@ def fit(trials: Iterable[Any]) -> Any:
 _SHIPPED: dict[str, dict[str, TreeModel]] = {}
 
 
+def _shipped_file(name: str) -> Any:
+    """The file `name` of tunecache/tuning/trials/ (the trials, the trees), as the package holds it."""
+    return resources.files("tunecache.tuning").joinpath("trials", name)
+
+
 def read_shipped(name: str) -> Any:
     """The gzipped JSON file `name` of tunecache/tuning/trials/ (the trials, the trees), or None."""
-    path = resources.files("tunecache.tuning").joinpath("trials", name)
+    path = _shipped_file(name)
     if not path.is_file():
         return None
     with path.open("rb") as f:
@@ -244,7 +249,7 @@ def _package_trees(arch: str) -> str:
     """A digest of the trees the package ships for `arch` ('' for none)."""
     import hashlib
 
-    path = resources.files("tunecache.tuning").joinpath("trials", f"{arch}.trees.json.gz")
+    path = _shipped_file(f"{arch}.trees.json.gz")
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else ""
 
 
