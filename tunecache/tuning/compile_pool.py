@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from types import ModuleType
 from typing import Any, Callable, Iterable, Iterator
 
@@ -84,30 +85,78 @@ def default_workers() -> int:
     return max(1, mine // settings.local_ranks()) if mine >= total else mine
 
 
-def _run_tasks(tasks: list[tuple], workers: int, env: dict) -> Iterator[tuple[int, KernelReport]]:
+def _run_tasks(tasks: list[tuple], keys: list[str], workers: int, env: dict) -> Iterator[tuple[int, KernelReport]]:
     """Compile each task in the warm compile workers (`tunecache.tuning.isolated`): processes with
     their own entry point, so any `__main__` can compile. A task that kills its worker (ptxas
-    or LLVM crashing, the OOM killer) or runs past TUNECACHE_COMPILE_TIMEOUT_S fails alone.
-    Yields (task index, report) as each one finishes."""
+    or LLVM crashing, the OOM killer) or runs past TUNECACHE_COMPILE_TIMEOUT_S fails alone. A
+    task already asked ahead (`compile_ahead`, by its spec key `keys[i]`) is not asked again:
+    it is hurried, or its answer taken. Yields (task index, report) as each one finishes."""
     if not tasks:
         return
-    from concurrent.futures import as_completed
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     pool = compile_pool(max(1, workers), env)  # a worker starts at its first task
-    futures = {
-        pool.submit({"cmd": "compile", "task": list(t)}, settings.compile_timeout_s()): i for i, t in enumerate(tasks)
-    }
-    for f in as_completed(futures):
-        i, answer = futures[f], f.result()
-        if isinstance(answer, WorkerFailed):
-            yield (
-                i,
-                KernelReport(
-                    f"spec {tasks[i][3]}", False, error=short(f"compile worker: {answer.reason}", ERROR_CHARS)
-                ),
-            )
-        else:
-            yield i, KernelReport(**answer)
+    futures = {}
+    for i, t in enumerate(tasks):
+        f = _ahead_of(pool, keys[i])
+        futures[f if f is not None else _submit(pool, t)] = i
+    while futures:
+        done, _ = wait(futures, return_when=FIRST_COMPLETED)
+        for f in done:
+            i, answer = futures.pop(f), f.result()
+            if isinstance(answer, WorkerFailed) and getattr(f, "ahead", False):
+                futures[_submit(pool, tasks[i])] = i  # asked ahead and lost (a pool closed): now
+            elif isinstance(answer, WorkerFailed):
+                error = short(f"compile worker: {answer.reason}", ERROR_CHARS)
+                yield i, KernelReport(f"spec {tasks[i][3]}", False, error=error)
+            else:
+                yield i, KernelReport(**answer)
+
+
+def _submit(pool: Any, task: tuple, ahead: bool = False) -> Any:
+    return pool.submit({"cmd": "compile", "task": list(task)}, settings.compile_timeout_s(), ahead=ahead)
+
+
+# compiles asked ahead of their tune (spec key -> (pool, future)), until a tune takes them
+_AHEAD: dict[str, tuple[Any, Any]] = {}
+_AHEAD_LOCK = threading.Lock()
+
+
+def _ahead_of(pool: Any, key: str) -> Any:
+    """The future of `key`'s compile asked ahead in `pool`, hurried to the front; None if none."""
+    with _AHEAD_LOCK:
+        found = _AHEAD.pop(key, None)
+    if found is None or found[0] is not pool:
+        return None
+    pool.hurry(found[1])
+    return found[1]
+
+
+def compile_ahead(mod: ModuleType, problem: dict, configs: Iterable[dict], device: DeviceClass) -> int:
+    """Compile `configs` for `problem` in the compile workers behind every compile a tune waits
+    for, and return at once: a later tune of the problem finds them done, or in progress and
+    takes them over (`tunecache.tune_all` compiles its next shapes' first candidates while it
+    times this one's). Returns how many compiles were asked."""
+    if device.arch == "cpu" or not hasattr(mod, "compile_specs"):
+        return 0
+    arch = arch_of(device)
+    pool = compile_pool(default_workers())  # the pool a tune compiles in (compile_configs_as_ready)
+    asked = 0
+    for cfg in configs:
+        try:
+            specs = mod.compile_specs(problem, cfg, device)
+        except Exception:  # noqa: BLE001 - the tune reports it
+            continue
+        for i, spec in enumerate(specs):
+            k = spec_key(spec, arch)
+            with _AHEAD_LOCK:
+                if k in _AHEAD:
+                    continue
+                f = _submit(pool, (mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)), ahead=True)
+                f.ahead = True
+                _AHEAD[k] = (pool, f)
+            asked += 1
+    return asked
 
 
 # ---- configs -----------------------------------------------------------------------------------
@@ -155,6 +204,7 @@ def compile_configs_as_ready(
     configs = list(configs)
     unique: dict[str, int] = {}
     tasks: list[tuple] = []
+    keys: list[str] = []  # each task's spec key
     plan: list[list[tuple[int, bool]] | str] = []  # per config: [(task index, shared)] or an error
     for cfg in configs:
         try:
@@ -169,6 +219,7 @@ def compile_configs_as_ready(
                 entries.append((unique[k], True))
             else:
                 unique[k] = len(tasks)
+                keys.append(k)
                 tasks.append((mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)))
                 entries.append((unique[k], False))
         plan.append(entries)
@@ -189,7 +240,7 @@ def compile_configs_as_ready(
             waiting.setdefault(idx, set()).add(c)
     env = {"TRITON_CACHE_DIR": cache_dir} if cache_dir else {}
     results: dict[int, KernelReport] = {}
-    for idx, report in _run_tasks(tasks, workers or default_workers(), env):
+    for idx, report in _run_tasks(tasks, keys, workers or default_workers(), env):
         results[idx] = report
         for c in sorted(waiting.get(idx, ())):
             left[c] -= 1

@@ -18,6 +18,8 @@ else started as fresh processes.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable
 
 # environment variables that change what a worker computes: a worker started under other
@@ -224,36 +226,88 @@ class Worker:
 
 
 class CompilePool:
-    """`workers` compile processes, kept warm; a task that kills its process fails alone."""
+    """`workers` compile processes, kept warm; a task that kills its process fails alone.
+
+    A task submitted `ahead` (a later shape's candidates, compiled while this one's are timed)
+    runs only when no other task waits, so a tune never queues behind work done for the next;
+    `hurry` moves one to the front when its own tune asks for it."""
+
+    _NOW, _AHEAD = 0, 1  # priorities: lower runs first
 
     def __init__(self, workers: int, env: dict[str, str]) -> None:
         self.size = workers
-        self._idle: queue.Queue[Worker] = queue.Queue()
-        for _ in range(workers):
-            self._idle.put(Worker("compile", env, forkable=True))
-        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunecache-compile")
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._queued: dict[Future, _Task] = {}  # tasks asked ahead that no thread has taken yet
+        self._queued_lock = threading.Lock()
+        self._closed = False
+        # a worker starts at its first task, from the thread that serves it (it dies with it)
+        for i in range(workers):
+            w = Worker("compile", env, forkable=True)
+            threading.Thread(target=self._serve, args=(w,), name=f"tunecache-compile-{i}", daemon=True).start()
 
-    def submit(self, msg: dict, timeout: float | None) -> "Future[dict | WorkerFailed]":
-        """Run `msg` on the next idle worker; the future holds its answer or its WorkerFailed."""
+    def submit(self, msg: dict, timeout: float | None, *, ahead: bool = False) -> "Future[dict | WorkerFailed]":
+        """Run `msg` on the next idle worker (after every task not asked `ahead`, if it is); the
+        future holds its answer or its WorkerFailed."""
+        task = _Task(msg, timeout, Future())
+        if ahead:
+            with self._queued_lock:
+                self._queued[task.future] = task
+        self._queue.put((self._AHEAD if ahead else self._NOW, next(self._order), task))
+        return task.future
 
-        def one() -> dict | WorkerFailed:
-            w = self._idle.get()
+    def hurry(self, future: Future) -> None:
+        """A task asked ahead is wanted now: it runs before every other task still asked ahead."""
+        with self._queued_lock:
+            task = self._queued.pop(future, None)
+        if task is not None:
+            self._queue.put((self._NOW, next(self._order), task))  # its first entry is skipped
+
+    def _serve(self, worker: Worker) -> None:
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                worker.close()
+                return
+            with self._queued_lock:
+                if task.taken:  # hurried: it ran under its second entry
+                    continue
+                task.taken = True
+                self._queued.pop(task.future, None)
+            if not task.future.set_running_or_notify_cancel():
+                continue
             try:
-                return w.call(msg, timeout)
+                task.future.set_result(worker.call(task.msg, task.timeout))
             except WorkerFailed as e:
-                return e
-            finally:
-                self._idle.put(w)
-
-        return self._threads.submit(one)
+                task.future.set_result(e)
+            except BaseException as e:  # noqa: BLE001 - the caller meets it at .result()
+                task.future.set_exception(e)
 
     def run(self, msgs: list[dict], timeout: float | None) -> list[dict | WorkerFailed]:
         return [f.result() for f in [self.submit(m, timeout) for m in msgs]]
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False)
-        while not self._idle.empty():
-            self._idle.get().close()
+        """Stop the workers once the tasks not asked ahead are done; those asked ahead are dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._queued_lock:
+            dropped, self._queued = list(self._queued.values()), {}
+            for task in dropped:
+                task.taken = True
+        for task in dropped:
+            if task.future.set_running_or_notify_cancel():
+                task.future.set_result(WorkerFailed("the compile pool was closed before this task ran"))
+        for _ in range(self.size):
+            self._queue.put((self._NOW + 0.5, next(self._order), None))
+
+
+@dataclasses.dataclass(eq=False)
+class _Task:
+    msg: dict
+    timeout: float | None
+    future: Future
+    taken: bool = False  # a thread runs it (or it was dropped): a second entry is skipped
 
 
 _LOCK = threading.Lock()

@@ -180,6 +180,28 @@ def tune(
     return _tune(mod, problem, device, torch_device, source, progress, configs, None, ranking)
 
 
+def _default_ranking(mod: ModuleType, device: DeviceClass) -> Ranking:
+    """The ranking a tune given none uses: the trials this package ships (unless turned off)."""
+    learned = settings.ranking_learned()
+    return Ranking.shipped(mod.KERNEL, device.arch, device.sm_count) if learned else Ranking()
+
+
+def _shortlist(mod: ModuleType, problem: dict, device: DeviceClass, candidates: list[dict], ranking: Ranking):
+    """The few of `candidates` (the pruned space) a tune times first, by `ranking`."""
+    default = mod.default_config(problem, device)
+    # the untuned default always competes, so a tuned entry is never slower than no tuning
+    must = [default] if mod.prune([default], problem, device) else []
+    return shortlist(ranking.order(candidates, problem), candidates, must)
+
+
+def first_candidates(mod: ModuleType, problem: dict, device: DeviceClass, ranking: Ranking | None = None) -> list[dict]:
+    """The candidates a tune of `problem` times first, before any widening (what `tune_all`
+    compiles ahead of the tune)."""
+    space = mod.prune(mod.config_space(problem, device), problem, device)
+    ranking = ranking if ranking is not None else _default_ranking(mod, device)
+    return list(_shortlist(mod, problem, device, space, ranking).candidates) if space else []
+
+
 def _tune(
     mod: ModuleType,
     problem: dict,
@@ -204,12 +226,8 @@ def _tune(
     siblings = MAX_SIBLINGS
     short = None
     if configs is None and hint is None:
-        if ranking is None:
-            learned = settings.ranking_learned()
-            ranking = Ranking.shipped(mod.KERNEL, device.arch, device.sm_count) if learned else Ranking()
-        # the untuned default always competes, so a tuned entry is never slower than no tuning
-        must = [default] if mod.prune([default], problem, device) else []
-        short = shortlist(ranking.order(candidates, problem), candidates, must)
+        ranking = ranking if ranking is not None else _default_ranking(mod, device)
+        short = _shortlist(mod, problem, device, candidates, ranking)
         candidates, siblings = list(short.candidates), MAX_SIBLINGS if short.siblings is None else short.siblings
         log.info(
             "tunecache: %s: %d candidates first (%s; %d tuned problems known)",
