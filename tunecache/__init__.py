@@ -26,6 +26,7 @@ _LAZY = {
     "Store": ("tunecache.store", "Store"),
     "MissingConfig": ("tunecache.ops.launcher", "MissingConfig"),
     "tune_all": ("tunecache.ops.ahead", "tune_all"),
+    "tune_model": ("tunecache.ops.ahead", "tune_model"),
 }
 
 __all__ = ["autotune", "patch_triton", "refresh", "unpatch_triton", *_LAZY]

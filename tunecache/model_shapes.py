@@ -128,11 +128,11 @@ def entries(
             handles.append(m.register_forward_hook(on_conv(name or "model")))
         elif isinstance(m, torch.nn.Linear):
             handles.append(m.register_forward_hook(on_linear(name or "model")))
+    modes = {m: m.training for m in model.modules()}
     try:
-        model = model.to("meta", DTYPES[dtype])
         x = torch.empty((batch, *input_shape), device="meta", dtype=_input_dtype(input_dtype or dtype))
         with torch.enable_grad():  # which layers' inputs need a gradient (the model's input needs none)
-            model.eval()(x)
+            torch.func.functional_call(model.eval(), _on_meta(model, DTYPES[dtype]), (x,))
     except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors, or a wrong input
         raise ModelError(
             f"one forward pass on the meta device with an input of {(batch, *input_shape)} failed: "
@@ -141,7 +141,21 @@ def entries(
     finally:
         for h in handles:
             h.remove()
+        for m, training in modes.items():
+            m.training = training
     return list(seen.values()), left
+
+
+def _on_meta(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers as meta tensors (floating ones in `dtype`), for a
+    forward pass that leaves the model itself as it is: a user's model, on its GPU."""
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        m = torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)
+        return m.requires_grad_(t.requires_grad) if m.is_floating_point() else m
+
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {name: meta(t) for name, t in named}
 
 
 def _input_dtype(name: str) -> torch.dtype:

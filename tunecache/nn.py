@@ -43,7 +43,8 @@ class Conv2d(torch.nn.Conv2d):
             plan = self._tunecache_plan = _conv_plan(self)
         why = plan[2] or _input_refusal(x, 4)
         if why:
-            _warn_once(f"{type(self).__name__}{tuple(self.weight.shape)}: {why}")
+            if not x.is_meta:  # a model's shapes read on the meta device (tune_model): no warning
+                _warn_once(f"{type(self).__name__}{tuple(self.weight.shape)}: {why}")
             return super().forward(x)
         return custom_ops().conv2d(x, self.weight, self.bias, plan[3], plan[4])
 
@@ -63,7 +64,8 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         why = _input_refusal(x, None)
         if why:
-            _warn_once(f"{type(self).__name__}({self.in_features}, {self.out_features}): {why}")
+            if not x.is_meta:
+                _warn_once(f"{type(self).__name__}({self.in_features}, {self.out_features}): {why}")
             return super().forward(x)
         return custom_ops().linear(x, self.weight, self.bias)
 

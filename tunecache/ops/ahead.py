@@ -48,6 +48,45 @@ def _planned(shapes: Any, device: DeviceClass) -> list:
     return longest_first(plan(manifest, device), device)
 
 
+class _CompileAhead:
+    """The next shapes' first candidates compiled while this one's are timed: a tune's GPU time
+    and its compiles overlap across shapes (the compile workers take them only when no tune
+    waits for a compile). Asked on a thread: ranking a shape's candidates takes time too."""
+
+    WINDOW = 3  # shapes asked ahead of the one being tuned
+
+    def __init__(self, todo: list, device: DeviceClass) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.todo, self.device, self.asked = todo, device, 0
+        on = device.arch != "cpu" and len(todo) > 1
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tunecache-ahead") if on else None
+
+    def at(self, i: int) -> None:
+        """Shape i is tuned now: ask for shapes i+1 .. i+WINDOW's compiles."""
+        if self._thread is None:
+            return
+        self.asked = max(self.asked, i + 1)
+        while self.asked < min(i + 1 + self.WINDOW, len(self.todo)):
+            p, mod, _ = self.todo[self.asked]
+            self._thread.submit(self._ask, mod, p.shape.problem)
+            self.asked += 1
+
+    def _ask(self, mod: Any, problem: dict) -> None:
+        from tunecache.tuning.compile_pool import compile_ahead
+        from tunecache.tuning.tuner import first_candidates
+
+        try:
+            first = first_candidates(mod, problem, self.device, CACHE.ranking(mod.KERNEL, self.device))
+            compile_ahead(mod, problem, first, self.device)
+        except Exception as e:  # noqa: BLE001 - only a head start: the tune compiles what it needs
+            log.debug("tunecache: compiling %s %s ahead failed: %s", mod.KERNEL, problem, e)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+
+
 def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | None = None) -> TuneAllReport:
     """Tune every shape of `shapes` (a manifest's name or path, as `tunecache pretune` takes, or
     (op, {KEY: VALUE}) pairs as `tunecache tune -p` takes) that has no winner yet, on this
@@ -97,7 +136,15 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
             report.already += 1
         else:
             todo.append((p, mod, check))
-    later = [t for t in todo if not settle(*t, wait=False)]
+    ahead = _CompileAhead(todo, device)
+    later = []
+    try:
+        for i, t in enumerate(todo):
+            ahead.at(i)
+            if not settle(*t, wait=False):
+                later.append(t)
+    finally:
+        ahead.close()
     for t in later:  # another process had each of these: its winner, or this process's own tune
         settle(*t, wait=True)
     report.seconds = time.perf_counter() - t0
@@ -112,3 +159,32 @@ def tune_all(shapes: str | os.PathLike | Iterable[tuple[str, dict]], gpu: int | 
         report.seconds,
     )
     return report
+
+
+def tune_model(model: Any, example: Any, *, training: bool = True, gpu: int | None = None) -> TuneAllReport:
+    """Tune every shape `model` asks of tunecache's ops for an input like `example` (a tensor:
+    only its shape and dtype are read) before its first step: the shapes are read from one
+    forward pass on the meta device (the model itself is not touched), with their backward
+    passes' shapes when `training`, then tuned together by `tune_all` (the next shapes compile
+    while this one's are timed). The layers' precision is the model's floating parameters'."""
+    import torch
+
+    from tunecache.model_shapes import entries
+    from tunecache_kernels.problems import DTYPES
+
+    if not isinstance(example, torch.Tensor) or example.dim() < 1:
+        raise TypeError(f"tune_model: `example` must be a tensor of one batch of inputs, got {type(example).__name__}")
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    dtype = floats[0] if floats else example.dtype
+    name = next((k for k, v in DTYPES.items() if v == dtype), None)
+    if name is None:
+        raise TypeError(f"tune_model: the model's parameters are {dtype}; tunecache's ops take {', '.join(DTYPES)}")
+    found, _ = entries(
+        model,
+        tuple(example.shape[1:]),
+        example.shape[0],
+        name,
+        training=training,
+        input_dtype=str(example.dtype).removeprefix("torch."),
+    )
+    return tune_all([(op, e.fields) for e in found for op in e.ops], gpu=gpu)
