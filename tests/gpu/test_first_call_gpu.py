@@ -16,3 +16,23 @@ def test_cpu_tensors_on_a_gpu_host_get_pytorchs_answer(db_url):
         {"TUNECACHE_DB_URL": db_url},
     )
     assert proc.stdout.strip() == "True" and "CPU tensors run PyTorch's own ops" in proc.stderr, proc.stderr
+
+
+@pytest.mark.gpu
+def test_under_policy_default_a_miss_runs_torchs_op_at_once_and_queues_the_key(db_url, monkeypatch):
+    import torch
+
+    from tunecache import ops
+    from tunecache.ops import OP_LAUNCHERS
+    from tunecache.store import default_store
+
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
+    ops.clear_memo()
+    x = torch.randn(4, 20, 20, 48, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(40, 3, 3, 48, device="cuda", dtype=torch.bfloat16)
+    y = ops.conv2d_fprop(x, w, stride=1, padding=1)
+    ref = torch.nn.functional.conv2d(x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), padding=1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(y.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    (entry,) = OP_LAUNCHERS["conv2d_fprop"].memo.values()
+    assert entry.provisional and entry.vendor
+    assert [j.key.kernel for j in default_store().list_jobs()] == [entry.key.kernel]

@@ -26,7 +26,7 @@ from tunecache.store.records import ConfigRecord
 from tunecache.tuning import triton_driver
 from tunecache.tuning.tuner import TuneError, make_key, tune
 from tunecache_kernels import gluon_launch as direct
-from tunecache_kernels.spaces import is_vendor
+from tunecache_kernels.spaces import VENDOR, is_vendor
 
 if TYPE_CHECKING:
     pass
@@ -508,9 +508,15 @@ def _decide(
             selfcheck.checked_by_tuning(mod, device, result, problem)
             kept = CACHE.keep_tuned(result, device).record
             return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
-    # policy "default": run something reasonable now, let a worker tune it
+    # policy "default": run something reasonable now, let a worker tune it; on a GPU with no
+    # tuned neighbour, torch's own op (the vendor's): a default config's binary is a compile in
+    # this process, a second or more per shape of a first step on a cold Triton cache (a small
+    # CNN's first step waited 32 s on 26 of them)
     CACHE.enqueue(key)
-    config = CACHE.nearest(key, check) or mod.default_config(problem, device)
+    config = CACHE.nearest(key, check)
+    if config is None and device.arch != "cpu" and check(VENDOR) is None:
+        config = VENDOR
+    config = config or mod.default_config(problem, device)
     if check(config) is None:
         return _entry(op, raw, mod, problem, device, config, key, fallbacks=fallbacks, provisional=True)
     log.warning(
