@@ -11,10 +11,12 @@ shapes are pre-tuned first (`tunecache manifest --from-model` of this very model
 - the loss of `--loss-steps` steps of each from the same seed and data, plotted to a PNG.
 
     python benchmarks/bench_train.py [--batch 128] [--steps 20] [--rounds 3] [--loss-steps 50]
-        [--max-candidates 48] [--no-pretune] [--first-step]
+        [--max-candidates 48] [--no-pretune] [--first-step model,inline,default]
 
---first-step starts from an empty store of the run's own, nothing pre-tuned, and times each
-model's first step (the summary's first_step_s) before the steps as usual.
+--first-step model,inline,default times the model's first step on an empty store and an empty
+Triton cache, each way in a fresh process (`first_steps`: tune_model first, each miss as met,
+policy default beside a worker), and torch's (the summary's first_step_s); with --steps 0 only
+that.
     python benchmarks/bench_train.py --model small_cnn --batch 32 --modes eager,compile,reduce-overhead,cuda-graph
 
 --model small_cnn is the host-bound case (issue 39): ten 3x3 convolutions and a Linear on 32x32
@@ -182,22 +184,93 @@ def time_steps(run, data, n: int) -> float:
     return start.elapsed_time(end) / n
 
 
-def first_steps(args) -> dict[str, float]:
-    """Seconds of each model's first training step on a store that holds nothing (--first-step):
-    tunecache's tunes every shape of the step as it meets it (policy `tune`); torch's picks its
-    cuDNN algorithms."""
+FIRST_STEP_WAYS = ("model", "inline", "default")
+
+
+def first_steps(args) -> dict:
+    """Seconds of each model's first training step on an empty store and an empty Triton cache
+    (--first-step WAYS), each way in a fresh process of its own:
+      model    `tunecache.tune_model(model, x)` then the step: the step's shapes read from the
+               model and tuned together (the next shapes compile while this one's are timed)
+      inline   the step alone: each miss tuned as the step meets it (policy `tune`)
+      default  policy `default` with a `tunecache worker` on the host: the step runs default
+               configs and tunes nothing; later steps pick the winners up as the worker
+               publishes them (TUNECACHE_RECHECK_S=1), counted until every layer runs one
+    and torch's first step (its cuDNN algorithm picks) in this process."""
+    ways = [w for w in args.first_step.split(",") if w]
+    out: dict = {}
+    for way in ways:
+        d = Path(tempfile.mkdtemp(prefix=f"tunecache-first-{way}-"))
+        env = dict(os.environ, TUNECACHE_DB_URL=f"sqlite:///{d / 's.sqlite'}", TRITON_CACHE_DIR=str(d / "triton"))
+        cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch), "--first-step-child", way]
+        cmd += ["--first-step-wait", str(args.first_step_wait)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"--first-step {way} failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+        import json
+
+        out[way] = json.loads(lines[-1])
+        print(f"{args.model} first step, batch {args.batch}, empty store, {way}: {out[way]}", flush=True)
     x, y = next(batches(1, args.batch, seed=3, name=args.model))
-    out = {}
-    for k in ("torch", "tunecache"):
-        model = build(0, convert=k == "tunecache", name=args.model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(model, opt, x, y)
-        torch.cuda.synchronize()
-        out[k] = time.perf_counter() - t0
-        print(f"{args.model} first step, batch {args.batch}, empty store: {k} {out[k]:.1f} s", flush=True)
+    model = build(0, convert=False, name=args.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(model, opt, x, y)
+    torch.cuda.synchronize()
+    out["torch"] = {"first_step_s": time.perf_counter() - t0}
+    print(f"{args.model} first step, batch {args.batch}: torch {out['torch']['first_step_s']:.1f} s", flush=True)
     return out
+
+
+def first_step_child(args) -> None:
+    """One way of --first-step (its store and Triton cache are the caller's fresh ones): prints
+    a JSON line."""
+    import json
+
+    import tunecache
+
+    way = args.first_step_child
+    worker = None
+    if way == "default":
+        os.environ.update(TUNECACHE_MISS_POLICY="default", TUNECACHE_RECHECK_S="1")
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "tunecache.cli", "worker", "--poll-s", "0.5"],
+            env=dict(os.environ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    x, y = next(batches(1, args.batch, seed=3, name=args.model))
+    model = build(0, convert=True, name=args.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out: dict = {"way": way}
+    if way == "model":
+        report = tunecache.tune_model(model, x)
+        out.update(shapes=report.total, tuned=report.tuned, failed=len(report.failed))
+        out["tune_model_s"] = time.perf_counter() - t0
+    step(model, opt, x, y)
+    torch.cuda.synchronize()
+    out["first_step_s"] = time.perf_counter() - t0
+    if worker is not None:
+        from tunecache.ops import OP_LAUNCHERS
+
+        def provisional() -> int:
+            return sum(e.provisional for op in OP_LAUNCHERS.values() for e in op.memo.values())
+
+        out["provisional_after_first_step"] = provisional()
+        steps, deadline = 1, time.perf_counter() + args.first_step_wait
+        while provisional() and time.perf_counter() < deadline:
+            step(model, opt, x, y)
+            torch.cuda.synchronize()
+            steps += 1
+        out.update(steps_until_winners=steps, seconds_until_winners=time.perf_counter() - t0)
+        out["provisional_left"] = provisional()
+        worker.terminate()
+        worker.wait(30)
+    print(json.dumps(out), flush=True)
 
 
 def stepper(mode: str, model, opt, example):
@@ -243,10 +316,21 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=50)
     ap.add_argument("--max-candidates", type=int, default=None, help="TUNECACHE_MAX_CANDIDATES for the pre-tuning")
     ap.add_argument("--no-pretune", action="store_true", help="the store is tuned already (or tune on first use)")
-    ap.add_argument("--first-step", action="store_true", help="time each model's first step on an empty store")
+    ap.add_argument(
+        "--first-step",
+        default="",
+        help=f"time the model's first step on an empty store, comma-separated ways of {', '.join(FIRST_STEP_WAYS)}",
+    )
+    ap.add_argument("--first-step-child", choices=FIRST_STEP_WAYS, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--first-step-wait", type=float, default=1200, help="--first-step default: seconds to step until every winner"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="only plot the loss curves of a results JSON to a PNG")
     args = ap.parse_args()
+    if args.first_step_child:
+        first_step_child(args)
+        return
     if args.plot:
         print(f"plot {plot(args.plot)}")
         return
@@ -257,8 +341,14 @@ def main() -> None:
         ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}")
     first_step = None
     if args.first_step:
-        os.environ["TUNECACHE_DB_URL"] = f"sqlite:///{Path(tempfile.mkdtemp(prefix='tunecache-first-')) / 's.sqlite'}"
+        bad = [w for w in args.first_step.split(",") if w and w not in FIRST_STEP_WAYS]
+        if bad:
+            ap.error(f"--first-step: unknown {', '.join(bad)}; choose from {', '.join(FIRST_STEP_WAYS)}")
         first_step = first_steps(args)
+        if args.steps == 0:  # the first steps only
+            print(first_step)
+            write_results(f"first-step-{args.model}-b{args.batch}", {"summary": {"first_step": first_step}})
+            return
     tune_s = None if args.no_pretune or args.first_step else pretune(args)
     data = list(batches(max(args.steps, args.warmup), args.batch, seed=1, name=args.model))
     ms_by_mode: dict[str, dict[str, float]] = {}
@@ -306,8 +396,8 @@ def main() -> None:
         "loss_max_rel_gap": gap,
         "batch": args.batch,
         "pretune_s": tune_s,
-        "first_step_s": None if first_step is None else first_step["tunecache"],
-        "first_step_s_torch": None if first_step is None else first_step["torch"],
+        "first_step_s": None if first_step is None else {k: v["first_step_s"] for k, v in first_step.items()},
+        "first_step": first_step,
         "device": device_info().get("device"),
     }
     print(f"{summary['step_ratio_by_mode']}; loss curves within {gap:.3%}")
