@@ -193,8 +193,8 @@ def first_steps(args) -> dict:
       model    `tunecache.tune_model(model, x)` then the step: the step's shapes read from the
                model and tuned together (the next shapes compile while this one's are timed)
       inline   the step alone: each miss tuned as the step meets it (policy `tune`)
-      default  policy `default` with a `tunecache worker` on the host: the step runs default
-               configs and tunes nothing; later steps pick the winners up as the worker
+      default  policy `default` with a `tunecache worker` already serving on the host: the step
+               runs torch's ops and tunes nothing; later steps pick the winners up as the worker
                publishes them (TUNECACHE_RECHECK_S=1), counted until every layer runs one
     and torch's first step (its cuDNN algorithm picks) in this process."""
     ways = [w for w in args.first_step.split(",") if w]
@@ -235,12 +235,19 @@ def first_step_child(args) -> None:
     worker = None
     if way == "default":
         os.environ.update(TUNECACHE_MISS_POLICY="default", TUNECACHE_RECHECK_S="1")
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "tunecache.cli", "worker", "--poll-s", "0.5"],
-            env=dict(os.environ),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        log = Path(tempfile.mkdtemp(prefix="tunecache-worker-")) / "worker.log"
+        with log.open("w") as f:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "tunecache.cli", "worker", "--poll-s", "0.5"],
+                env=dict(os.environ),
+                stdout=subprocess.DEVNULL,
+                stderr=f,
+            )
+        # a worker already serving on the host, as the step meets it (its start is not the step's)
+        t_ready = time.perf_counter()
+        while "serving" not in log.read_text() and time.perf_counter() - t_ready < 120:
+            time.sleep(0.2)
+        time.sleep(3)  # its trial runner's start
     x, y = next(batches(1, args.batch, seed=3, name=args.model))
     model = build(0, convert=True, name=args.model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -23,11 +23,14 @@ def test_under_policy_default_a_miss_runs_torchs_op_at_once_and_queues_the_key(d
     import torch
 
     from tunecache import ops
-    from tunecache.ops import OP_LAUNCHERS
+    from tunecache.key import cuda_device
+    from tunecache.ops import OP_LAUNCHERS, selfcheck
     from tunecache.store import default_store
+    from tunecache_kernels import conv2d_fprop_hopper as hop
 
     monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
     ops.clear_memo()
+    unchecked = selfcheck.unknown(hop, cuda_device(0))
     x = torch.randn(4, 20, 20, 48, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(40, 3, 3, 48, device="cuda", dtype=torch.bfloat16)
     y = ops.conv2d_fprop(x, w, stride=1, padding=1)
@@ -36,3 +39,5 @@ def test_under_policy_default_a_miss_runs_torchs_op_at_once_and_queues_the_key(d
     (entry,) = OP_LAUNCHERS["conv2d_fprop"].memo.values()
     assert entry.provisional and entry.vendor
     assert [j.key.kernel for j in default_store().list_jobs()] == [entry.key.kernel]
+    # nothing of the backend ran, so its first-contact check (compiles in the runner) waits too
+    assert selfcheck.unknown(hop, cuda_device(0)) == unchecked

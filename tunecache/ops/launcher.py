@@ -117,9 +117,14 @@ class Op:
                 if on_gpu and not forced:
                     _runner_ahead(every[0], problem, device, where)
                 looked_up = None if forced else _look_up_first(every[0], problem, device)
-                if forced or _tune_checks_first(every[0], device, looked_up) or _vendor_won(looked_up):
+                if (
+                    forced
+                    or _tune_checks_first(every[0], device, looked_up)
+                    or _vendor_won(looked_up)
+                    or _vendor_until_tuned(every[0], device, looked_up)
+                ):
                     # its tune checks each candidate, and the verdict follows from it (_decide); or
-                    # torch's own op won the key, which runs no kernel of the backend to check
+                    # torch's own op runs the key, no kernel of the backend to check (yet)
                     mods = every
                 else:
                     mods = selfcheck.trusted(every, device, where)
@@ -449,6 +454,21 @@ def _tune_checks_first(mod: ModuleType, device: DeviceClass, looked_up: "list[Co
     )
 
 
+def _vendor_until_tuned(mod: ModuleType, device: DeviceClass, looked_up: "list[ConfigRecord | None] | None") -> bool:
+    """Whether this miss runs torch's own op until its winner is known (policy `default` on a
+    GPU) on a backend with no verdict yet on this device class: nothing of the backend runs
+    now, so its first-contact check (seconds of compiles in the runner, per backend, inside a
+    first step) is not run for it; the winner a worker tunes was checked by that tune."""
+    return (
+        looked_up == [None]
+        and settings.miss_policy() == "default"
+        and device.arch != "cpu"
+        and settings.vendor_competes()
+        and selfcheck.applies(device)
+        and selfcheck.unknown(mod, device)
+    )
+
+
 def _vendor_won(looked_up: "list[ConfigRecord | None] | None") -> bool:
     return bool(looked_up) and looked_up[0] is not None and is_vendor(looked_up[0].config)
 
@@ -509,12 +529,14 @@ def _decide(
             kept = CACHE.keep_tuned(result, device).record
             return _entry(op, raw, mod, problem, device, kept.config, key, fallbacks=fallbacks)
     # policy "default": run something reasonable now, let a worker tune it; on a GPU with no
-    # tuned neighbour, torch's own op (the vendor's): a default config's binary is a compile in
-    # this process, a second or more per shape of a first step on a cold Triton cache (a small
-    # CNN's first step waited 32 s on 26 of them)
+    # tuned neighbour (or a backend not yet checked here), torch's own op (the vendor's): a
+    # default config's binary is a compile in this process, a second or more per shape of a
+    # first step on a cold Triton cache (a small CNN's first step waited 32 s on 26 of them)
     CACHE.enqueue(key)
-    config = CACHE.nearest(key, check)
-    if config is None and device.arch != "cpu" and check(VENDOR) is None:
+    vendor = device.arch != "cpu" and check(VENDOR) is None
+    unchecked = selfcheck.applies(device) and selfcheck.unknown(mod, device)  # _vendor_until_tuned
+    config = None if vendor and unchecked else CACHE.nearest(key, check)
+    if config is None and vendor:
         config = VENDOR
     config = config or mod.default_config(problem, device)
     if check(config) is None:
