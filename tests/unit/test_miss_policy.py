@@ -95,3 +95,28 @@ def test_a_sure_miss_is_known_before_the_store_opens(db_url):
     assert not CACHE.surely_missing(digest)
     assert CACHE.surely_missing("0" * 64)  # a key the store has no row for
     quick_read.forget()
+
+
+def test_default_on_a_gpu_runs_torchs_op_until_the_winner_and_checks_no_backend_meanwhile(db_url, monkeypatch):
+    """On a GPU (a Hopper class given by hand: the vendor's op runs on these CPU tensors as it
+    runs on a GPU's), a miss under policy default runs torch's own op: nothing to compile and no
+    first-contact check of a backend that runs nothing yet (both seconds inside a first step)."""
+    import torch.nn.functional as F
+
+    from tunecache.key import device_of
+    from tunecache.ops import selfcheck
+    from tunecache_kernels import conv2d_fprop_hopper as hopper
+
+    monkeypatch.setenv("TUNECACHE_MISS_POLICY", "default")
+    monkeypatch.setenv("TUNECACHE_DEVICE", "sm_90:132")
+    selfcheck.forget()
+    x, w = torch.randn(2, 6, 6, 8, dtype=torch.bfloat16), torch.randn(4, 3, 3, 8, dtype=torch.bfloat16)
+    y = ops.conv2d_fprop(x, w, 1, 1)
+    ref = F.conv2d(x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), padding=1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(y, ref)
+    (entry,) = ops.OP_LAUNCHERS["conv2d_fprop"].memo.values()
+    assert entry.provisional and entry.vendor and entry.kernel == hopper.KERNEL
+    (job,) = default_store().list_jobs()
+    assert job.key.kernel == hopper.KERNEL and job.status == "queued"
+    assert selfcheck.unknown(hopper, device_of(x)), "a backend that runs nothing yet was self-checked"
+    assert default_store().counts()["trials"] == 0
