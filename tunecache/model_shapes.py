@@ -154,7 +154,7 @@ def _on_meta(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tens
         m = torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)
         return m.requires_grad_(t.requires_grad) if m.is_floating_point() else m
 
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    named = [*model.named_parameters(), *model.named_buffers()]  # a tied tensor once: functional_call ties it
     return {name: meta(t) for name, t in named}
 
 

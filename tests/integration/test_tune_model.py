@@ -39,3 +39,21 @@ def test_tune_model_says_what_is_wrong_with_its_arguments():
         tunecache.tune_model(_model(), [2, 3, 6, 6])
     with pytest.raises(TypeError, match="float64"):
         tunecache.tune_model(_model().double(), torch.randn(2, 3, 6, 6, dtype=torch.float64))
+
+
+def test_a_model_with_tied_weights_gives_its_shapes_and_stays_as_it_was():
+    from tunecache.model_shapes import entries
+
+    class Tied(torch.nn.Module):  # an encoder and decoder sharing one weight, as LMs tie embeddings
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.dec = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.dec.weight = self.enc.weight
+
+        def forward(self, x):
+            return self.dec(torch.relu(self.enc(x)))
+
+    model = Tied()
+    found, left = entries(model, (8,), 4, "bfloat16")
+    assert {e.name for e in found} == {"enc_fwd", "enc_dgrad", "enc_wgrad"} and left == []
+    assert model.dec.weight is model.enc.weight and model.enc.weight.dtype == torch.float32

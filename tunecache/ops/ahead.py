@@ -5,7 +5,11 @@ own GPU).
 Each process walks the shapes longest tune first and takes every key no other process holds
 (`ConfigCache.turn(wait=False)`), tuning it on its own GPU; the keys others held it then waits
 for, and runs their winners. N ranks of a host thus tune each shape once between them, about N
-times as fast as one rank alone, and every rank ends with the same winners.
+times as fast as one rank alone, and every rank ends with the same winners. While a shape's
+candidates are timed, the next shapes' first candidates compile (`_CompileAhead`).
+
+`tunecache.tune_model(model, x)`: the same for the shapes a model's step asks of the ops, read
+from the model itself.
 """
 
 from __future__ import annotations
