@@ -224,6 +224,11 @@ def first_steps(args) -> dict:
     return out
 
 
+def _first_step_summary(first_step: dict) -> dict:
+    """The summary's first-step fields: seconds per way (and torch's), and each way's record."""
+    return {"first_step_s": {k: v["first_step_s"] for k, v in first_step.items()}, "first_step": first_step}
+
+
 def first_step_child(args) -> None:
     """One way of --first-step (its store and Triton cache are the caller's fresh ones): prints
     a JSON line."""
@@ -353,10 +358,13 @@ def main() -> None:
             ap.error(f"--first-step: unknown {', '.join(bad)}; choose from {', '.join(FIRST_STEP_WAYS)}")
         first_step = first_steps(args)
         if args.steps == 0:  # the first steps only
-            print(first_step)
-            write_results(f"first-step-{args.model}-b{args.batch}", {"summary": {"first_step": first_step}})
+            summary = {"model": args.model, "batch": args.batch, **_first_step_summary(first_step)}
+            summary["device"] = device_info().get("device")
+            print(summary)
+            write_results(f"first-step-{args.model}-b{args.batch}", {"summary": summary})
             return
-    tune_s = None if args.no_pretune or args.first_step else pretune(args)
+    # the steps below run on this process's own store, pre-tuned (the first steps had their own)
+    tune_s = None if args.no_pretune else pretune(args)
     data = list(batches(max(args.steps, args.warmup), args.batch, seed=1, name=args.model))
     ms_by_mode: dict[str, dict[str, float]] = {}
     rounds_by_mode: dict[str, dict[str, list[float]]] = {}
@@ -403,8 +411,7 @@ def main() -> None:
         "loss_max_rel_gap": gap,
         "batch": args.batch,
         "pretune_s": tune_s,
-        "first_step_s": None if first_step is None else {k: v["first_step_s"] for k, v in first_step.items()},
-        "first_step": first_step,
+        **(_first_step_summary(first_step) if first_step else {}),
         "device": device_info().get("device"),
     }
     print(f"{summary['step_ratio_by_mode']}; loss curves within {gap:.3%}")

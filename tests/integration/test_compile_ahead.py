@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -58,6 +59,26 @@ def test_closing_a_pool_drops_its_tasks_asked_ahead_with_a_reason():
     assert not isinstance(first.result(timeout=60), WorkerFailed)  # asked now: answered
     reasons = [f.result(timeout=60) for f in dropped]
     assert all("closed before this task ran" in str(getattr(r, "reason", "")) for r in reasons), reasons
+
+
+def test_closing_a_pool_stops_its_idle_workers_at_once():
+    pool = CompilePool(2, dict(os.environ))
+    pids = {pool.submit({"cmd": "hello", "sys_path": []}, 60).result(timeout=60)["pid"] for _ in range(4)}
+    time.sleep(0.2)  # both threads back to waiting for a task
+    pool.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped is gone too
+        return f.read().split(") ")[1][0] != "Z"
 
 
 def test_a_tune_takes_over_the_compiles_asked_ahead_of_it_instead_of_compiling_again(monkeypatch):

@@ -239,7 +239,8 @@ class CompilePool:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._queued: dict[Future, _Task] = {}  # tasks asked ahead that no thread has taken yet
-        self._queued_lock = threading.Lock()
+        self._queued_lock = threading.Lock()  # also guards _idle
+        self._idle: set[Worker] = set()  # waiting for a task: close() stops them at once
         self._closed = False
         # a worker starts at its first task, from the thread that serves it (it dies with it)
         for i in range(workers):
@@ -265,15 +266,20 @@ class CompilePool:
 
     def _serve(self, worker: Worker) -> None:
         while True:
-            _, _, task = self._queue.get()
-            if task is None:
-                worker.close()
-                return
             with self._queued_lock:
-                if task.taken:  # hurried: it ran under its second entry
+                self._idle.add(worker)
+            _, _, task = self._queue.get()
+            with self._queued_lock:
+                self._idle.discard(worker)
+                if task is not None and task.taken:  # hurried: it ran under its second entry
                     continue
-                task.taken = True
-                self._queued.pop(task.future, None)
+                if task is not None:
+                    task.taken = True
+                    self._queued.pop(task.future, None)
+            if task is None:
+                with worker._lock:  # close() may be stopping it too
+                    worker.close()
+                return
             if not task.future.set_running_or_notify_cancel():
                 continue
             try:
@@ -300,6 +306,14 @@ class CompilePool:
                 task.future.set_result(WorkerFailed("the compile pool was closed before this task ran"))
         for _ in range(self.size):
             self._queue.put((self._NOW + 0.5, next(self._order), None))
+        with self._queued_lock:
+            idle = list(self._idle)
+        for w in idle:  # the busy ones stop after their task (their thread holds the lock)
+            if w._lock.acquire(blocking=False):
+                try:
+                    w.close()
+                finally:
+                    w._lock.release()
 
 
 @dataclasses.dataclass(eq=False)
