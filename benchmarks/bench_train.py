@@ -32,6 +32,7 @@ relative gap) and the PNG go to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -187,7 +188,7 @@ def time_steps(run, data, n: int) -> float:
 FIRST_STEP_WAYS = ("model", "inline", "default")
 
 
-def first_steps(args) -> dict:
+def first_steps(args, ways: list[str]) -> dict:
     """Seconds of each model's first training step on an empty store and an empty Triton cache
     (--first-step WAYS), each way in a fresh process of its own:
       model    `tunecache.tune_model(model, x)` then the step: the step's shapes read from the
@@ -197,7 +198,6 @@ def first_steps(args) -> dict:
                runs torch's ops and tunes nothing; later steps pick the winners up as the worker
                publishes them (TUNECACHE_RECHECK_S=1), counted until every layer runs one
     and torch's first step (its cuDNN algorithm picks) in this process."""
-    ways = [w for w in args.first_step.split(",") if w]
     out: dict = {}
     for way in ways:
         d = Path(tempfile.mkdtemp(prefix=f"tunecache-first-{way}-"))
@@ -208,8 +208,6 @@ def first_steps(args) -> dict:
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             raise SystemExit(f"--first-step {way} failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
-        import json
-
         out[way] = json.loads(lines[-1])
         print(f"{args.model} first step, batch {args.batch}, empty store, {way}: {out[way]}", flush=True)
     x, y = next(batches(1, args.batch, seed=3, name=args.model))
@@ -232,8 +230,6 @@ def _first_step_summary(first_step: dict) -> dict:
 def first_step_child(args) -> None:
     """One way of --first-step (its store and Triton cache are the caller's fresh ones): prints
     a JSON line."""
-    import json
-
     import tunecache
 
     way = args.first_step_child
@@ -353,10 +349,11 @@ def main() -> None:
         ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}")
     first_step = None
     if args.first_step:
-        bad = [w for w in args.first_step.split(",") if w and w not in FIRST_STEP_WAYS]
+        ways = [w for w in args.first_step.split(",") if w]
+        bad = [w for w in ways if w not in FIRST_STEP_WAYS]
         if bad:
             ap.error(f"--first-step: unknown {', '.join(bad)}; choose from {', '.join(FIRST_STEP_WAYS)}")
-        first_step = first_steps(args)
+        first_step = first_steps(args, ways)
         if args.steps == 0:  # the first steps only
             summary = {"model": args.model, "batch": args.batch, **_first_step_summary(first_step)}
             summary["device"] = device_info().get("device")
@@ -426,8 +423,6 @@ def main() -> None:
 
 def plot(results: Path) -> Path:
     """The loss curves of a results JSON, as a PNG beside it."""
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")

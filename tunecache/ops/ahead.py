@@ -174,21 +174,20 @@ def tune_model(model: Any, example: Any, *, training: bool = True, gpu: int | No
     import torch
 
     from tunecache.model_shapes import entries
-    from tunecache_kernels.problems import DTYPES
+    from tunecache_kernels.problems import DTYPES, dtype_name
 
     if not isinstance(example, torch.Tensor) or example.dim() < 1:
         raise TypeError(f"tune_model: `example` must be a tensor of one batch of inputs, got {type(example).__name__}")
     floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    dtype = floats[0] if floats else example.dtype
-    name = next((k for k, v in DTYPES.items() if v == dtype), None)
-    if name is None:
-        raise TypeError(f"tune_model: the model's parameters are {dtype}; tunecache's ops take {', '.join(DTYPES)}")
+    name = dtype_name(floats[0] if floats else example.dtype)
+    if name not in DTYPES:
+        raise TypeError(f"tune_model: the model's parameters are {name}; tunecache's ops take {', '.join(DTYPES)}")
     found, _ = entries(
         model,
         tuple(example.shape[1:]),
         example.shape[0],
         name,
         training=training,
-        input_dtype=str(example.dtype).removeprefix("torch."),
+        input_dtype=dtype_name(example.dtype),
     )
     return tune_all([(op, e.fields) for e in found for op in e.ops], gpu=gpu)

@@ -121,7 +121,7 @@ class Op:
                     forced
                     or _tune_checks_first(every[0], device, looked_up)
                     or _vendor_won(looked_up)
-                    or _vendor_until_tuned(every[0], device, looked_up)
+                    or (looked_up == [None] and _vendor_until_tuned(every[0], device))
                 ):
                     # its tune checks each candidate, and the verdict follows from it (_decide); or
                     # torch's own op runs the key, no kernel of the backend to check (yet)
@@ -454,14 +454,13 @@ def _tune_checks_first(mod: ModuleType, device: DeviceClass, looked_up: "list[Co
     )
 
 
-def _vendor_until_tuned(mod: ModuleType, device: DeviceClass, looked_up: "list[ConfigRecord | None] | None") -> bool:
-    """Whether this miss runs torch's own op until its winner is known (policy `default` on a
-    GPU) on a backend with no verdict yet on this device class: nothing of the backend runs
-    now, so its first-contact check (seconds of compiles in the runner, per backend, inside a
-    first step) is not run for it; the winner a worker tunes was checked by that tune."""
+def _vendor_until_tuned(mod: ModuleType, device: DeviceClass) -> bool:
+    """Whether a miss runs torch's own op until its winner is known (policy `default` on a
+    GPU) because the backend has no verdict yet on this device class: nothing of the backend
+    runs now, so its first-contact check (seconds of compiles in the runner, per backend,
+    inside a first step) is not run for it; the winner a worker tunes was checked by that tune."""
     return (
-        looked_up == [None]
-        and settings.miss_policy() == "default"
+        settings.miss_policy() == "default"
         and device.arch != "cpu"
         and settings.vendor_competes()
         and selfcheck.applies(device)
@@ -534,8 +533,7 @@ def _decide(
     # first step on a cold Triton cache (a small CNN's first step waited 32 s on 26 of them)
     CACHE.enqueue(key)
     vendor = device.arch != "cpu" and check(VENDOR) is None
-    unchecked = selfcheck.applies(device) and selfcheck.unknown(mod, device)  # _vendor_until_tuned
-    config = None if vendor and unchecked else CACHE.nearest(key, check)
+    config = None if vendor and _vendor_until_tuned(mod, device) else CACHE.nearest(key, check)
     if config is None and vendor:
         config = VENDOR
     config = config or mod.default_config(problem, device)

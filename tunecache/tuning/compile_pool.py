@@ -97,14 +97,17 @@ def _run_tasks(tasks: list[tuple], keys: list[str], workers: int, env: dict) -> 
 
     pool = compile_pool(max(1, workers), env)  # a worker starts at its first task
     futures = {}
+    taken = set()  # the futures of compiles asked ahead
     for i, t in enumerate(tasks):
         f = _ahead_of(pool, keys[i])
+        if f is not None:
+            taken.add(f)
         futures[f if f is not None else _submit(pool, t)] = i
     while futures:
         done, _ = wait(futures, return_when=FIRST_COMPLETED)
         for f in done:
             i, answer = futures.pop(f), f.result()
-            if isinstance(answer, WorkerFailed) and getattr(f, "ahead", False):
+            if isinstance(answer, WorkerFailed) and f in taken:
                 futures[_submit(pool, tasks[i])] = i  # asked ahead and lost (a pool closed): now
             elif isinstance(answer, WorkerFailed):
                 error = short(f"compile worker: {answer.reason}", ERROR_CHARS)
@@ -144,19 +147,23 @@ def compile_ahead(mod: ModuleType, problem: dict, configs: Iterable[dict], devic
     asked = 0
     for cfg in configs:
         try:
-            specs = mod.compile_specs(problem, cfg, device)
+            specs = _spec_tasks(mod, problem, cfg, device, arch)
         except Exception:  # noqa: BLE001 - the tune reports it
             continue
-        for i, spec in enumerate(specs):
-            k = spec_key(spec, arch)
+        for k, task in specs:
             with _AHEAD_LOCK:
                 if k in _AHEAD:
                     continue
-                f = _submit(pool, (mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)), ahead=True)
-                f.ahead = True
-                _AHEAD[k] = (pool, f)
+                _AHEAD[k] = (pool, _submit(pool, task, ahead=True))
             asked += 1
     return asked
+
+
+def _spec_tasks(mod: ModuleType, problem: dict, cfg: dict, device: DeviceClass, arch: str) -> list[tuple[str, tuple]]:
+    """(spec key, compile task) of each kernel `cfg` launches: same key, same binary."""
+    specs = mod.compile_specs(problem, cfg, device)
+    task = (mod.__name__, problem, cfg)
+    return [(spec_key(spec, arch), (*task, i, arch, (device.arch, device.sm_count))) for i, spec in enumerate(specs)]
 
 
 # ---- configs -----------------------------------------------------------------------------------
@@ -208,19 +215,18 @@ def compile_configs_as_ready(
     plan: list[list[tuple[int, bool]] | str] = []  # per config: [(task index, shared)] or an error
     for cfg in configs:
         try:
-            specs = mod.compile_specs(problem, cfg, device)
+            specs = _spec_tasks(mod, problem, cfg, device, arch)
         except Exception as e:
             plan.append(short(f"compile_specs failed: {type(e).__name__}: {e}", ERROR_CHARS))
             continue
         entries = []
-        for i, spec in enumerate(specs):
-            k = spec_key(spec, arch)
+        for k, task in specs:
             if k in unique:
                 entries.append((unique[k], True))
             else:
                 unique[k] = len(tasks)
                 keys.append(k)
-                tasks.append((mod.__name__, problem, cfg, i, arch, (device.arch, device.sm_count)))
+                tasks.append(task)
                 entries.append((unique[k], False))
         plan.append(entries)
     if unfit_suffices is not None:  # a kernel stops at its allocation only if no config needs more
